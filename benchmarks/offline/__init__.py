@@ -1,0 +1,1 @@
+"""Offline throughput pieces: checkpoints, prompts, and one measurement per runner."""

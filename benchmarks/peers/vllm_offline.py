@@ -1,0 +1,68 @@
+"""vLLM offline throughput (``LLM.generate``) on given token-id prompts; run with the peer venv's python.
+
+Standalone (imports only vllm and the stdlib): the offline benchmark calls it as a subprocess.
+vLLM logs to stdout, so the result JSON goes to ``--out``.
+
+    .venv-vllm/bin/python vllm_offline.py --model DIR --prompts prompts.json --max-tokens 64 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF-format model folder")
+    p.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
+    p.add_argument("--max-tokens", type=int, required=True, help="output tokens per prompt (ignore_eos)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--out", required=True, help="where to write the result JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Load the model, warm up, time one ``generate`` over all prompts, write the JSON result."""
+    args = build_parser().parse_args(argv)
+    from vllm import LLM, SamplingParams
+
+    with open(args.prompts) as f:
+        prompts = [{"prompt_token_ids": ids} for ids in json.load(f)]
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=True,
+        seed=0,
+    )
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    num_in = sum(len(p["prompt_token_ids"]) for p in prompts)
+    result = {
+        "elapsed_s": elapsed,
+        "load_s": load_s,
+        "num_requests": len(prompts),
+        "num_output_tokens": num_out,
+        "output_tok_s": num_out / elapsed,
+        "total_tok_s": (num_in + num_out) / elapsed,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Serving load generator pieces: prompts, streaming client, arrival process, metrics."""

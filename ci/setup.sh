@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up everything xllm needs on a fresh Debian 12 / Python 3.11 machine: a virtualenv in .venv
+# with the CPU build of torch and the project (editable) with its dev tools. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+TORCH_VERSION=${XLLM_TORCH_VERSION:-2.13.0}
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv" >&2
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  # Install torch on its own first and pinned: the CPU wheel, not the CUDA build with its GB of deps.
+  echo "[setup] installing torch==${TORCH_VERSION} (CPU)" >&2
+  "$VPY" -m pip install -q "torch==${TORCH_VERSION}"
+fi
+
+STAMP=.venv/.xllm-installed
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+  echo "[setup] installing xllm and its dependencies" >&2
+  "$VPY" -m pip install -q -e ".[dev]"
+  touch "$STAMP"
+fi
+echo "[setup] ready: $("$VPY" -c 'import torch, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")')" >&2

@@ -1,0 +1,1 @@
+"""Graph runners: capture and replay the model forward for fixed batch shapes."""

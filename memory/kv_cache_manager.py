@@ -1,0 +1,125 @@
+"""KV cache manager: what the scheduler calls to give requests KV blocks.
+
+It owns the block pool and the prefix cache and keeps each request's block table. The KV
+tensors themselves live behind a ``BaseKVLayout`` in the runner; this class deals in ids only,
+so a virtually-contiguous layout (xTensor) plugs in without touching the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memory.block_pool import BlockPool
+from memory.prefix_cache import BasePrefixCache, RadixPrefixCache
+
+
+@dataclass
+class ComputedPrefix:
+    block_ids: list[int]
+    num_tokens: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache: BasePrefixCache | None = (
+            RadixPrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        )
+        self.block_tables: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # blocks of a request already in the cache
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.stats().usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_table(self, req_id: str) -> list[int]:
+        return self.block_tables.get(req_id, [])
+
+    def get_computed_prefix(self, token_ids: list[int]) -> ComputedPrefix:
+        """Cached blocks for the longest whole-block prefix of ``token_ids``, leaving at least
+        one token to compute (the last token's logits are needed)."""
+        if self.prefix_cache is None or len(token_ids) <= 1:
+            return ComputedPrefix([], 0)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        match = self.prefix_cache.match(token_ids, max_blocks)
+        return ComputedPrefix(match.block_ids, match.num_blocks * self.block_size)
+
+    # ------------------------------------------------------------------ updates
+    def allocate_slots(
+        self, req_id: str, num_total_tokens: int, prefix: ComputedPrefix | None = None
+    ) -> bool:
+        """Make the request's block table cover ``num_total_tokens`` tokens. All or nothing."""
+        table = self.block_tables.get(req_id, [])
+        new_prefix = prefix.block_ids if prefix and not table else []
+        # prefix blocks that sit in the free queue are taken out of it by touch()
+        num_reclaimed = sum(1 for b in new_prefix if self.pool.ref_cnt[b] == 0)
+        num_new = self.blocks_needed(num_total_tokens) - len(table) - len(new_prefix)
+        if max(num_new, 0) + num_reclaimed > self.pool.num_free_blocks:
+            return False
+        if new_prefix:
+            assert self.prefix_cache is not None
+            self.prefix_cache.lock(new_prefix)
+            table = list(new_prefix)
+            self._num_cached_blocks[req_id] = len(new_prefix)
+        if num_new > 0:
+            table = table + self.pool.allocate(num_new)
+        self.block_tables[req_id] = table
+        return True
+
+    def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Insert the request's newly completed full blocks into the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        num_full = num_computed_tokens // self.block_size
+        done = self._num_cached_blocks.get(req_id, 0)
+        if num_full <= done:
+            return
+        table = self.block_tables[req_id]
+        self.prefix_cache.insert(token_ids[: num_full * self.block_size], table[:num_full], done)
+        self._num_cached_blocks[req_id] = num_full
+
+    def free(self, req_id: str) -> None:
+        """Release every block of the request (tail first, so prefixes outlive their suffixes)."""
+        table = self.block_tables.pop(req_id, None)
+        self._num_cached_blocks.pop(req_id, None)
+        if table:
+            self.pool.free(list(reversed(table)))
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> bool:
+        """Give ``child_id`` the parent's KV for its first ``num_tokens`` tokens.
+
+        Full blocks are shared (ref count); a partially filled last block is copied on write:
+        a new block is allocated and a (src, dst) copy queued for the runner.
+        """
+        table = self.block_tables[parent_id][: self.blocks_needed(num_tokens)]
+        partial = num_tokens % self.block_size != 0
+        shared = table[:-1] if partial else table
+        if partial and self.pool.num_free_blocks < 1:
+            return False
+        self.pool.touch(shared)
+        child = list(shared)
+        if partial:
+            dst = self.pool.allocate(1)[0]
+            self.pending_copies.append((table[-1], dst))
+            child.append(dst)
+        self.block_tables[child_id] = child
+        self._num_cached_blocks[child_id] = min(self._num_cached_blocks.get(parent_id, 0), len(shared))
+        return True
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> bool:
+        return self.prefix_cache.reset() if self.prefix_cache is not None else True

@@ -1,0 +1,102 @@
+"""Radix-tree prefix cache over whole KV blocks.
+
+Each tree node is one full block: its edge key is the block's ``block_size`` token ids, so a
+path from the root spells a token prefix. Nodes hold no references: a cached block whose
+ref count drops to zero waits in the pool's free queue (LRU), and when the pool hands it out
+again it calls ``evict`` here, which drops the node and its subtree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memory.block_pool import BlockPool
+from memory.prefix_cache.base import BasePrefixCache, PrefixMatch
+
+
+@dataclass(eq=False)
+class _Node:
+    key: tuple[int, ...]
+    block_id: int
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+
+
+class RadixPrefixCache(BasePrefixCache):
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.root = _Node(key=(), block_id=-1, parent=None)
+        self._by_block: dict[int, _Node] = {}
+        pool.on_evict = self.evict
+
+    def _chunks(self, token_ids: list[int], num_blocks: int) -> list[tuple[int, ...]]:
+        bs = self.block_size
+        return [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(num_blocks)]
+
+    def match(self, token_ids: list[int], max_blocks: int | None = None) -> PrefixMatch:
+        num_blocks = len(token_ids) // self.block_size
+        if max_blocks is not None:
+            num_blocks = min(num_blocks, max_blocks)
+        node, out = self.root, []
+        for key in self._chunks(token_ids, num_blocks):
+            node = node.children.get(key)
+            if node is None:
+                break
+            out.append(node.block_id)
+        return PrefixMatch(out)
+
+    def insert(self, token_ids: list[int], block_ids: list[int], num_cached_blocks: int = 0) -> int:
+        """Insert the first ``len(block_ids)`` full blocks; returns how many new nodes were made.
+
+        A block whose prefix is already cached under another block id is left uncached (it is
+        freed normally); the existing node wins so other requests keep sharing it.
+        """
+        node, added = self.root, 0
+        for i, key in enumerate(self._chunks(token_ids, len(block_ids))):
+            child = node.children.get(key)
+            if child is None:
+                if self.pool.cached[block_ids[i]]:
+                    # block already findable elsewhere (must not happen) - stop to stay consistent
+                    break
+                child = _Node(key=key, block_id=block_ids[i], parent=node)
+                node.children[key] = child
+                self._by_block[block_ids[i]] = child
+                self.pool.cached[block_ids[i]] = True
+                added += 1
+            node = child
+        return added
+
+    def lock(self, block_ids: list[int]) -> None:
+        self.pool.touch(block_ids)
+
+    def unlock(self, block_ids: list[int]) -> None:
+        self.pool.free(block_ids)
+
+    def evict(self, block_id: int) -> None:
+        node = self._by_block.pop(block_id, None)
+        if node is None:
+            return
+        if node.parent is not None:
+            node.parent.children.pop(node.key, None)
+        stack = list(node.children.values())
+        while stack:  # descendants become unreachable: forget them too
+            child = stack.pop()
+            self._by_block.pop(child.block_id, None)
+            self.pool.evict_cached(child.block_id)
+            stack.extend(child.children.values())
+        self.pool.evict_cached(block_id)
+
+    def reset(self) -> bool:
+        """Forget every cached prefix. Refused (False) while blocks are referenced."""
+        if any(self.pool.ref_cnt[b] > 0 for b in self._by_block):
+            return False
+        for block_id in list(self._by_block):
+            self.pool.evict_cached(block_id)
+        self._by_block.clear()
+        self.root.children.clear()
+        return True
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_block)

@@ -1,0 +1,74 @@
+"""``Platform``: the one seam between device-agnostic code and a concrete accelerator."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a platform can do; callers branch on these, never on the platform's name."""
+
+    supports_bf16: bool
+    supports_fp16: bool
+    supports_graphs: bool  # capture/replay of whole forward passes (CUDA graphs, ACLGraph)
+    supports_vmm: bool  # map physical pages into a reserved virtual range (xTensor)
+    dist_backend: str  # torch.distributed backend: gloo | nccl | hccl
+
+
+class Platform(ABC):
+    """A device family. Resolved once per process (see ``ops.platforms.resolve_platform``)."""
+
+    name: str
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities:
+        """Static capabilities of this platform."""
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """True if this platform can be used in the current process."""
+
+    @abstractmethod
+    def torch_device(self, index: int = 0) -> torch.device:
+        """The ``torch.device`` for device ``index`` of this platform."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until all queued work on the current device has finished."""
+
+    @abstractmethod
+    def memory_stats(self) -> dict[str, int]:
+        """Memory figures in bytes: at least ``total_bytes``, ``free_bytes`` and ``used_bytes``."""
+
+    @abstractmethod
+    def total_memory_bytes(self) -> int:
+        """Total memory of the current device (host RAM on CPU)."""
+
+    def set_num_threads(self, n: int | None) -> None:
+        """Set host intra-op threads; ``None`` keeps torch's default."""
+        if n is not None:
+            if n < 1:
+                raise ValueError(f"num_threads must be >= 1, got {n}")
+            torch.set_num_threads(n)
+
+    def empty_cache(self) -> None:
+        """Release cached, unused device memory back to the driver (no-op where there is none)."""
+        return None
+
+    def default_dtype_for(self, requested: torch.dtype) -> torch.dtype:
+        """The dtype actually used when ``requested`` is asked for (unsupported types are widened)."""
+        caps = self.capabilities
+        if requested == torch.bfloat16 and not caps.supports_bf16:
+            return torch.float32
+        if requested == torch.float16 and not caps.supports_fp16:
+            return torch.float32
+        return requested
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

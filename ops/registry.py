@@ -1,0 +1,70 @@
+"""Op registry: ``(op name, platform name) -> implementation``, with the pure-torch reference
+backend (``torch_ref``) as the fallback for every platform.
+
+Backends register lazily: a factory per platform (``register_backend``) is called the first time an
+op is looked up on that platform, so ``triton`` / ``torch_npu`` are only imported where they exist.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from ops.platforms import current_platform
+
+REFERENCE = "torch_ref"
+
+_ops: dict[tuple[str, str], Callable[..., Any]] = {}
+_resolved: dict[tuple[str, str], Callable[..., Any]] = {}
+_factories: dict[str, list[Callable[[], None]]] = {}
+_loaded: set[str] = set()
+
+
+def _load_torch_ref() -> None:
+    importlib.import_module("ops.torch_ref").register_all()
+
+
+def register_backend(platform_name: str, factory: Callable[[], None]) -> None:
+    """Add a lazy factory that registers ops for ``platform_name`` on first lookup there.
+
+    Accelerator backends (e.g. ``ops/triton`` for "cuda", ``ops/npu`` for "npu") add themselves here;
+    none ship yet, so those platforms run the reference ops.
+    """
+    _factories.setdefault(platform_name, []).append(factory)
+    _loaded.discard(platform_name)
+
+
+def register_op(name: str, platform_name: str, fn: Callable[..., Any]) -> None:
+    """Register ``fn`` as op ``name`` for ``platform_name`` (``REFERENCE`` for the fallback)."""
+    _ops[(name, platform_name)] = fn
+    _resolved.clear()
+
+
+def _ensure_loaded(platform_name: str) -> None:
+    if platform_name in _loaded:
+        return
+    _loaded.add(platform_name)
+    for factory in _factories.get(platform_name, []):
+        factory()
+
+
+def get_op(name: str, platform_name: str | None = None) -> Callable[..., Any]:
+    """Implementation of op ``name`` for ``platform_name`` (default: the current platform),
+    falling back to the reference implementation."""
+    if platform_name is None:
+        platform_name = current_platform().name
+    key = (name, platform_name)
+    fn = _resolved.get(key)
+    if fn is not None:
+        return fn
+    _ensure_loaded(platform_name)
+    _ensure_loaded(REFERENCE)
+    fn = _ops.get(key) or _ops.get((name, REFERENCE))
+    if fn is None:
+        raise KeyError(f"no implementation of op {name!r} for platform {platform_name!r} nor {REFERENCE!r}")
+    _resolved[key] = fn
+    return fn
+
+
+register_backend(REFERENCE, _load_torch_ref)

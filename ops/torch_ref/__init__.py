@@ -1,0 +1,25 @@
+"""Pure-torch reference backend: the CPU implementation and the fallback/test oracle on every platform."""
+
+from __future__ import annotations
+
+
+def register_all() -> None:
+    """Register every reference op for "cpu" and as the cross-platform fallback."""
+    from ops.registry import REFERENCE, register_op
+    from ops.torch_ref.activation import silu_and_mul
+    from ops.torch_ref.attention import attention
+    from ops.torch_ref.kv_store import store_kv
+    from ops.torch_ref.norm import fused_add_rms_norm, rms_norm
+    from ops.torch_ref.rope import rotary_embedding
+
+    ops = {
+        "attention": attention,
+        "store_kv": store_kv,
+        "rms_norm": rms_norm,
+        "fused_add_rms_norm": fused_add_rms_norm,
+        "rotary_embedding": rotary_embedding,
+        "silu_and_mul": silu_and_mul,
+    }
+    for name, fn in ops.items():
+        register_op(name, "cpu", fn)
+        register_op(name, REFERENCE, fn)

@@ -1,0 +1,29 @@
+"""Reference rotary embedding (computed in float32, cast back to the input dtype)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    rot_dim = cos.shape[-1] * 2
+    x_rot, x_pass = x[..., :rot_dim].float(), x[..., rot_dim:]
+    if is_neox:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    out = out.to(x.dtype)
+    return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin_cache[positions].float().unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, rot/2] each
+    return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)

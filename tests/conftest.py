@@ -1,0 +1,38 @@
+"""Session-wide fixtures: generated checkpoints (each built once per test session)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# Test folders mirror the packages (tests/xengine, ...) and have no __init__.py, so pytest puts
+# tests/ on sys.path; the repo root must come first or tests/xengine shadows the real package.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if sys.path[:1] != [_ROOT]:
+    sys.path.insert(0, _ROOT)
+
+
+@pytest.fixture(scope="session")
+def make_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory ``(arch="qwen3", size="tiny", seed=0) -> Path`` of a generated checkpoint, cached per session."""
+    from xengine.tools.make_tiny import make_tiny
+
+    cache: dict[tuple[str, str, int], Path] = {}
+
+    def _make(arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> Path:
+        key = (arch, size, seed)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"model-{arch}-{size}-{seed}")
+            cache[key] = make_tiny(arch, size, out, seed=seed, progress=False)
+        return cache[key]
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(make_model_dir: Callable[..., Path]) -> Path:
+    """The tiny Qwen3 checkpoint (seed 0)."""
+    return make_model_dir("qwen3", "tiny", 0)

@@ -1,0 +1,87 @@
+"""Reference paged attention vs a dense float64 causal attention over the same K/V."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ops.attention import attention, build_attention_metadata
+from ops.kv_store import store_kv
+
+
+def _dense(q, k, v, first_pos: int, scale: float, window: int | None) -> torch.Tensor:
+    """q [Lq, Hq, D] at positions first_pos.., k/v [L, Hkv, D] for positions 0..L-1 -> [Lq, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(first_pos, first_pos + q.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def _run_case(query_lens, seq_lens, num_heads, num_kv_heads, block_size, window, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    head_dim, num_blocks = 16, 128
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
+    ks = [torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype) for s in seq_lens]
+    vs = [torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype) for s in seq_lens]
+    qs = [torch.randn(n, num_heads, head_dim, generator=gen).to(dtype) for n in query_lens]
+    # earlier context (chunked prefill / prefix hit / previous decodes) is already in the cache
+    ctx_lens = [s - n for s, n in zip(seq_lens, query_lens)]
+    ctx = build_attention_metadata(ctx_lens, ctx_lens, tables, block_size)
+    store_kv(torch.cat([k[:c] for k, c in zip(ks, ctx_lens)]), torch.cat([v[:c] for v, c in zip(vs, ctx_lens)]),
+             cache, ctx.slot_mapping)  # fmt: skip
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    new_k = torch.cat([k[c:] for k, c in zip(ks, ctx_lens)])
+    new_v = torch.cat([v[c:] for v, c in zip(vs, ctx_lens)])
+    scale = head_dim**-0.5
+    out = attention(torch.cat(qs), new_k, new_v, cache, meta, scale, window)
+    assert out.dtype == dtype and out.shape == (sum(query_lens), num_heads, head_dim)
+    ref = torch.cat([_dense(q, k, v, c, scale, window) for q, k, v, c in zip(qs, ks, vs, ctx_lens)])
+    return out.double(), ref
+
+
+MIXED = ([1, 7, 1, 5, 1, 12], [9, 7, 1, 13, 30, 12])  # decodes interleaved with prefills / chunks
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [None, 4])
+def test_mixed_batch_matches_dense(num_heads, num_kv_heads, block_size, window) -> None:
+    out, ref = _run_case(*MIXED, num_heads, num_kv_heads, block_size, window, torch.float32)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_all_decode_batch() -> None:
+    out, ref = _run_case([1, 1, 1, 1], [1, 17, 5, 33], 4, 2, 4, None, torch.float32)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_all_prefill_with_large_window_and_prefix() -> None:
+    out, ref = _run_case([6, 3], [6, 20], 4, 2, 4, 64, torch.float32)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_bfloat16_cache() -> None:
+    out, ref = _run_case(*MIXED, 4, 2, 4, 5, torch.bfloat16)
+    assert (out - ref).abs().max().item() < 3e-2
+
+
+def test_new_kv_is_written_to_slots() -> None:
+    cache = torch.zeros(2, 4, 2, 1, 3)
+    meta = build_attention_metadata([3], [3], [[2, 0]], 2)
+    k = torch.arange(9.0).reshape(3, 1, 3)
+    attention(torch.randn(3, 1, 3), k, -k, cache, meta, 1.0)
+    assert torch.equal(cache[0, 2], k[:2])  # positions 0, 1 -> block 2
+    assert torch.equal(cache[0, 0, 0], k[2])  # position 2 -> block 0 offset 0
+    assert torch.equal(cache[1, 2], -k[:2])
+    assert meta.slot_mapping.tolist() == [4, 5, 0]

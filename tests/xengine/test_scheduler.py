@@ -1,0 +1,103 @@
+"""Scheduler logic in isolation: synthetic sampled tokens stand in for the model's output."""
+
+from memory.kv_cache_manager import KVCacheManager
+from xengine.config import SchedulerConfig
+from xengine.messages import SamplingParams
+from xengine.request import Request
+from xengine.scheduler.plan import SampledToken, StepOutput
+from xengine.scheduler.scheduler import Scheduler
+
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=8, chunked=True, prefix=True):
+    kv = KVCacheManager(num_blocks, block_size, prefix)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+    )
+    # like the engine: one request never outgrows the whole pool
+    return Scheduler(cfg, kv, max_model_len=min(256, num_blocks * block_size), eos_token_ids=[EOS])
+
+
+def make_req(req_id, prompt_len, max_tokens=4, priority="online", n=1, t=0.0, first=1):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
+    prompt = list(range(first, first + prompt_len))
+    return Request(req_id, req_id, 0, prompt, params, priority=priority, arrival_time=t)
+
+
+def run_step(s, token=7):
+    plan = s.schedule()
+    out = StepOutput()
+    for seq in plan.seqs:
+        if seq.sample:
+            out.sampled[seq.req.seq_id] = [SampledToken(token) for _ in range(seq.num_samples)]
+    s.update(plan, out)
+    return plan
+
+
+def test_chunked_prefill_respects_budget_and_decodes_first():
+    s = make_scheduler(budget=16)
+    s.add(make_req("a", 40))
+    plan = run_step(s)
+    assert [x.num_new_tokens for x in plan.seqs] == [16] and not plan.seqs[0].sample
+    run_step(s)
+    plan = run_step(s)  # 8 left: finishes the prompt and samples
+    assert plan.seqs[0].num_new_tokens == 8 and plan.seqs[0].sample
+    s.add(make_req("b", 30, t=1.0, first=100))
+    plan = run_step(s)
+    assert plan.seqs[0].req.seq_id == "a" and plan.seqs[0].num_new_tokens == 1  # decode first
+    assert plan.seqs[1].num_new_tokens == 15
+
+
+def test_no_chunking_waits_for_budget():
+    s = make_scheduler(budget=16, chunked=False)
+    s.add(make_req("a", 40))
+    assert s.schedule().is_empty
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    s.add(make_req("a", 11, max_tokens=12, t=0.0))
+    s.add(make_req("b", 11, max_tokens=12, t=1.0, first=50))
+    for _ in range(12):
+        run_step(s)
+    assert s.num_preemptions > 0
+    while s.has_unfinished():
+        run_step(s)
+    assert s.kv.num_free_blocks == 6
+
+
+def test_online_preempts_offline():
+    s = make_scheduler(num_blocks=8, block_size=4, budget=64, max_seqs=1)
+    s.add(make_req("off", 8, max_tokens=50, priority="offline"))
+    run_step(s)
+    s.add(make_req("on", 8, max_tokens=2, priority="online", t=5.0, first=30))
+    plan = run_step(s)
+    assert [x.req.seq_id for x in plan.seqs] == ["on"]
+    assert "off" in plan.preempted_seq_ids
+
+
+def test_prefix_hit_skips_shared_blocks():
+    s = make_scheduler(budget=64)
+    s.add(make_req("a", 20, max_tokens=1))
+    while s.has_unfinished():
+        run_step(s)
+    s.add(make_req("b", 20, max_tokens=1))
+    plan = run_step(s)
+    assert plan.seqs[0].num_new_tokens == 4  # 16 of 20 tokens from the cache
+    assert s.prefix_hits == 16
+
+
+def test_abort_frees_everything_and_n_forks_share_blocks():
+    s = make_scheduler(num_blocks=32, budget=64)
+    s.add(make_req("a", 10, max_tokens=8, n=3))
+    run_step(s)
+    seqs = [r for r in s.running if r.req_id == "a"]
+    assert len(seqs) == 3
+    tables = [s.kv.get_block_table(r.seq_id) for r in seqs]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # full prompt blocks shared
+    assert len({t[2] for t in tables}) == 3  # partial block copied on write
+    s.abort(["a"])
+    assert not s.has_unfinished()
+    assert s.kv.num_free_blocks == 32
+    assert {r.finish_reason for r in s.take_updated()} == {"abort"}

@@ -1,0 +1,120 @@
+"""Engine configuration: one frozen dataclass per subsystem, composed into ``EngineConfig``.
+
+Each field's ``help`` metadata is the one place it is documented; the CLI and the YAML
+reference are generated from it. Torch-free so the service can build and ship it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _f(
+        "", "Path to a local Hugging Face model folder (config.json, *.safetensors, tokenizer.json)."
+    )
+    served_model_name: str | None = _f(None, "Name reported by /v1/models (default: the folder name).")
+    dtype: str = _f(
+        "auto",
+        "Weights/activation dtype: auto (config torch_dtype, float32 on CPU if fp16), float32, bfloat16.",
+    )
+    max_model_len: int | None = _f(
+        None, "Maximum prompt + output tokens per request (default: from config.json, capped at 8192)."
+    )
+    seed: int = _f(0, "Seed for unseeded sampling.")
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"model.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("model.max_model_len must be >= 2")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _f(16, "Tokens per KV block.")
+    num_blocks: int | None = _f(None, "KV blocks in the pool (default: derived from kv_cache_memory_gb).")
+    kv_cache_memory_gb: float = _f(1.0, "Memory for the KV pool when num_blocks is not set, in GiB.")
+    enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes (radix tree).")
+
+    def validate(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError("cache.block_size must be a power of two in [1, 128]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("cache.num_blocks must be >= 1")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError("cache.kv_cache_memory_gb must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _f(64, "Most sequences in one step.")
+    max_num_batched_tokens: int = _f(2048, "Token budget of one step (prefill chunks + decodes).")
+    enable_chunked_prefill: bool = _f(True, "Split long prompts across steps under the token budget.")
+    max_waiting: int = _f(1024, "Bounded waiting queue; the service answers 429 beyond it.")
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("scheduler.max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("scheduler.max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str | None = _f(None, "cpu | cuda | npu (default: XLLM_DEVICE, then detection).")
+    num_threads: int | None = _f(None, "CPU intra-op threads for the engine (default: torch's choice).")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+
+
+def replace_section(cfg: Any, section: str, **changes: Any) -> Any:
+    """Return ``cfg`` with ``cfg.<section>`` updated by ``changes``."""
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+
+
+def from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
+    """Build a (nested) config dataclass from a dict; unknown keys are an error."""
+    if not isinstance(data, dict):
+        raise ValueError(f"config section '{path or cls.__name__}' must be a mapping")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            where = f"{path}." if path else ""
+            raise ValueError(f"unknown config key '{where}{key}'; valid keys: {', '.join(sorted(fields))}")
+        ftype = fields[key].type
+        sub = _dataclass_type(ftype)
+        kwargs[key] = from_dict(sub, value or {}, f"{path}.{key}" if path else key) if sub else value
+    return cls(**kwargs)
+
+
+def _dataclass_type(ftype: Any) -> type | None:
+    names = {
+        "ModelConfig": ModelConfig,
+        "CacheConfig": CacheConfig,
+        "SchedulerConfig": SchedulerConfig,
+        "DeviceConfig": DeviceConfig,
+        "EngineConfig": EngineConfig,
+    }
+    if isinstance(ftype, str):
+        return names.get(ftype)
+    return ftype if dataclasses.is_dataclass(ftype) else None

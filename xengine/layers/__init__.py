@@ -1,0 +1,1 @@
+"""Reusable model building blocks (torch modules over the ``ops`` facades)."""

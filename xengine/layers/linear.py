@@ -1,0 +1,40 @@
+"""Linear layers that stack several checkpoint projections into one matmul."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MergedLinear(nn.Linear):
+    """Projections with the same input stacked along the output dim (e.g. q|k|v, gate|up).
+
+    Checkpoints store each projection separately; ``load_shard`` copies one into its row range.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.output_sizes)
+
+    def load_shard(self, shard: int, param_name: str, tensor: torch.Tensor) -> None:
+        """Copy checkpoint tensor ``tensor`` into rows of shard ``shard`` of ``weight`` or ``bias``."""
+        param = getattr(self, param_name)
+        if param is None:
+            raise ValueError(f"checkpoint has a {param_name} for a projection built without one")
+        start, size = self.offsets[shard], self.output_sizes[shard]
+        expected = (size, *param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"shard {shard} {param_name}: expected shape {expected}, got {tuple(tensor.shape)}"
+            )
+        with torch.no_grad():
+            param[start : start + size].copy_(tensor)
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Split an output of this layer back into its projections."""
+        return out.split(self.output_sizes, dim=-1)

@@ -1,0 +1,201 @@
+"""Offline Python API: ``LLM(model=DIR).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from xengine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from xengine.engine import Engine
+from xengine.messages import AddRequest, Priority, SamplingParams
+from xengine.text.output_processor import RequestOutputState
+from xengine.text.tokenizer import Tokenizer
+
+PromptType = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    # per generated token: {token_id: logprob} for the chosen token and the top alternatives
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+class LLM:
+    """Runs an engine in this process. Keyword arguments map onto the engine config sections."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_gb: float = 1.0,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        device: str | None = None,
+        num_threads: int | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        if config is None:
+            config = EngineConfig(
+                model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
+                cache=CacheConfig(
+                    block_size=block_size,
+                    num_blocks=num_blocks,
+                    kv_cache_memory_gb=kv_cache_memory_gb,
+                    enable_prefix_caching=enable_prefix_caching,
+                ),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    enable_chunked_prefill=enable_chunked_prefill,
+                ),
+                device=DeviceConfig(device=device, num_threads=num_threads),
+            )
+        self.engine = Engine(config)
+        self.tokenizer = Tokenizer.from_dir(config.model.model)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ public API
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Priority = "online",
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        items = []
+        for prompt, params in zip(prompt_list, params_list):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            items.append((text, ids, params))
+        return self._run(items, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            for conv in conversations
+        ]
+        params_list = _as_params_list(sampling_params, len(texts))
+        items = [
+            (t, self.tokenizer.encode(t, add_special_tokens=False), p) for t, p in zip(texts, params_list)
+        ]
+        return self._run(items, use_tqdm, "online")
+
+    # ------------------------------------------------------------------ loop
+    def _run(
+        self, items: list[tuple[str | None, list[int], SamplingParams]], use_tqdm: bool, priority: Priority
+    ) -> list[RequestOutput]:
+        states: dict[str, RequestOutputState] = {}
+        order: list[tuple[str, str | None, list[int]]] = []
+        try:
+            for text, ids, params in items:
+                req_id = f"llm-{next(self._ids)}"
+                self.engine.add_request(
+                    AddRequest(req_id=req_id, prompt_token_ids=ids, params=params, priority=priority)
+                )
+                states[req_id] = RequestOutputState(req_id, self.tokenizer, params, ids)
+                order.append((req_id, text, ids))
+        except ValueError:
+            self.engine.abort_requests(list(states))
+            self._drain(states)
+            raise
+        bar = tqdm(total=len(items), desc="Generating", disable=not use_tqdm, unit="req")
+        pending = set(states)
+        while pending:
+            for delta in self.engine.step():
+                state = states.get(delta.req_id)
+                if state is None or delta.req_id not in pending:
+                    continue
+                state.process(delta)
+                if state.needs_abort:
+                    self.engine.abort_requests([delta.req_id])
+                if state.finished:
+                    pending.discard(delta.req_id)
+                    bar.update(1)
+        bar.close()
+        return [_to_output(req_id, text, ids, states[req_id]) for req_id, text, ids in order]
+
+    def _drain(self, states: dict[str, RequestOutputState]) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one token-id prompt
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+def _to_output(req_id: str, text: str | None, ids: list[int], state: RequestOutputState) -> RequestOutput:
+    outputs = []
+    for seq in sorted(state.outputs, key=lambda s: s.index):
+        logprobs = None
+        if seq.logprobs is not None:
+            logprobs = []
+            for i, tok in enumerate(seq.token_ids):
+                entry = {t: lp for t, lp in (seq.top_logprobs[i] if seq.top_logprobs else [])}
+                entry[tok] = seq.logprobs[i]
+                logprobs.append(entry)
+        outputs.append(
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=list(seq.token_ids),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=logprobs,
+                cumulative_logprob=sum(seq.logprobs) if seq.logprobs else None,
+            )
+        )
+    return RequestOutput(req_id, text, ids, outputs, num_cached_tokens=state.num_cached_tokens)

@@ -1,0 +1,69 @@
+"""Load a local HF-format model folder (``config.json`` + ``*.safetensors``) into a ``BaseCausalLM``.
+
+Only safetensors are read (no pickle); ``auto_map`` / remote code is never honoured: the class comes
+from our registry by ``architectures[0]``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from xengine.models.base import BaseCausalLM
+from xengine.models.info import hf_architecture, load_json, read_hf_config
+from xengine.models.registry import get_model_class
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint files of ``model_dir`` (from the shard index if present), else ``ValueError``."""
+    index_path = os.path.join(model_dir, _INDEX_FILE)
+    if os.path.isfile(index_path):
+        weight_map = load_json(index_path).get("weight_map") or {}
+        files = sorted({os.path.join(model_dir, f) for f in weight_map.values()})
+        absent = [f for f in files if not os.path.isfile(f)]
+        if not files or absent:
+            raise ValueError(
+                f"{_INDEX_FILE} in {model_dir!r} lists missing shards: {absent or 'none listed'}"
+            )
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if files:
+        return files
+    if any(name.endswith(_PICKLE_SUFFIXES) for name in os.listdir(model_dir)):
+        raise ValueError(
+            f"{model_dir!r} only has pickle checkpoints (.bin/.pt/.pth), which are never loaded for safety; "
+            "convert them to safetensors first (e.g. load with transformers and "
+            "save_pretrained(..., safe_serialization=True))"
+        )
+    raise ValueError(f"{model_dir!r} has no *.safetensors weights")
+
+
+def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of ``files`` (CPU tensors, checkpoint dtype)."""
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> BaseCausalLM:
+    """Build the registered model for ``model_dir`` in ``dtype`` on ``device`` and load its weights.
+    Returns it in eval mode with gradients disabled."""
+    hf_config = read_hf_config(model_dir)
+    cls = get_model_class(hf_architecture(hf_config))
+    files = safetensors_files(model_dir)
+    # Build on the meta device (no random init, no memory), then allocate directly on the target.
+    with torch.device("meta"):
+        model = cls.from_hf_config(hf_config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.load_weights(iterate_weights(files))
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,244 @@
+"""Typed messages between the service and an engine process (msgspec structs over ZMQ).
+
+This module is torch-free: the service imports it. Never pickle across the socket; every
+frame is one msgpack-encoded ``EngineInput`` (service → engine) or ``EngineOutput``
+(engine → service) tagged union member.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Union
+
+import msgspec
+
+Priority = Literal["online", "offline"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+# Bounds enforced on every request, whatever the entry point (offline API, HTTP, batch).
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to sample one request. ``temperature == 0`` means greedy.
+
+    ``logprobs``: None = no logprobs; k >= 0 returns the chosen token's logprob plus the
+    top-k alternatives at each step.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the field and its allowed range."""
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
+        _check(
+            _finite(self.temperature) and 0.0 <= self.temperature <= 100.0,
+            "temperature",
+            "must be in [0, 100]",
+        )
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
+            "top_k",
+            "must be -1, 0 (disabled) or a positive integer",
+        )
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            "must be an integer in [0, 2^63)",
+        )
+        _check(
+            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty",
+            "must be in (0, 10]",
+        )
+        _check(
+            _finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            _finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            "must be a positive integer",
+        )
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens})"
+            )
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in self.stop:
+            _check(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN,
+                "stop",
+                f"each stop string must have 1..{MAX_STOP_STRING_LEN} characters",
+            )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} ids",
+        )
+        for t in self.stop_token_ids:
+            ok = isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size)
+            _check(ok, "stop_token_ids", f"each id must be in [0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(
+                v is None or (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS),
+                name,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check(ok: bool, field: str, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid value for '{field}': {rule}")
+
+
+# ---------------------------------------------------------------- service -> engine
+
+
+class AddRequest(msgspec.Struct, tag="add", kw_only=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: Priority = "online"
+    arrival_time: float = 0.0
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    req_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="call"):
+    """``method``: "stats" | "ping" | "reset_prefix_cache"."""
+
+    call_id: int
+    method: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    drain_timeout_s: float = 10.0
+
+
+EngineInput = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
+
+
+# ---------------------------------------------------------------- engine -> service
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class CompletionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New tokens of one sequence (``index`` < n) of one request since the last delta."""
+
+    req_id: str
+    index: int = 0
+    new_token_ids: list[int] = []
+    # per new token: the chosen token's logprob, and the top alternatives (when requested)
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[TokenLogprob]] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of those, found in the cache
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_computed_prompt_tokens: int = 0
+
+
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """Sent once by the engine process when it is ready to serve."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    eos_token_ids: list[int]
+    num_total_blocks: int
+    device: str
+    pid: int
+
+
+class StepOutputs(msgspec.Struct, tag="outputs"):
+    deltas: list[CompletionDelta]
+
+
+class UtilityResult(msgspec.Struct, tag="result", kw_only=True):
+    call_id: int
+    stats: EngineStats | None = None
+    ok: bool = True
+    error: str | None = None
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    info: EngineInfo
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    message: str
+
+
+EngineOutput = Union[StepOutputs, UtilityResult, Ready, EngineDead]
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def make_input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineInput)
+
+
+def make_output_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineOutput)

@@ -1,0 +1,99 @@
+"""Torch-free model facts read from a HF folder's ``config.json`` (and ``generation_config.json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from xengine.models.registry import check_architecture
+
+
+@dataclass
+class ModelInfo:
+    """What the service, scheduler and KV-cache sizing need to know without loading weights."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+    tie_word_embeddings: bool = False
+
+
+def load_json(path: str) -> dict[str, Any]:
+    """Read a JSON object, raising ``ValueError`` with the path on any problem."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+    """The ``config.json`` of ``model_dir`` as a dict (``ValueError`` if missing or invalid)."""
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model folder {model_dir!r} does not exist")
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{model_dir!r} has no config.json; expected a Hugging Face model folder")
+    return load_json(path)
+
+
+def hf_architecture(hf: dict[str, Any]) -> str:
+    """``architectures[0]`` of a HF config, validated against the registry. ``auto_map`` is ignored."""
+    archs = hf.get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise ValueError("config.json has no 'architectures' list; cannot pick a model implementation")
+    check_architecture(archs[0])
+    return archs[0]
+
+
+def hf_head_dim(hf: dict[str, Any]) -> int:
+    """``head_dim`` from the config, else ``hidden_size // num_attention_heads``."""
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def read_model_info(model_dir: str) -> ModelInfo:
+    """Read ``ModelInfo`` from ``model_dir``; ``ValueError`` for a missing/invalid config or an
+    unsupported architecture. ``eos_token_ids`` is the union of config.json's and
+    generation_config.json's ``eos_token_id``."""
+    hf = read_hf_config(model_dir)
+    arch = hf_architecture(hf)
+    eos = _as_id_list(hf.get("eos_token_id"))
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        eos += [t for t in _as_id_list(load_json(gen_path).get("eos_token_id")) if t not in eos]
+    try:
+        return ModelInfo(
+            architecture=arch,
+            model_type=str(hf.get("model_type", "")),
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=int(hf["num_attention_heads"]),
+            num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+            head_dim=hf_head_dim(hf),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            eos_token_ids=eos,
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+    except KeyError as e:
+        raise ValueError(f"{model_dir}/config.json lacks required field {e.args[0]!r}") from e

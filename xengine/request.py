@@ -1,0 +1,61 @@
+"""Engine-side request state: one ``Request`` per sequence (``n > 1`` forks children)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from xengine.messages import Priority, SamplingParams, TokenLogprob
+
+PRIORITY_RANK = {"online": 0, "offline": 1}  # lower runs first
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    seq_id: str  # unique per sequence: "<req_id>" for index 0, "<req_id>#<i>" for forks
+    req_id: str  # the client's request id, shared by the n sequences
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: Priority = "online"
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    status: RequestStatus = RequestStatus.WAITING
+    num_pending_forks: int = 0  # n - 1 until the first token is sampled
+    generator: object | None = None  # torch.Generator for seeded sampling (set by the runner)
+    # not yet reported to the client
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    admitted_once: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        return (PRIORITY_RANK[self.priority], self.arrival_time)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

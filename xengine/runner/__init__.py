@@ -1,0 +1,1 @@
+"""Model runner: ``SchedulePlan`` -> forward batch -> model -> sampler -> ``StepOutput``."""

@@ -1,0 +1,100 @@
+"""The sampler: one token per logits row, plus logprobs when asked.
+
+Order per step: banned ids -> penalties -> (logprobs) -> greedy argmax | temperature, top-k,
+top-p, min-p, random draw.
+
+Logprobs are the log-softmax of the logits after bans and penalties but before temperature and
+truncation: they describe the model's (penalised) distribution and are identical for greedy and
+random rows, the same choice as vLLM's default "raw" logprobs after processors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xengine.sampling.metadata import GREEDY_TEMPERATURE, SamplingMetadata
+from xengine.sampling.penalties import apply_banned_tokens, apply_penalties
+from xengine.sampling.top_k_top_p import apply_min_p, apply_top_k, apply_top_k_top_p
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row; logprob fields are None when no row asked for logprobs."""
+
+    sampled_token_ids: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor | None  # float32 [B], logprob of the sampled token
+    top_logprob_token_ids: torch.Tensor | None  # int64 [B, k]
+    top_logprobs: torch.Tensor | None  # float32 [B, k], sorted descending
+
+
+class Sampler:
+    """Samples the next token of every row of a float32 [B, V] logits batch."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = process_logits(logits.float(), meta)
+        logprobs = logits.log_softmax(dim=1) if meta.max_num_logprobs is not None else None
+        if meta.all_greedy:
+            sampled = logits.argmax(dim=1)
+        else:
+            sampled = random_sample(logits, meta)
+            if not meta.all_random:
+                is_greedy = meta.temperature < GREEDY_TEMPERATURE
+                sampled = torch.where(is_greedy, logits.argmax(dim=1), sampled)
+        if logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        return _with_logprobs(sampled, logprobs, meta.max_num_logprobs)
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Bans and penalties: the logits whose log-softmax is reported (and that beam search scores)."""
+    if meta.banned_token_ids is not None:
+        logits = apply_banned_tokens(logits, meta.banned_token_ids)
+    return apply_penalties(
+        logits,
+        meta.output_token_ids,
+        meta.prompt_token_ids,
+        meta.repetition_penalty,
+        meta.presence_penalty,
+        meta.frequency_penalty,
+    )
+
+
+def random_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature, top-k / top-p / min-p, then one draw per row (greedy rows get a dummy draw)."""
+    temperature = meta.temperature
+    if not meta.all_random:  # greedy rows divide by 1: finite, and their draw is discarded
+        temperature = temperature.masked_fill(temperature < GREEDY_TEMPERATURE, 1.0)
+    logits = logits / temperature.unsqueeze(1)
+    if meta.top_p is not None:
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    elif meta.top_k is not None:
+        logits = apply_top_k(logits, meta.top_k, meta.max_top_k)
+    probs = logits.softmax(dim=1)
+    if meta.min_p is not None:
+        probs = apply_min_p(probs, meta.min_p)
+    return exponential_race(probs, meta.generators)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw ``argmax(probs / q)`` with ``q ~ Exp(1)``: a sample from each (unnormalised) row.
+
+    Rows in ``generators`` draw their noise from their own generator, so a seeded request gets
+    the same tokens whatever else is in the batch and wherever its row is.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # q == 0 is possible in principle; keep 0 / q finite for masked tokens.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=1)
+
+
+def _with_logprobs(sampled: torch.Tensor, logprobs: torch.Tensor, num_top: int) -> SamplerOutput:
+    chosen = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    num_top = min(num_top, logprobs.shape[1])
+    top_logprobs, top_ids = torch.topk(logprobs, num_top, dim=1)
+    return SamplerOutput(sampled, chosen, top_ids, top_logprobs)

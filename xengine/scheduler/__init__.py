@@ -1,0 +1,1 @@
+"""Scheduler: one token budget per step; emits a plain ``SchedulePlan``."""

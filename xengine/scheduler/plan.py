@@ -1,0 +1,44 @@
+"""Plain data passed scheduler -> runner -> scheduler each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xengine.messages import TokenLogprob
+from xengine.request import Request
+
+
+@dataclass
+class ScheduledSeq:
+    req: Request
+    num_new_tokens: int  # tokens computed this step, starting at req.num_computed_tokens
+    sample: bool  # True when this step reaches the end of the known tokens: sample the next one
+    num_samples: int = 1  # > 1 once, on the step that forks an n > 1 request
+
+
+@dataclass
+class SchedulePlan:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # seq_id -> block ids
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    num_batched_tokens: int = 0
+    preempted_seq_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class StepOutput:
+    """Per scheduled sequence that sampled: ``num_samples`` tokens (normally one)."""
+
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
+    forward_s: float = 0.0  # model forward + logits time of this step

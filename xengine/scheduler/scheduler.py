@@ -1,0 +1,250 @@
+"""Continuous-batching scheduler.
+
+No prefill/decode phases: every sequence has ``num_computed_tokens`` catching up to
+``num_tokens`` under one token budget per step. That gives chunked prefill, prefix-cache hits
+(``num_computed_tokens`` starts past the cached prefix) and preemption by recompute
+(``num_computed_tokens`` goes back to 0). Priority classes are scheduled in order,
+``online`` before ``offline``: running online sequences, waiting online ones (which may preempt
+offline ones), then running and waiting offline ones. Within a class running sequences go
+first (decode-first, stall-free admission).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
+from xengine.config import SchedulerConfig
+from xengine.request import PRIORITY_RANK, Request, RequestStatus
+from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
+from xengine.scheduler.stop import check_stop
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: list[Request] = []  # sorted by rank
+        self.running: list[Request] = []
+        self.seqs: dict[str, Request] = {}
+        self.groups: dict[str, list[str]] = {}  # req_id -> seq_ids
+        self.updated: dict[str, Request] = {}  # sequences with news for the client
+        self.num_preemptions = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.num_computed_prompt_tokens = 0
+
+    # ------------------------------------------------------------------ admission / abort
+    def add(self, req: Request) -> None:
+        req.num_pending_forks = req.params.n - 1
+        self.seqs[req.seq_id] = req
+        self.groups.setdefault(req.req_id, []).append(req.seq_id)
+        self._push_waiting(req)
+
+    def abort(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            for seq_id in list(self.groups.get(req_id, [])):
+                req = self.seqs.get(seq_id)
+                if req is not None and not req.is_finished:
+                    self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _push_waiting(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        keys = [r.rank for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, req.rank), req)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulePlan:
+        plan = SchedulePlan()
+        self._budget = self.config.max_num_batched_tokens
+        self._scheduled: set[str] = set()
+        self.running.sort(key=lambda r: r.rank)
+        for cls in sorted(PRIORITY_RANK.values()):
+            self._schedule_running(cls, plan)
+            self._admit_waiting(cls, plan)
+        plan.block_tables = {s.req.seq_id: self.kv.get_block_table(s.req.seq_id) for s in plan.seqs}
+        plan.block_copies = self.kv.take_pending_copies()
+        plan.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
+        return plan
+
+    def _num_new_tokens(self, req: Request, num_computed: int) -> int:
+        num_new = req.num_tokens - num_computed
+        if num_new > self._budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(num_new, self._budget)
+
+    def _schedule_running(self, cls: int, plan: SchedulePlan) -> None:
+        for req in list(self.running):
+            if self._budget <= 0:
+                return
+            if req.rank[0] != cls or req.status != RequestStatus.RUNNING or req.seq_id in self._scheduled:
+                continue
+            num_new = self._num_new_tokens(req, req.num_computed_tokens)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens + num_new):
+                victim = self._pick_victim(exclude=req, max_rank=None)
+                if victim is None:
+                    self._preempt(req, plan)
+                    break
+                self._preempt(victim, plan)
+            else:
+                self._add_to_plan(plan, req, num_new)
+
+    def _admit_waiting(self, cls: int, plan: SchedulePlan) -> None:
+        while self.waiting and self._budget > 0:
+            req = self.waiting[0]
+            if req.rank[0] != cls:
+                return
+            if len(self.running) >= self.config.max_num_seqs:
+                if not self._preempt_lower_class(cls, plan):
+                    return
+                continue
+            prefix = ComputedPrefix([], 0)
+            if req.num_computed_tokens == 0:
+                prefix = self.kv.get_computed_prefix(req.all_token_ids)
+            num_computed = max(req.num_computed_tokens, prefix.num_tokens)
+            num_new = self._num_new_tokens(req, num_computed)
+            if num_new <= 0:
+                return
+            if not self.kv.allocate_slots(req.seq_id, num_computed + num_new, prefix):
+                if not self._preempt_lower_class(cls, plan):
+                    return
+                continue
+            self.waiting.pop(0)
+            if not req.admitted_once:
+                req.admitted_once = True
+                req.num_cached_tokens = prefix.num_tokens
+                self.prefix_queries += req.num_prompt_tokens
+                self.prefix_hits += prefix.num_tokens
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_to_plan(plan, req, num_new)
+
+    def _add_to_plan(self, plan: SchedulePlan, req: Request, num_new: int) -> None:
+        sample = req.num_computed_tokens + num_new == req.num_tokens
+        num_samples = 1 + req.num_pending_forks if sample else 1
+        plan.seqs.append(ScheduledSeq(req, num_new, sample, num_samples))
+        self._scheduled.add(req.seq_id)
+        self._budget -= num_new
+
+    # ------------------------------------------------------------------ preemption
+    def _pick_victim(self, exclude: Request | None, max_rank: int | None) -> Request | None:
+        """Lowest-priority, newest running sequence not scheduled this step."""
+        for req in reversed(self.running):
+            if req is exclude or req.seq_id in self._scheduled:
+                continue
+            if max_rank is not None and req.rank[0] <= max_rank:
+                return None
+            return req
+        return None
+
+    def _preempt_lower_class(self, cls: int, plan: SchedulePlan) -> bool:
+        victim = self._pick_victim(exclude=None, max_rank=cls)
+        if victim is None:
+            return False
+        self._preempt(victim, plan)
+        return True
+
+    def _preempt(self, req: Request, plan: SchedulePlan) -> None:
+        """Preempt by recompute: drop its KV; it restarts from the prefix cache / scratch."""
+        self.running.remove(req)
+        self.kv.free(req.seq_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        plan.preempted_seq_ids.append(req.seq_id)
+        self._push_waiting(req)
+
+    # ------------------------------------------------------------------ update
+    def update(self, plan: SchedulePlan, out: StepOutput) -> None:
+        for s in plan.seqs:
+            req = s.req
+            if req.status != RequestStatus.RUNNING:
+                continue  # finished (e.g. aborted) while the step ran
+            before = req.num_computed_tokens
+            req.num_computed_tokens += s.num_new_tokens
+            num_prompt = req.num_prompt_tokens
+            self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens, num_prompt) - before)
+            # cache before sampling: a request that finishes now still leaves its prefix behind
+            self.kv.cache_blocks(req.seq_id, req.all_token_ids, req.num_computed_tokens)
+            if s.sample:
+                self._apply_samples(req, out.sampled[req.seq_id])
+
+    def _apply_samples(self, req: Request, samples: list[SampledToken]) -> None:
+        children = []
+        if req.num_pending_forks:
+            children = [self._fork(req, i + 1) for i in range(req.num_pending_forks)]
+            req.num_pending_forks = 0
+        for seq, sample in zip([req, *children], samples):
+            self._append_token(seq, sample)
+
+    def _fork(self, parent: Request, index: int) -> Request:
+        child = Request(
+            seq_id=f"{parent.req_id}#{index}",
+            req_id=parent.req_id,
+            index=index,
+            prompt_token_ids=parent.prompt_token_ids,
+            params=parent.params,
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+            output_token_ids=list(parent.output_token_ids),
+            num_cached_tokens=parent.num_cached_tokens,
+            admitted_once=True,
+        )
+        self.seqs[child.seq_id] = child
+        self.groups[parent.req_id].append(child.seq_id)
+        if self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens):
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:  # no block for the copy: recompute it later
+            self._push_waiting(child)
+        return child
+
+    def _append_token(self, req: Request, sample: SampledToken) -> None:
+        req.output_token_ids.append(sample.token_id)
+        req.new_token_ids.append(sample.token_id)
+        if sample.logprob is not None:
+            req.new_logprobs.append(sample.logprob)
+            req.new_top_logprobs.append(sample.top_logprobs or [])
+        self.updated[req.seq_id] = req
+        reason = check_stop(req, sample.token_id, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            self._finish(req, *reason)
+
+    def _finish(self, req: Request, finish_reason: str, stop_reason: int | str | None = None) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.kv.free(req.seq_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = finish_reason
+        req.stop_reason = stop_reason
+        self.updated[req.seq_id] = req
+
+    def take_updated(self) -> list[Request]:
+        """Sequences with news since the last call; forgets fully finished requests."""
+        out = list(self.updated.values())
+        self.updated.clear()
+        for req in out:
+            if req.is_finished:
+                self.seqs.pop(req.seq_id, None)
+                group = self.groups.get(req.req_id)
+                if group is not None and req.num_pending_forks == 0:
+                    if all(self.seqs.get(s) is None for s in group):
+                        del self.groups[req.req_id]
+        return out

@@ -1,0 +1,1 @@
+"""Offline tools: checkpoint generation for tests, benchmarks and the embedded default model."""

@@ -1,0 +1,1 @@
+"""xllm service layer: HTTP API, engine client, cluster. Torch-free."""

@@ -1,0 +1,378 @@
+"""The service's handle on one local engine process (asyncio; torch-free).
+
+``EngineClient.start(config)`` spawns ``python -m xengine.engine_proc`` and waits for ``Ready``.
+One background task reads the engine's output socket, routes deltas to per-request queues and
+watches the process: when it dies every in-flight request fails with ``EngineDeadError`` and
+new ones are refused at once. The engine's stderr is passed through to ours, and its tail is
+kept for startup error messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import IO
+
+import zmq
+import zmq.asyncio
+
+import xengine.messages as _messages
+from xengine.config import EngineConfig
+from xengine.messages import (
+    AbortRequests,
+    AddRequest,
+    CompletionDelta,
+    EngineDead,
+    EngineInfo,
+    EngineInput,
+    EngineStats,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    make_encoder,
+    make_output_decoder,
+)
+
+STDERR_TAIL_LINES = 40
+WATCH_INTERVAL_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; the request cannot complete."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine process failed to become ready (the message carries its stderr tail)."""
+
+
+class _StderrTee:
+    """Copies the engine's stderr to ours, keeping the last lines for error messages."""
+
+    def __init__(self, pipe: IO[bytes]):
+        self._tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._thread = threading.Thread(target=self._pump, args=(pipe,), daemon=True, name="engine-stderr")
+        self._thread.start()
+
+    def _pump(self, pipe: IO[bytes]) -> None:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            self._tail.append(line.rstrip("\n"))
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass  # our stderr is closed; keep draining the pipe so the engine never blocks
+        pipe.close()
+
+    def tail(self, wait_s: float = 0.5) -> str:
+        self._thread.join(wait_s)
+        return "\n".join(self._tail)
+
+
+class EngineClient:
+    """Async client of one engine process. Create it with ``await EngineClient.start(config)``."""
+
+    info: EngineInfo
+
+    def __init__(self, ipc_dir: str):
+        self._ipc_dir = ipc_dir
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(self.input_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(self.output_addr)
+        self._encoder = make_encoder()
+        self._decoder = make_output_decoder()
+        self._queues: dict[str, asyncio.Queue[CompletionDelta | EngineDeadError]] = {}
+        self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
+        self._call_ids = itertools.count(1)
+        self._dead_reason: str | None = None
+        self._closed = False
+        self._pump_task: asyncio.Task[None] | None = None
+        self._proc: subprocess.Popen[bytes]
+        self._tee: _StderrTee
+
+    @property
+    def input_addr(self) -> str:
+        return f"ipc://{self._ipc_dir}/input"
+
+    @property
+    def output_addr(self) -> str:
+        return f"ipc://{self._ipc_dir}/output"
+
+    @classmethod
+    async def start(cls, engine_config: EngineConfig, startup_timeout_s: float = 900.0) -> EngineClient:
+        """Spawn the engine process and wait until it is ready to serve.
+
+        Raises ``EngineStartupError`` (with the engine's stderr tail) if it exits or is not
+        ready within ``startup_timeout_s``.
+        """
+        engine_config.validate()
+        client = cls(tempfile.mkdtemp(prefix="xllm-engine-"))
+        try:
+            client._spawn(engine_config)
+            await client._wait_ready(startup_timeout_s)
+        except BaseException:
+            client._kill_now()
+            raise
+        client._pump_task = asyncio.create_task(client._pump(), name="engine-client-pump")
+        return client
+
+    async def close(self, drain_timeout_s: float = 10.0) -> None:
+        """Ask the engine to drain and exit; terminate, then kill it if it does not."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._proc.poll() is None:
+            try:
+                self._send(Shutdown(drain_timeout_s))
+            except EngineDeadError:
+                pass
+            if not await self._wait_exit(drain_timeout_s + 5.0):
+                self._proc.terminate()
+                if not await self._wait_exit(5.0):
+                    self._proc.kill()
+                    await self._wait_exit(5.0)
+        if self._pump_task is not None:
+            try:
+                await asyncio.wait_for(self._pump_task, 2.0)  # delivers the last deltas
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
+        self._mark_dead("the engine was shut down")
+        self._release()
+
+    def _spawn(self, engine_config: EngineConfig) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "xengine.engine_proc",
+            "--config-json",
+            json.dumps(dataclasses.asdict(engine_config)),
+            "--input-addr",
+            self.input_addr,
+            "--output-addr",
+            self.output_addr,
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        # A new session keeps the terminal's Ctrl-C away from the engine: the service shuts it down.
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env(), start_new_session=True
+        )
+        assert self._proc.stderr is not None
+        self._tee = _StderrTee(self._proc.stderr)
+
+    async def _wait_ready(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            if await self._pull.poll(int(WATCH_INTERVAL_S * 1000)):
+                msg = self._decoder.decode(await self._pull.recv())
+                if isinstance(msg, Ready):
+                    self.info = msg.info
+                    return
+                if isinstance(msg, EngineDead):
+                    await self._wait_exit(5.0)
+                    raise EngineStartupError(
+                        f"{msg.message}\n--- engine stderr (tail) ---\n{self._tee.tail()}"
+                    )
+            elif self._proc.poll() is not None:
+                raise EngineStartupError(
+                    f"engine process exited with code {self._proc.returncode} during startup"
+                    f"\n--- engine stderr (tail) ---\n{self._tee.tail()}"
+                )
+            if loop.time() > deadline:
+                raise EngineStartupError(
+                    f"engine not ready after {timeout_s:.0f}s (raise service.engine_startup_timeout_s)"
+                    f"\n--- engine stderr (tail) ---\n{self._tee.tail(0.0)}"
+                )
+
+    async def _wait_exit(self, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._proc.poll() is None:
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def _kill_now(self) -> None:
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self._closed = True
+        self._mark_dead("the engine failed to start")
+        self._release()
+
+    def _release(self) -> None:
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, req: AddRequest) -> AsyncIterator[CompletionDelta]:
+        """Send ``req`` and yield its deltas until all its ``n`` sequences finished.
+
+        A delta with ``finish_reason == "error"`` ends the whole request. Stopping early (break,
+        cancellation, ``aclose()``) aborts the request in the engine.
+        """
+        self._raise_if_dead()
+        if req.req_id in self._queues:
+            raise ValueError(f"request id {req.req_id!r} is already in flight")
+        queue: asyncio.Queue[CompletionDelta | EngineDeadError] = asyncio.Queue()
+        self._queues[req.req_id] = queue
+        finished: set[int] = set()
+        complete = False
+        try:
+            self._send(req)
+            while not complete:
+                item = await queue.get()
+                if isinstance(item, EngineDeadError):
+                    raise item
+                if item.finish_reason is not None:
+                    finished.add(item.index)
+                    complete = item.finish_reason == "error" or len(finished) >= req.params.n
+                yield item
+        finally:
+            self._queues.pop(req.req_id, None)
+            if not complete and self.is_alive:
+                try:
+                    self._send(AbortRequests([req.req_id]))
+                except EngineDeadError:
+                    pass  # nothing left to abort
+
+    async def abort(self, req_ids: list[str]) -> None:
+        """Abort requests by id; unknown ids are ignored. Their streams end with an abort delta."""
+        if req_ids and self.is_alive:
+            self._send(AbortRequests(list(req_ids)))
+
+    async def stats(self, timeout_s: float = 5.0) -> EngineStats:
+        """The engine's current counters (raises ``TimeoutError`` / ``EngineDeadError``)."""
+        result = await self._call("stats", timeout_s)
+        if result.stats is None:
+            raise RuntimeError(f"engine stats failed: {result.error}")
+        return result.stats
+
+    async def ping(self, timeout_s: float = 2.0) -> bool:
+        """True when the engine loop answers within ``timeout_s``."""
+        try:
+            return (await self._call("ping", timeout_s)).ok
+        except (TimeoutError, EngineDeadError):
+            return False
+
+    async def reset_prefix_cache(self, timeout_s: float = 5.0) -> bool:
+        """Drop every cached prefix block; False when blocks are still in use."""
+        return (await self._call("reset_prefix_cache", timeout_s)).ok
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_reason is None and self._proc.poll() is None
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._queues)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    # ------------------------------------------------------------------ internals
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self._proc.poll() is not None:
+            raise EngineDeadError(f"engine process exited with code {self._proc.returncode}")
+
+    def _send(self, msg: EngineInput) -> None:
+        try:
+            self._push.send(self._encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise EngineDeadError(f"cannot reach the engine: {e}") from e
+
+    async def _call(self, method: str, timeout_s: float) -> UtilityResult:
+        self._raise_if_dead()
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(UtilityCall(call_id, method))
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def _pump(self) -> None:
+        """Route engine outputs until the process exits, then fail whatever is still waiting."""
+        try:
+            while True:
+                if await self._pull.poll(int(WATCH_INTERVAL_S * 1000)):
+                    await self._recv_pending()
+                if self._proc.poll() is not None:
+                    while await self._pull.poll(50):  # frames sent just before the exit
+                        await self._recv_pending()
+                    reason = "the engine was shut down" if self._closed else "engine process died"
+                    self._mark_dead(f"{reason} (exit code {self._proc.returncode})")
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken pump must not leave requests hanging
+            self._mark_dead(f"engine client failed: {type(e).__name__}: {e}")
+
+    async def _recv_pending(self) -> None:
+        while True:
+            try:
+                frame = await self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._route(self._decoder.decode(frame))
+
+    def _route(self, msg: object) -> None:
+        if isinstance(msg, StepOutputs):
+            for delta in msg.deltas:
+                queue = self._queues.get(delta.req_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+        elif isinstance(msg, UtilityResult):
+            fut = self._calls.get(msg.call_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, EngineDead):
+            self._mark_dead(f"engine failed: {msg.message}")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+
+
+def _child_env() -> dict[str, str]:
+    """Our environment, with this checkout first on PYTHONPATH so the engine runs the same code."""
+    env = dict(os.environ)
+    root = str(Path(_messages.__file__).resolve().parent.parent)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in parts if p != root])
+    return env

@@ -1,0 +1,143 @@
+"""Prometheus metrics of one service instance, in a registry owned by that instance.
+
+Request-level latencies are observed by the serving layer as tokens arrive; engine gauges are
+refreshed from ``EngineStats`` when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from xengine.messages import EngineStats
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServiceMetrics:
+    """All metrics the service exports; one instance per app."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "xllm_time_to_first_token_seconds",
+            "Arrival to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "xllm_time_per_output_token_seconds",
+            "(e2e - ttft) / (output tokens - 1), per request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "xllm_inter_token_latency_seconds",
+            "Gap between consecutive tokens.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "xllm_e2e_request_latency_seconds", "Arrival to last token.", buckets=_E2E_BUCKETS, registry=r
+        )
+        self.num_running = Gauge("xllm_num_requests_running", "Requests running in the engine.", registry=r)
+        self.num_waiting = Gauge("xllm_num_requests_waiting", "Requests waiting in the engine.", registry=r)
+        self.kv_usage = Gauge("xllm_kv_cache_usage_ratio", "Fraction of KV blocks in use.", registry=r)
+        self.prefix_hit_rate = Gauge(
+            "xllm_prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens.", registry=r
+        )
+        self.kv_free_blocks = Gauge("xllm_kv_free_blocks", "Free KV blocks.", registry=r)
+        self.num_preemptions = Gauge(
+            "xllm_num_preemptions", "Preemptions since the engine started.", registry=r
+        )
+        self.success = Counter(
+            "xllm_request_success_total",
+            "Finished sequences by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "xllm_request_errors_total", "Error responses by HTTP status.", ["code"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "xllm_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=r
+        )
+        self.generation_tokens = Counter("xllm_generation_tokens_total", "Generated tokens.", registry=r)
+
+    def record_error(self, status: int) -> None:
+        self.errors.labels(code=str(status)).inc()
+
+    def update_engine(self, stats: EngineStats) -> None:
+        """Copy the engine's gauges from a fresh ``EngineStats``."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.kv_free_blocks.set(stats.num_free_blocks)
+        self.num_preemptions.set(stats.num_preemptions)
+        queries = stats.prefix_cache_queries
+        self.prefix_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency bookkeeping of one request; ``finish`` observes TTFT, TPOT and E2E."""
+
+    def __init__(self, metrics: ServiceMetrics, arrival: float | None = None) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic() if arrival is None else arrival  # time.monotonic() clock
+        self.first_token: float | None = None
+        self._last_token: dict[int, float] = {}  # sequence index -> time of its last token
+
+    def on_tokens(self, index: int, num_new: int) -> None:
+        """Call when ``num_new`` tokens of sequence ``index`` arrive together (one engine step)."""
+        if num_new <= 0:
+            return
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            self.metrics.ttft.observe(now - self.arrival)
+        last = self._last_token.get(index)
+        if last is not None:
+            self.metrics.itl.observe(now - last)
+        self._last_token[index] = now
+        self.metrics.generation_tokens.inc(num_new)
+
+    def finish(self, max_seq_tokens: int) -> None:
+        """Observe E2E and TPOT; ``max_seq_tokens`` is the longest sequence's length."""
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - self.arrival)
+        if self.first_token is not None and max_seq_tokens > 1:
+            self.metrics.tpot.observe((now - self.first_token) / (max_seq_tokens - 1))

@@ -1,0 +1,19 @@
+"""``POST /v1/chat/completions``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from xservice.protocol import ChatCompletionRequest
+from xservice.serving.chat import create_chat_completion
+from xservice.serving.context import ServingContext, get_ctx
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, ctx: ServingContext = Depends(get_ctx)
+) -> Response:
+    return await create_chat_completion(ctx, body, request)

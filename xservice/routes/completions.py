@@ -1,0 +1,19 @@
+"""``POST /v1/completions``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from xservice.protocol import CompletionRequest
+from xservice.serving.completions import create_completion
+from xservice.serving.context import ServingContext, get_ctx
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(
+    body: CompletionRequest, request: Request, ctx: ServingContext = Depends(get_ctx)
+) -> Response:
+    return await create_completion(ctx, body, request)

@@ -1,0 +1,25 @@
+"""``GET /metrics``: Prometheus text format, engine gauges refreshed on each scrape."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+
+from xservice.metrics import CONTENT_TYPE
+from xservice.serving.context import ServingContext, get_ctx
+
+router = APIRouter()
+logger = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 1.0
+
+
+@router.get("/metrics")
+async def metrics(ctx: ServingContext = Depends(get_ctx)) -> Response:
+    try:
+        ctx.metrics.update_engine(await ctx.engine_client.stats(timeout_s=STATS_TIMEOUT_S))
+    except Exception:  # engine slow or gone: keep serving the last known values
+        logger.debug("engine stats unavailable for /metrics", exc_info=True)
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,1 @@
+"""Request handling shared by the routers: prompts, sampling params, generation, streaming."""

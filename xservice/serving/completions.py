@@ -1,0 +1,159 @@
+"""``/v1/completions``: prompts (text or ids, one or many) → choices, streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from xservice.errors import InvalidRequestError
+from xservice.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, dump
+from xservice.serving.context import ServingContext, new_request_id
+from xservice.serving.generation import Generation, collect_all
+from xservice.serving.logprobs import CompletionLogprobsBuilder, TokenText
+from xservice.serving.params import build_sampling_params, check_n, resolve_max_tokens
+from xservice.serving.prompts import completion_prompts
+from xservice.serving.streaming import (
+    ClientDisconnected,
+    disconnected_response,
+    merge_streams,
+    run_until_disconnected,
+    sse_response,
+)
+
+MAX_COMPLETION_LOGPROBS = 5
+MAX_PROMPTS = 64
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+def _check_fields(body: CompletionRequest) -> None:
+    lp = body.logprobs
+    if lp is not None and not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidRequestError(
+            f"invalid value for 'logprobs': must be in [0, {MAX_COMPLETION_LOGPROBS}], got {lp}",
+            param="logprobs",
+        )
+    if body.echo and lp is not None:
+        raise InvalidRequestError("'echo' together with 'logprobs' is not supported.", param="echo")
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequestError("'best_of' other than 'n' is not supported.", param="best_of")
+    if body.suffix:
+        raise InvalidRequestError("'suffix' is not supported by this model.", param="suffix")
+
+
+def _generations(
+    ctx: ServingContext, body: CompletionRequest, req_id: str, arrival: float
+) -> tuple[list[Generation], list[str]]:
+    """One ``Generation`` per prompt, plus each prompt's text (for ``echo``)."""
+    prompts = completion_prompts(ctx.tokenizer, body.prompt, ctx.vocab_size)
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequestError(
+            f"At most {MAX_PROMPTS} prompts per request, got {len(prompts)}.", param="prompt"
+        )
+    gens, texts = [], []
+    for i, (text, ids) in enumerate(prompts):
+        max_tokens = resolve_max_tokens(
+            body.max_tokens,
+            len(ids),
+            ctx.max_model_len,
+            default=DEFAULT_MAX_TOKENS,
+            param="max_tokens",
+            where="prompt",
+        )
+        params = build_sampling_params(
+            body, max_tokens=max_tokens, logprobs=body.logprobs, vocab_size=ctx.vocab_size
+        )
+        gens.append(Generation(ctx, f"{req_id}-{i}", ids, params, body.priority, arrival=arrival))
+        if body.echo and text is None:
+            text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
+        texts.append(text or "")
+    return gens, texts
+
+
+def _usage(gens: list[Generation]) -> Usage:
+    return Usage.of(
+        prompt_tokens=sum(len(g.prompt_ids) for g in gens),
+        completion_tokens=sum(g.num_completion_tokens for g in gens),
+        cached_tokens=sum(g.state.num_cached_tokens for g in gens),
+    )
+
+
+async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
+    """Validate, admit and run a completions request."""
+    arrival = time.monotonic()
+    ctx.check_model(body.model)
+    check_n(body.n, ctx.config.service.max_n)
+    _check_fields(body)
+    req_id = new_request_id("cmpl")
+    gens, prompt_texts = _generations(ctx, body, req_id, arrival)
+    ticket = ctx.admit()
+    if body.stream:
+        return sse_response(_stream(ctx, body, req_id, gens, prompt_texts), ticket, ctx.metrics)
+    try:
+        await run_until_disconnected(request, collect_all(gens))
+    except ClientDisconnected:
+        return disconnected_response()
+    finally:
+        ticket.release()
+    return JSONResponse(dump(_response(ctx, body, req_id, gens, prompt_texts)))
+
+
+def _response(
+    ctx: ServingContext, body: CompletionRequest, req_id: str, gens: list[Generation], prompt_texts: list[str]
+) -> CompletionResponse:
+    token_text = TokenText(ctx.tokenizer)
+    choices = []
+    for i, gen in enumerate(gens):
+        prefix = prompt_texts[i] if body.echo else ""
+        for out in gen.outputs:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = CompletionLogprobsBuilder(token_text).build(
+                    out.token_ids, out.logprobs, out.top_logprobs
+                )
+            choices.append(
+                CompletionChoice(
+                    index=i * body.n + out.index,
+                    text=prefix + out.text,
+                    logprobs=logprobs,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                )
+            )
+    return CompletionResponse(id=req_id, model=ctx.model_name, choices=choices, usage=_usage(gens))
+
+
+async def _stream(
+    ctx: ServingContext, body: CompletionRequest, req_id: str, gens: list[Generation], prompt_texts: list[str]
+) -> AsyncIterator[dict[str, Any]]:
+    """Chunk dicts of a streamed completion (the SSE framing is added by ``sse_response``)."""
+
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> dict[str, Any]:
+        return dump(CompletionResponse(id=req_id, model=ctx.model_name, choices=choices, usage=usage))
+
+    token_text = TokenText(ctx.tokenizer)
+    builders: dict[int, CompletionLogprobsBuilder] = {}
+    if body.echo:
+        for i, text in enumerate(prompt_texts):
+            yield chunk([CompletionChoice(index=i * body.n + j, text=text) for j in range(body.n)])
+    async for i, delta in merge_streams([g.stream() for g in gens]):
+        index = i * body.n + delta.index
+        logprobs = None
+        if body.logprobs is not None:
+            builder = builders.setdefault(index, CompletionLogprobsBuilder(token_text))
+            logprobs = builder.build(delta.token_ids, delta.logprobs, delta.top_logprobs)
+        if not delta.text and delta.finish_reason is None and not (logprobs and logprobs.tokens):
+            continue
+        choice = CompletionChoice(
+            index=index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+        yield chunk([choice])
+    if body.include_usage:
+        yield chunk([], usage=_usage(gens))

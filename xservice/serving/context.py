@@ -1,0 +1,103 @@
+"""What every handler needs: the engine client, tokenizer, config, metrics and admission control."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from xservice.config import XllmConfig
+from xservice.errors import EngineUnavailableError, ModelNotFoundError, RateLimitError
+from xservice.metrics import ServiceMetrics
+
+if TYPE_CHECKING:
+    from xengine.text.tokenizer import Tokenizer
+    from xservice.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Ticket:
+    """One admitted request's slot; ``release`` is idempotent."""
+
+    ctx: ServingContext
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.ctx.num_inflight -= 1
+
+
+@dataclass
+class ServingContext:
+    """Shared state of one app instance (stored on ``app.state.ctx``)."""
+
+    engine_client: EngineClient
+    tokenizer: Tokenizer
+    config: XllmConfig
+    metrics: ServiceMetrics
+    num_inflight: int = 0
+    _background: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model.served_model_name or self.engine_client.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_client.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine_client.info.vocab_size
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless ``name`` is empty or the served model's name."""
+        if name and name != self.model_name:
+            raise ModelNotFoundError(
+                f"The model '{name}' does not exist; this server serves '{self.model_name}'.", param="model"
+            )
+
+    def check_engine(self) -> None:
+        if not self.engine_client.is_alive:
+            raise EngineUnavailableError()
+
+    def admit(self) -> Ticket:
+        """Take an in-flight slot, or raise 429 (too many in flight) / 503 (engine dead)."""
+        self.check_engine()
+        limit = self.config.service.max_pending_requests
+        if self.num_inflight >= limit:
+            raise RateLimitError(
+                f"Too many requests in flight ({self.num_inflight} >= {limit}); retry later."
+            )
+        self.num_inflight += 1
+        return Ticket(self)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` in the background, outside any cancelled scope (e.g. an abort on disconnect)."""
+        task = asyncio.get_running_loop().create_task(_quietly(coro))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def _quietly(coro: Coroutine[Any, Any, Any]) -> None:
+    try:
+        await coro
+    except Exception:  # a background cleanup failing (e.g. engine already dead) is not an API error
+        logger.debug("background task failed", exc_info=True)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def get_ctx(request: Request) -> ServingContext:
+    """FastAPI dependency: the app's ``ServingContext``."""
+    return request.app.state.ctx

@@ -1,0 +1,108 @@
+"""One engine request: send it, detokenize its deltas, stop it early, observe its latencies."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from xengine.messages import AddRequest, Priority, SamplingParams
+from xengine.text.output_processor import RequestOutputState, SeqDelta, SeqOutput
+from xservice.engine_client import EngineDeadError
+from xservice.errors import APIError, EngineUnavailableError, InternalError, from_value_error
+from xservice.metrics import RequestTimer
+from xservice.serving.context import ServingContext
+
+
+class Generation:
+    """Run one ``AddRequest`` and turn its engine deltas into text deltas.
+
+    Iterate ``stream()`` (or await ``collect()``); errors surface as ``APIError``. Whenever the
+    consumer stops before the request finished (client gone, cancellation), the engine request is
+    aborted, so its KV blocks are freed within a step.
+    """
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        req_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = "online",
+        rename: dict[str, str] | None = None,
+        arrival: float | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.req_id = req_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.priority = priority
+        self.rename = rename  # engine field name -> API field name, for engine-side 400s
+        self.arrival = time.monotonic() if arrival is None else arrival  # when the HTTP request came in
+        self.state = RequestOutputState(req_id, ctx.tokenizer, params, prompt_ids)
+
+    @property
+    def outputs(self) -> list[SeqOutput]:
+        return self.state.outputs
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.state.outputs)
+
+    async def stream(self) -> AsyncIterator[SeqDelta]:
+        """Yield each sequence's text deltas until all ``n`` sequences finished."""
+        ctx = self.ctx
+        timer = RequestTimer(ctx.metrics, self.arrival)
+        ctx.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        req = AddRequest(
+            req_id=self.req_id,
+            prompt_token_ids=self.prompt_ids,
+            params=self.params,
+            priority=self.priority,
+            arrival_time=time.time(),
+        )
+        deltas = ctx.engine_client.generate(req)
+        try:
+            async for delta in deltas:
+                timer.on_tokens(delta.index, len(delta.new_token_ids))
+                out = self.state.process(delta)
+                if self.state.error is not None:
+                    raise self._engine_error(self.state.error)
+                if out is not None:
+                    yield out
+                if self.state.needs_abort:
+                    await ctx.engine_client.abort([self.req_id])
+                if self.state.finished:
+                    break
+        except EngineDeadError as exc:
+            raise EngineUnavailableError(f"The engine stopped while serving this request: {exc}") from None
+        finally:
+            await deltas.aclose()  # aborts the engine request if it is still running
+        self._record_success(timer)
+
+    async def collect(self) -> list[SeqOutput]:
+        """Run to completion and return every sequence's cumulative output."""
+        async for _ in self.stream():
+            pass
+        return self.state.outputs
+
+    def _engine_error(self, message: str) -> APIError:
+        if "invalid value for" in message:
+            return from_value_error(ValueError(message), self.rename)
+        return InternalError(f"The engine failed this request: {message}")
+
+    def _record_success(self, timer: RequestTimer) -> None:
+        outputs = self.state.outputs
+        timer.finish(max((len(o.token_ids) for o in outputs), default=0))
+        for o in outputs:
+            self.ctx.metrics.success.labels(finished_reason=o.finish_reason or "unknown").inc()
+
+
+async def collect_all(generations: list[Generation]) -> list[list[SeqOutput]]:
+    """Run several generations concurrently; the first failure cancels (and aborts) the rest."""
+    tasks = [asyncio.ensure_future(g.collect()) for g in generations]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,81 @@
+"""Turn an API request into validated engine ``SamplingParams`` (every failure is a 400)."""
+
+from __future__ import annotations
+
+from xengine.messages import SamplingParams
+from xservice.errors import InvalidRequestError, from_value_error
+from xservice.protocol import SamplingRequest
+
+
+def check_n(n: int, max_n: int) -> None:
+    if not 1 <= n <= max_n:
+        raise InvalidRequestError(
+            f"invalid value for 'n': must be an integer in [1, {max_n}], got {n}", param="n"
+        )
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_model_len: int, *, default: int | None, param: str, where: str
+) -> int:
+    """The number of tokens to generate; 400 when prompt + completion exceed the context.
+
+    ``default`` None means "the rest of the context" (chat); ``where`` names the prompt part
+    ("prompt" or "messages") in the error message.
+    """
+    if requested is not None and requested < 1:
+        raise InvalidRequestError(
+            f"invalid value for '{param}': must be a positive integer, got {requested}", param=param
+        )
+    max_tokens = requested if requested is not None else default
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len or max_tokens < 1:
+        asked = prompt_len + max(max_tokens, 0)
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {asked} tokens "
+            f"({prompt_len} in the {where}, {max(max_tokens, 0)} in the completion). Please reduce the length of the "
+            f"{where} or completion.",
+            param=param if requested is not None else where,
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def build_sampling_params(
+    body: SamplingRequest,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    rename: dict[str, str] | None = None,
+) -> SamplingParams:
+    """Engine sampling params from ``body``; ``rename`` maps engine field names to API names for errors."""
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    params = SamplingParams(
+        n=body.n,
+        temperature=_or(body.temperature, 1.0),
+        top_p=_or(body.top_p, 1.0),
+        top_k=_or(body.top_k, 0),
+        min_p=_or(body.min_p, 0.0),
+        seed=body.seed,
+        repetition_penalty=_or(body.repetition_penalty, 1.0),
+        presence_penalty=_or(body.presence_penalty, 0.0),
+        frequency_penalty=_or(body.frequency_penalty, 0.0),
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+    try:
+        params.validate(vocab_size)
+    except ValueError as exc:
+        raise from_value_error(exc, rename) from None
+    return params
