@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -29,6 +30,11 @@ from benchmarks.offline.prompts import prompt_id_pool, random_token_prompts
 from benchmarks.offline.step_efficiency import step_efficiency
 from benchmarks.offline.vllm_peer import vllm_offline_throughput
 from benchmarks.offline.xllm_throughput import EngineArgs, xllm_throughput
+
+
+def host_info() -> dict:
+    """What the numbers were measured on."""
+    return {"cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
 def guarded(name: str, fn: Callable[[], dict]) -> dict:
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = prompt_id_pool(model_dir)
     prompts = random_token_prompts(pool, args.num_prompts, args.input_len, args.seed)
     config = {k: v for k, v in vars(args).items() if not k.startswith("no_") and k != "model"}
-    report: dict = {"model": model_dir, "config": config}
+    report: dict = {"model": model_dir, "config": config, "host": host_info()}
     if args.no_xllm:
         report["xllm"] = {"skipped": "--no-xllm"}
     else:

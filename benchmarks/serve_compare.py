@@ -11,12 +11,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
-from benchmarks.peers.vllm_server import vllm_available, vllm_server
+from benchmarks.peers.vllm_server import MAX_NUM_BATCHED_TOKENS, vllm_available, vllm_server
 from benchmarks.serve import ServeConfig, run_serving_benchmark
 from benchmarks.serving.load import LoadShape
 from benchmarks.xllm_server import xllm_server
@@ -46,8 +47,10 @@ def run_levels(base_url: str, model_dir: str, args: argparse.Namespace) -> dict[
 
 
 def server_factories(num_threads: int | None) -> dict[str, ServerFactory]:
-    """Both servers with the same settings: float32, context 2048, 64 sequences, ``num_threads``."""
+    """Both servers with the same settings: float32, context 2048, 64 sequences, 2048 tokens a step,
+    ``num_threads`` compute threads."""
     xllm_args = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "64"]
+    xllm_args += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
     if num_threads:
         xllm_args += ["--num-threads", str(num_threads)]
     return {
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {
         "model": model_dir,
         "config": {k: v for k, v in vars(args).items() if not k.startswith("no_") and k != "model"},
+        "host": {"cpu_count": os.cpu_count()},
     }
     factories = server_factories(args.num_threads or None)
     report["xllm"] = (

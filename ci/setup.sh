@@ -25,4 +25,6 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   "$VPY" -m pip install -q -e ".[dev]"
   touch "$STAMP"
 fi
+# cluster mode: etcd 3.4, libibverbs1, aetcd, ray (skips quickly when present)
+./ci/install_cluster_deps.sh || echo "[setup] cluster deps not installed (optional; needs root or sudo)" >&2
 echo "[setup] ready: $("$VPY" -c 'import torch, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")')" >&2

@@ -59,10 +59,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, "Token budget of one step (prefill chunks + decodes).")
     enable_chunked_prefill: bool = _f(True, "Split long prompts across steps under the token budget.")
     max_waiting: int = _f(1024, "Bounded waiting queue; the service answers 429 beyond it.")
+    max_beam_width: int = _f(
+        128, "Largest beam_width a beam-search request may ask for (each beam is one running sequence)."
+    )
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("scheduler.max_num_seqs must be >= 1")
+        if not 1 <= self.max_beam_width <= 1024:
+            raise ValueError("scheduler.max_beam_width must be in [1, 1024]")
         if self.max_num_batched_tokens < 1:
             raise ValueError("scheduler.max_num_batched_tokens must be >= 1")
 

@@ -12,9 +12,10 @@ import torch
 from memory.kv_cache_manager import KVCacheManager
 from memory.kv_layout import KVCacheSpec, PagedKVLayout
 from ops.platforms import resolve_platform, set_platform
+from xengine.beam.catalog import CatalogRegistry
 from xengine.config import EngineConfig
 from xengine.loader import load_model
-from xengine.messages import AddRequest, CompletionDelta, EngineInfo, EngineStats
+from xengine.messages import AddRequest, CatalogInfo, CompletionDelta, EngineInfo, EngineStats
 from xengine.models.info import read_model_info
 from xengine.request import PRIORITY_RANK, Request
 from xengine.runner.model_runner import ModelRunner
@@ -51,7 +52,17 @@ class Engine:
         )
         max_len = config.model.max_model_len or min(info.max_position_embeddings, _MAX_DEFAULT_LEN)
         num_blocks = self._num_blocks(spec, max_len)
+        # one request always fits the pool; without chunked prefill it must also fit one step's
+        # budget (a preempted request recomputes prompt + output in one step)
         self.max_model_len = min(max_len, num_blocks * spec.block_size)
+        self._len_limit = "the KV pool" if self.max_model_len < max_len else "the model"
+        if not config.scheduler.enable_chunked_prefill:
+            budget = config.scheduler.max_num_batched_tokens
+            if budget < self.max_model_len:
+                self.max_model_len, self._len_limit = (
+                    budget,
+                    "max_num_batched_tokens (chunked prefill is off)",
+                )
         self.kv = KVCacheManager(num_blocks, spec.block_size, config.cache.enable_prefix_caching)
         layout = PagedKVLayout()
         kv_caches = layout.allocate(spec, num_blocks, device)
@@ -66,6 +77,7 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, info.eos_token_ids)
         self.vocab_size = info.vocab_size
+        self.catalogs = CatalogRegistry(info.vocab_size)
         self.last_step_timing: StepTiming | None = None
         self.num_steps = 0
         self.info = EngineInfo(
@@ -96,6 +108,7 @@ class Engine:
     def add_request(self, req: AddRequest) -> None:
         """Validate and queue a request. Raises ``ValueError`` naming the bad field."""
         self._validate(req)
+        catalog = self.catalogs.get(req.params.catalog) if req.params.catalog is not None else None
         self.scheduler.add(
             Request(
                 seq_id=req.req_id,
@@ -105,7 +118,8 @@ class Engine:
                 params=req.params,
                 priority=req.priority,
                 arrival_time=req.arrival_time or time.monotonic(),
-            )
+            ),
+            catalog,
         )
 
     def _validate(self, req: AddRequest) -> None:
@@ -118,19 +132,56 @@ class Engine:
         ids = req.prompt_token_ids
         if not ids:
             raise ValueError("invalid value for 'prompt': the prompt is empty")
-        bad = next((t for t in ids if not (0 <= t < self.vocab_size)), None)
+        bad = next((t for t in ids if type(t) is not int or not (0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise ValueError(
-                f"invalid value for 'prompt': token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+                f"invalid value for 'prompt': token id {bad!r} is not an integer in the vocabulary [0, {self.vocab_size})"
             )
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"invalid value for 'prompt': {len(ids)} tokens, the maximum context length is "
-                f"{self.max_model_len} (prompt must be shorter, leaving room for output)"
+                f"{self.max_model_len}, set by {self._len_limit} (prompt must be shorter, leaving room for output)"
             )
         req.params.validate(self.vocab_size)
         if req.params.prompt_logprobs is not None:
             raise ValueError("invalid value for 'prompt_logprobs': not supported by this engine")
+        if req.params.use_beam_search:
+            self._validate_beam(req)
+
+    def _validate_beam(self, req: AddRequest) -> None:
+        params = req.params
+        limit = self.config.scheduler.max_beam_width
+        if params.beam_width > limit:
+            raise ValueError(
+                f"invalid value for 'beam_width': must be in [1, {limit}], got {params.beam_width}"
+            )
+        budget = self.config.scheduler.max_num_batched_tokens
+        if params.beam_width > budget:  # all beams step together, one token each
+            raise ValueError(
+                f"invalid value for 'beam_width': must be <= scheduler.max_num_batched_tokens ({budget})"
+            )
+        max_new = params.max_tokens or self.max_model_len - len(req.prompt_token_ids)
+        if params.catalog is not None:
+            catalog = self.catalogs.get(params.catalog)
+            if catalog is None:
+                raise ValueError(f"invalid value for 'catalog': no catalog named {params.catalog!r}")
+            max_new = catalog.item_len
+        # worst case: the prompt's blocks shared, each beam with its own blocks for the output
+        bs = self.kv.block_size
+        need = -(-len(req.prompt_token_ids) // bs) + params.beam_width * (-(-max_new // bs) + 1)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"invalid value for 'beam_width': {params.beam_width} beams of up to {max_new} tokens may "
+                f"need {need} KV blocks, the pool has {self.kv.pool.num_blocks}; lower beam_width or max_tokens"
+            )
+
+    # ------------------------------------------------------------------ catalogs
+    def register_catalog(self, name: str, items: list[list[int]]) -> CatalogInfo:
+        """Register (or replace) an item catalog; raises ``ValueError`` naming the bad field."""
+        return self.catalogs.register(name, items)
+
+    def list_catalogs(self) -> list[CatalogInfo]:
+        return self.catalogs.list()
 
     def abort_requests(self, req_ids: list[str]) -> None:
         self.scheduler.abort(req_ids)
@@ -150,7 +201,7 @@ class Engine:
             self.num_steps += 1
         elif self.scheduler.waiting and not self.scheduler.running:
             # nothing fits even with the whole pool free: fail the head instead of spinning
-            self.scheduler._finish(self.scheduler.waiting[0], "length")
+            self.scheduler.fail(self.scheduler.waiting[0], "length")
         deltas = self._collect_deltas()
         self.last_step_timing = StepTiming(
             time.perf_counter() - t0, forward_s, len(plan.seqs), plan.num_batched_tokens
@@ -173,6 +224,8 @@ class Engine:
                     stop_reason=req.stop_reason,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=req.num_cached_tokens,
+                    score=req.beam_score,
+                    cumulative_logprob=req.cumulative_logprob,
                 )
             )
             req.new_token_ids, req.new_logprobs, req.new_top_logprobs = [], [], []

@@ -36,6 +36,7 @@ from xengine.messages import (
     EngineDead,
     EngineOutput,
     Ready,
+    RegisterCatalog,
     Shutdown,
     StepOutputs,
     UtilityCall,
@@ -166,6 +167,8 @@ class EngineProc:
             self._need_step = True
         elif isinstance(msg, UtilityCall):
             self.send(self._call(msg))
+        elif isinstance(msg, RegisterCatalog):
+            self.send(self._register_catalog(msg))
         elif isinstance(msg, Shutdown):
             self.begin_shutdown(msg.drain_timeout_s)
 
@@ -194,10 +197,19 @@ class EngineProc:
                 return UtilityResult(call_id=call.call_id, stats=self._engine.get_stats())
             if call.method == "reset_prefix_cache":
                 return UtilityResult(call_id=call.call_id, ok=bool(self._engine.reset_prefix_cache()))
+            if call.method == "list_catalogs":
+                return UtilityResult(call_id=call.call_id, catalogs=self._engine.list_catalogs())
         except Exception as e:  # noqa: BLE001 - a failed utility call is reported, not fatal
             logger.error("utility call %r failed:\n%s", call.method, traceback.format_exc())
             return UtilityResult(call_id=call.call_id, ok=False, error=f"{type(e).__name__}: {e}")
         return UtilityResult(call_id=call.call_id, ok=False, error=f"unknown utility method {call.method!r}")
+
+    def _register_catalog(self, msg: RegisterCatalog) -> UtilityResult:
+        try:
+            info = self._engine.register_catalog(msg.name, msg.items)
+        except ValueError as e:  # a bad catalog is the caller's mistake: report it, keep serving
+            return UtilityResult(call_id=msg.call_id, ok=False, error=str(e))
+        return UtilityResult(call_id=msg.call_id, catalogs=[info])
 
 
 # ---------------------------------------------------------------------- process setup

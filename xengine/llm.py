@@ -1,4 +1,11 @@
-"""Offline Python API: ``LLM(model=DIR).generate(prompts, SamplingParams(...))``."""
+"""Offline Python API: ``LLM(model=DIR).generate(prompts, SamplingParams(...))``.
+
+Beam search: ``LLM.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=16))`` (or
+``generate`` with ``SamplingParams(use_beam_search=True, beam_width=..., n=...)``) returns, per
+prompt, ``num_return_sequences`` outputs best first, each with its ``score`` (sum of logprobs /
+generated length ** length_penalty, as HF) and ``cumulative_logprob``. With ``catalog=NAME`` (see
+``register_catalog``) the output is one item of that catalog.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ from tqdm.auto import tqdm
 
 from xengine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from xengine.engine import Engine
-from xengine.messages import AddRequest, Priority, SamplingParams
+from xengine.messages import AddRequest, CatalogInfo, CompletionDelta, Priority, SamplingParams
 from xengine.text.output_processor import RequestOutputState
 from xengine.text.tokenizer import Tokenizer
 
@@ -28,6 +35,39 @@ class CompletionOutput:
     # per generated token: {token_id: logprob} for the chosen token and the top alternatives
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    score: float | None = None  # beam search: the length-penalised ranking score
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (HF ``generate(num_beams=beam_width, ...)`` semantics)."""
+
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
+    num_return_sequences: int | None = None  # default: beam_width
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    beam_top_k: int = 0  # candidates per beam per step; 0: exact
+    catalog: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.num_return_sequences or self.beam_width,
+            temperature=0.0,
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            use_beam_search=True,
+            beam_width=self.beam_width,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,  # type: ignore[arg-type]
+            beam_top_k=self.beam_top_k,
+            catalog=self.catalog,
+        )
 
 
 @dataclass
@@ -55,6 +95,7 @@ class LLM:
         kv_cache_memory_gb: float = 1.0,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 64,
+        max_beam_width: int = 128,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         device: str | None = None,
@@ -74,6 +115,7 @@ class LLM:
                     max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens,
                     enable_chunked_prefill=enable_chunked_prefill,
+                    max_beam_width=max_beam_width,
                 ),
                 device=DeviceConfig(device=device, num_threads=num_threads),
             )
@@ -99,6 +141,20 @@ class LLM:
             items.append((text, ids, params))
         return self._run(items, use_tqdm, priority)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+        priority: Priority = "online",
+    ) -> list[RequestOutput]:
+        """Beam search for each prompt; each output's sequences come best first."""
+        return self.generate(prompts, params.to_sampling_params(), use_tqdm, priority)
+
+    def register_catalog(self, name: str, items: list[list[int]]) -> CatalogInfo:
+        """Register an item catalog (fixed-length token-id tuples) for constrained beam search."""
+        return self.engine.register_catalog(name, items)
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -123,6 +179,7 @@ class LLM:
         self, items: list[tuple[str | None, list[int], SamplingParams]], use_tqdm: bool, priority: Priority
     ) -> list[RequestOutput]:
         states: dict[str, RequestOutputState] = {}
+        scores: dict[tuple[str, int], CompletionDelta] = {}  # beam search results
         order: list[tuple[str, str | None, list[int]]] = []
         try:
             for text, ids, params in items:
@@ -132,7 +189,7 @@ class LLM:
                 )
                 states[req_id] = RequestOutputState(req_id, self.tokenizer, params, ids)
                 order.append((req_id, text, ids))
-        except ValueError:
+        except BaseException:  # refuse the whole batch, leave nothing behind in the engine
             self.engine.abort_requests(list(states))
             self._drain(states)
             raise
@@ -144,13 +201,21 @@ class LLM:
                 if state is None or delta.req_id not in pending:
                     continue
                 state.process(delta)
+                if delta.score is not None:
+                    scores[(delta.req_id, delta.index)] = delta
                 if state.needs_abort:
                     self.engine.abort_requests([delta.req_id])
                 if state.finished:
                     pending.discard(delta.req_id)
                     bar.update(1)
         bar.close()
-        return [_to_output(req_id, text, ids, states[req_id]) for req_id, text, ids in order]
+        outputs = [_to_output(req_id, text, ids, states[req_id]) for req_id, text, ids in order]
+        for out in outputs:
+            for seq in out.outputs:
+                delta = scores.get((out.request_id, seq.index))
+                if delta is not None:
+                    seq.score, seq.cumulative_logprob = delta.score, delta.cumulative_logprob
+        return outputs
 
     def _drain(self, states: dict[str, RequestOutputState]) -> None:
         while self.engine.has_unfinished_requests():

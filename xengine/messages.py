@@ -21,6 +21,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_BEAM_WIDTH = 1024  # hard bound; the engine's scheduler.max_beam_width is the configured one
+MAX_CATALOG_NAME_LEN = 64
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -48,6 +50,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Beam search (deterministic; sampling fields are ignored). ``n`` is the number of returned
+    # sequences, best first. Scores follow HF ``generate(num_beams=...)``: sum of logprobs /
+    # (generated length ** length_penalty).
+    use_beam_search: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    beam_top_k: int = 0  # candidates per beam per step; 0: enough for an exact top-k (HF)
+    catalog: str | None = None  # constrain the output to one item of this registered catalog
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the field and its allowed range."""
@@ -116,6 +127,43 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 name,
                 f"must be in [0, {MAX_LOGPROBS}]",
             )
+        if self.use_beam_search or self.catalog is not None:
+            self._validate_beam()
+
+    def _validate_beam(self) -> None:
+        _check(self.use_beam_search, "use_beam_search", "must be true when 'catalog' is set")
+        _check(
+            isinstance(self.beam_width, int) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
+            "beam_width",
+            f"must be an integer in [1, {MAX_BEAM_WIDTH}]",
+        )
+        _check(self.n <= self.beam_width, "n", f"must be <= beam_width ({self.beam_width}) with beam search")
+        _check(
+            _finite(self.length_penalty) and -10.0 <= self.length_penalty <= 10.0,
+            "length_penalty",
+            "must be in [-10, 10]",
+        )
+        _check(
+            self.early_stopping in (True, False, "never"), "early_stopping", "must be true, false or 'never'"
+        )
+        _check(
+            isinstance(self.beam_top_k, int) and 0 <= self.beam_top_k <= 2 * MAX_BEAM_WIDTH,
+            "beam_top_k",
+            f"must be in [0, {2 * MAX_BEAM_WIDTH}]",
+        )
+        no_penalty = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) == (
+            1.0,
+            0.0,
+            0.0,
+        )
+        _check(no_penalty, "repetition_penalty", "penalties are not supported with beam search")
+        _check(self.logprobs is None, "logprobs", "not supported with beam search (each output has a score)")
+        if self.catalog is not None:
+            _check(
+                isinstance(self.catalog, str) and 0 < len(self.catalog) <= MAX_CATALOG_NAME_LEN,
+                "catalog",
+                f"must be a name of 1..{MAX_CATALOG_NAME_LEN} characters",
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -147,17 +195,26 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 
 class UtilityCall(msgspec.Struct, tag="call"):
-    """``method``: "stats" | "ping" | "reset_prefix_cache"."""
+    """``method``: "stats" | "ping" | "reset_prefix_cache" | "list_catalogs"."""
 
     call_id: int
     method: str
+
+
+class RegisterCatalog(msgspec.Struct, tag="register_catalog", kw_only=True):
+    """Register (or replace) an item catalog for constrained beam search; answered by a
+    ``UtilityResult`` carrying its ``CatalogInfo`` (or ``ok=False`` and the error)."""
+
+    call_id: int
+    name: str
+    items: list[list[int]]  # each item a fixed-length tuple of token ids
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     drain_timeout_s: float = 10.0
 
 
-EngineInput = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
+EngineInput = Union[AddRequest, AbortRequests, UtilityCall, RegisterCatalog, Shutdown]
 
 
 # ---------------------------------------------------------------- engine -> service
@@ -182,6 +239,9 @@ class CompletionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # beam search: sent once per returned sequence, with all its tokens
+    score: float | None = None  # length-penalised score (the ranking key)
+    cumulative_logprob: float | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -210,6 +270,13 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     pid: int
 
 
+class CatalogInfo(msgspec.Struct, kw_only=True):
+    name: str
+    num_items: int
+    item_len: int
+    num_nodes: int = 0  # trie nodes, a memory measure
+
+
 class StepOutputs(msgspec.Struct, tag="outputs"):
     deltas: list[CompletionDelta]
 
@@ -217,6 +284,7 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
 class UtilityResult(msgspec.Struct, tag="result", kw_only=True):
     call_id: int
     stats: EngineStats | None = None
+    catalogs: list[CatalogInfo] | None = None
     ok: bool = True
     error: str | None = None
 

@@ -39,6 +39,9 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     admitted_once: bool = False
+    # beam search results only (set on the per-sequence outputs of a finished beam group)
+    beam_score: float | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

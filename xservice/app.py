@@ -10,16 +10,20 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from xservice.auth import ApiKeyMiddleware
+from xservice.batch.service import BatchService, batch_lifespan
+from xservice.cluster import admin_routes as cluster_admin
 from xservice.config import XllmConfig
 from xservice.errors import install_error_handlers
 from xservice.metrics import ServiceMetrics
-from xservice.routes import admin, chat, completions, health, metrics, models, tokenize
+from xservice.routes import admin, batches, chat, completions, files, health, metrics, models, rec, tokenize
 from xservice.serving.body_limit import BodyLimitMiddleware
 from xservice.serving.context import ServingContext
 
 if TYPE_CHECKING:
     from xengine.text.tokenizer import Tokenizer
     from xservice.engine_client import EngineClient
+
+MULTIPART_OVERHEAD_BYTES = 64 * 1024  # form fields and part headers around an uploaded file
 
 ROUTERS = (
     health.router,
@@ -29,6 +33,10 @@ ROUTERS = (
     tokenize.router,
     metrics.router,
     admin.router,
+    files.router,
+    batches.router,
+    rec.router,
+    cluster_admin.router,
 )
 
 
@@ -37,11 +45,12 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: XllmCon
 
     The app does not own the engine client: whoever created it closes it.
     """
-    app = FastAPI(title="xllm", docs_url=None, redoc_url=None)
+    app = FastAPI(title="xllm", docs_url=None, redoc_url=None, lifespan=batch_lifespan)
     service_metrics = ServiceMetrics()
     app.state.ctx = ServingContext(
         engine_client=engine_client, tokenizer=tokenizer, config=config, metrics=service_metrics
     )
+    app.state.batch = BatchService(app.state.ctx, config.batch)
     install_error_handlers(app, on_error=service_metrics.record_error)
     for router in ROUTERS:
         app.include_router(router)
@@ -49,6 +58,7 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: XllmCon
     app.add_middleware(
         BodyLimitMiddleware,
         max_body_bytes=config.service.max_body_bytes,
+        path_limits={"/v1/files": config.batch.max_file_bytes + MULTIPART_OVERHEAD_BYTES},
         on_error=service_metrics.record_error,
     )
     if config.service.api_key:

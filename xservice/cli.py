@@ -15,6 +15,7 @@ import json
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import typing
 from collections.abc import Callable
@@ -154,7 +155,11 @@ def resolve_model(cfg: XllmConfig) -> XllmConfig:
 
         if not (default_model_dir() / "config.json").is_file():
             print(f"xllm: building the embedded default model into {default_model_dir()} (first use only)")
-        return replace_section(cfg, "model", model=str(ensure_default_model(progress=True)))
+            # in a child process: the service itself never imports torch
+            code = "from xengine.tools.make_tiny import ensure_default_model; ensure_default_model(progress=True)"
+            if subprocess.run([sys.executable, "-c", code]).returncode != 0:
+                raise CliError("building the default model failed (see above); pass --model DIR instead")
+        return replace_section(cfg, "model", model=str(ensure_default_model(progress=False)))
     folder = Path(cfg.model.model).expanduser()
     if not (folder / "config.json").is_file():
         raise CliError(
@@ -217,6 +222,10 @@ async def serve(cfg: XllmConfig, sock: socket.socket) -> int:
     client = None
     try:
         tokenizer = load_tokenizer(cfg.model.model)
+        if cfg.cluster.enabled:
+            from xservice.cluster.serve import serve_cluster
+
+            return await serve_cluster(cfg, sock, tokenizer, _serve_http, phases)
         print(f"xllm: starting the engine for {cfg.model.model}", file=sys.stderr, flush=True)
         try:
             client = await EngineClient.start(cfg.engine, cfg.service.engine_startup_timeout_s)
@@ -408,4 +417,12 @@ def _error_message(text: str) -> str:
         return text.strip()[:200]
 
 
-COMMANDS: tuple[Callable[[Any], None], ...] = (register_serve, register_chat, register_model)
+from xservice.commands.batch import register_batch, register_run_batch  # noqa: E402  (imports this module lazily)
+
+COMMANDS: tuple[Callable[[Any], None], ...] = (
+    register_serve,
+    register_chat,
+    register_model,
+    register_batch,
+    register_run_batch,
+)

@@ -1,12 +1,13 @@
 """Service configuration and the top-level config file (``xllm serve --config FILE``).
 
 A YAML file maps 1:1 onto ``XllmConfig``: sections ``service``, ``model``, ``cache``,
-``scheduler``, ``device``. Unknown keys are an error. Torch-free.
+``scheduler``, ``device``, ``batch``. Unknown keys are an error. Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from xengine.config import (
     _f,
     from_dict,
 )
+from xservice.cluster.config import ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,39 @@ class ServiceConfig:
 
 
 @dataclass(frozen=True)
+class BatchConfig:
+    data_dir: str = _f(
+        "",
+        "Folder of the batch job store (SQLite + files); default: $XLLM_CACHE_DIR/batch or ~/.cache/xllm/batch.",
+    )
+    max_file_bytes: int = _f(100 * 1024 * 1024, "Largest file accepted by POST /v1/files; larger get 413.")
+    max_concurrent_lines: int = _f(
+        32,
+        "Batch lines in flight at once, as 'offline' requests (at most half of service.max_pending_requests).",
+    )
+
+    @property
+    def resolved_data_dir(self) -> Path:
+        if self.data_dir:
+            return Path(self.data_dir).expanduser()
+        return Path(os.environ.get("XLLM_CACHE_DIR") or Path.home() / ".cache" / "xllm") / "batch"
+
+    def validate(self) -> None:
+        if self.max_file_bytes < 1024:
+            raise ValueError("batch.max_file_bytes must be >= 1024")
+        if self.max_concurrent_lines < 1:
+            raise ValueError("batch.max_concurrent_lines must be >= 1")
+
+
+@dataclass(frozen=True)
 class XllmConfig:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def engine(self) -> EngineConfig:
@@ -59,6 +88,8 @@ class XllmConfig:
     def validate(self) -> None:
         self.service.validate()
         self.engine.validate()
+        self.batch.validate()
+        self.cluster.validate()
 
 
 _SECTIONS = {
@@ -67,6 +98,8 @@ _SECTIONS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "device": DeviceConfig,
+    "batch": BatchConfig,
+    "cluster": ClusterConfig,
 }
 
 

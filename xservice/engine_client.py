@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import IO
 
@@ -32,12 +32,14 @@ from xengine.config import EngineConfig
 from xengine.messages import (
     AbortRequests,
     AddRequest,
+    CatalogInfo,
     CompletionDelta,
     EngineDead,
     EngineInfo,
     EngineInput,
     EngineStats,
     Ready,
+    RegisterCatalog,
     Shutdown,
     StepOutputs,
     UtilityCall,
@@ -90,13 +92,7 @@ class EngineClient:
     def __init__(self, ipc_dir: str):
         self._ipc_dir = ipc_dir
         self._ctx = zmq.asyncio.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.bind(self.input_addr)
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.bind(self.output_addr)
+        self._push, self._pull = self._open_sockets(bind=True)
         self._encoder = make_encoder()
         self._decoder = make_output_decoder()
         self._queues: dict[str, asyncio.Queue[CompletionDelta | EngineDeadError]] = {}
@@ -107,6 +103,17 @@ class EngineClient:
         self._pump_task: asyncio.Task[None] | None = None
         self._proc: subprocess.Popen[bytes]
         self._tee: _StderrTee
+
+    def _open_sockets(self, bind: bool) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """PUSH to the engine's input address, PULL from its output address (bound or connected)."""
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.setsockopt(zmq.LINGER, 0)
+        pull = self._ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.RCVHWM, 0)
+        for sock, addr in ((push, self.input_addr), (pull, self.output_addr)):
+            sock.bind(addr) if bind else sock.connect(addr)
+        return push, pull
 
     @property
     def input_addr(self) -> str:
@@ -283,6 +290,24 @@ class EngineClient:
         """Drop every cached prefix block; False when blocks are still in use."""
         return (await self._call("reset_prefix_cache", timeout_s)).ok
 
+    async def register_catalog(
+        self, name: str, items: list[list[int]], timeout_s: float = 60.0
+    ) -> CatalogInfo:
+        """Register an item catalog in the engine; ``ValueError`` (naming the field) if it is invalid."""
+        result = await self._call_msg(
+            lambda call_id: RegisterCatalog(call_id=call_id, name=name, items=items), timeout_s
+        )
+        if not result.ok or not result.catalogs:
+            raise ValueError(result.error or "catalog registration failed")
+        return result.catalogs[0]
+
+    async def list_catalogs(self, timeout_s: float = 5.0) -> list[CatalogInfo]:
+        """The engine's registered item catalogs."""
+        result = await self._call("list_catalogs", timeout_s)
+        if not result.ok:
+            raise RuntimeError(f"listing catalogs failed: {result.error}")
+        return list(result.catalogs or [])
+
     @property
     def is_alive(self) -> bool:
         return self._dead_reason is None and self._proc.poll() is None
@@ -310,12 +335,16 @@ class EngineClient:
             raise EngineDeadError(f"cannot reach the engine: {e}") from e
 
     async def _call(self, method: str, timeout_s: float) -> UtilityResult:
+        return await self._call_msg(lambda call_id: UtilityCall(call_id, method), timeout_s)
+
+    async def _call_msg(self, make: Callable[[int], EngineInput], timeout_s: float) -> UtilityResult:
+        """Send the message ``make(call_id)`` and wait for its ``UtilityResult``."""
         self._raise_if_dead()
         call_id = next(self._call_ids)
         fut: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self._send(UtilityCall(call_id, method))
+            self._send(make(call_id))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._calls.pop(call_id, None)

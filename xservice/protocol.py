@@ -67,6 +67,12 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    # beam search extras: ``n`` (or ``num_return_sequences``) choices, best first, each with a score
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
+    num_return_sequences: int | None = None
 
 
 class ContentPart(_Request):
@@ -141,6 +147,17 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # beam search only (left out otherwise)
+    score: float | None = None
+    cumulative_logprob: float | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_beam_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        for key in ("score", "cumulative_logprob"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
 
 
 def _now() -> int:

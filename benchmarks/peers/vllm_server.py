@@ -12,6 +12,7 @@ from benchmarks.server_process import free_port, run_server
 PEER_DIR = Path(__file__).resolve().parent
 VLLM_VENV = Path(os.environ.get("XLLM_BENCH_VLLM_VENV", PEER_DIR / ".venv-vllm"))
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+MAX_NUM_BATCHED_TOKENS = 2048  # xllm's default token budget per step
 
 
 def vllm_available() -> str | None:
@@ -59,6 +60,8 @@ def vllm_server_cmd(
         str(max_model_len),
         "--max-num-seqs",
         str(max_num_seqs),
+        "--max-num-batched-tokens",
+        str(MAX_NUM_BATCHED_TOKENS),
         "--enforce-eager",
         "--disable-log-stats",
     ]

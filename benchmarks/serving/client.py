@@ -43,14 +43,18 @@ def build_payload(spec: RequestSpec) -> dict:
     return body
 
 
-def _content(chunk: dict) -> str:
-    choices = chunk.get("choices") or []
+def is_output_chunk(chunk: dict) -> bool:
+    """Whether a stream chunk carries generated output.
+
+    Like vLLM's benchmark, every chunk with a choice counts, even one whose text is empty because
+    the detokenizer holds back an incomplete character. Unlike it, a chat chunk that only announces
+    the assistant role is skipped: some servers send it before the first token (OpenAI does).
+    """
+    choices = chunk.get("choices")
     if not choices:
-        return ""
-    c = choices[0]
-    if "text" in c:
-        return c.get("text") or ""
-    return (c.get("delta") or {}).get("content") or ""
+        return False
+    delta = choices[0].get("delta")
+    return not (delta is not None and "role" in delta and not delta.get("content"))
 
 
 async def _iter_sse_data(resp: aiohttp.ClientResponse):
@@ -80,7 +84,7 @@ async def send_request(session: aiohttp.ClientSession, spec: RequestSpec) -> Req
                 if usage := chunk.get("usage"):
                     usage_tokens = usage.get("completion_tokens", usage_tokens)
                     rec.prompt_len = usage.get("prompt_tokens") or rec.prompt_len
-                if not _content(chunk):
+                if not is_output_chunk(chunk):
                     continue
                 now = time.perf_counter()
                 if num_chunks == 0:

@@ -1,7 +1,8 @@
 """Per-request records and the summary metrics, with vLLM benchmark_serving's definitions.
 
-- TTFT: request start → first streamed content chunk.
-- ITL: gaps between consecutive streamed content chunks of one request.
+- TTFT: request start → first streamed chunk that carries a choice (text may be empty; a chat
+  chunk that only announces the role does not count).
+- ITL: gaps between consecutive such chunks of one request.
 - TPOT (per request): (E2E − TTFT) / (output_tokens − 1); requests with one output token are left out.
 - E2E: request start → last byte of the response.
 - Goodput: completed requests per second that meet every given SLO (TTFT, TPOT, E2E, in ms).
@@ -81,8 +82,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slos_ms: di
     out.update(summarize_ms([t for r in done if (t := r.tpot_s) is not None], "tpot"))
     out.update(summarize_ms([g for r in done for g in r.itl_s], "itl"))
     out.update(summarize_ms([r.e2e_s for r in done], "e2e"))
-    if slos_ms:
-        out["goodput"] = sum(meets_slos(r, slos_ms) for r in done) / dur
+    out["goodput"] = sum(meets_slos(r, slos_ms) for r in done) / dur if slos_ms else None
     errors = sorted({r.error for r in records if not r.success and r.error})
     if errors:
         out["errors"] = errors[:5]

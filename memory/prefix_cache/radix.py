@@ -4,14 +4,28 @@ Each tree node is one full block: its edge key is the block's ``block_size`` tok
 path from the root spells a token prefix. Nodes hold no references: a cached block whose
 ref count drops to zero waits in the pool's free queue (LRU), and when the pool hands it out
 again it calls ``evict`` here, which drops the node and its subtree.
+
+An optional ``event_sink(stored, removed)`` receives chained block hashes (``block_hash``) of
+nodes as they are inserted and dropped, for a cluster agent to publish (KV-cache events).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from memory.block_pool import BlockPool
 from memory.prefix_cache.base import BasePrefixCache, PrefixMatch
+
+KVEventSink = Callable[[list[int], list[int]], None]
+
+
+def block_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """Chained hash of one block; must equal ``xservice.cluster.kv_index.block_hash``."""
+    h = hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=8, key=parent.to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little")
 
 
 @dataclass(eq=False)
@@ -20,6 +34,7 @@ class _Node:
     block_id: int
     parent: _Node | None
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    hash: int = 0  # chained block hash, computed only when an event sink is set
 
 
 class RadixPrefixCache(BasePrefixCache):
@@ -28,6 +43,7 @@ class RadixPrefixCache(BasePrefixCache):
         self.block_size = block_size
         self.root = _Node(key=(), block_id=-1, parent=None)
         self._by_block: dict[int, _Node] = {}
+        self.event_sink: KVEventSink | None = None
         pool.on_evict = self.evict
 
     def _chunks(self, token_ids: list[int], num_blocks: int) -> list[tuple[int, ...]]:
@@ -52,7 +68,7 @@ class RadixPrefixCache(BasePrefixCache):
         A block whose prefix is already cached under another block id is left uncached (it is
         freed normally); the existing node wins so other requests keep sharing it.
         """
-        node, added = self.root, 0
+        node, added, stored = self.root, 0, []
         for i, key in enumerate(self._chunks(token_ids, len(block_ids))):
             child = node.children.get(key)
             if child is None:
@@ -64,7 +80,12 @@ class RadixPrefixCache(BasePrefixCache):
                 self._by_block[block_ids[i]] = child
                 self.pool.cached[block_ids[i]] = True
                 added += 1
+                if self.event_sink is not None:
+                    child.hash = block_hash(node.hash, key)
+                    stored.append(child.hash)
             node = child
+        if stored and self.event_sink is not None:
+            self.event_sink(stored, [])
         return added
 
     def lock(self, block_ids: list[int]) -> None:
@@ -79,13 +100,17 @@ class RadixPrefixCache(BasePrefixCache):
             return
         if node.parent is not None:
             node.parent.children.pop(node.key, None)
+        removed = [node.hash]
         stack = list(node.children.values())
         while stack:  # descendants become unreachable: forget them too
             child = stack.pop()
+            removed.append(child.hash)
             self._by_block.pop(child.block_id, None)
             self.pool.evict_cached(child.block_id)
             stack.extend(child.children.values())
         self.pool.evict_cached(block_id)
+        if self.event_sink is not None:
+            self.event_sink([], removed)
 
     def reset(self) -> bool:
         """Forget every cached prefix. Refused (False) while blocks are referenced."""
@@ -93,6 +118,8 @@ class RadixPrefixCache(BasePrefixCache):
             return False
         for block_id in list(self._by_block):
             self.pool.evict_cached(block_id)
+        if self.event_sink is not None and self._by_block:
+            self.event_sink([], [n.hash for n in self._by_block.values()])
         self._by_block.clear()
         self.root.children.clear()
         return True

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.serve import parse_slos
+from benchmarks.serving.client import is_output_chunk
 from benchmarks.serving.dataset import load_tokenizer, random_prompts
 from benchmarks.serving.load import LoadShape, arrival_gaps
 from benchmarks.serving.metrics import RequestRecord, compute_metrics, percentile
@@ -60,3 +61,10 @@ def test_random_prompts_have_exact_token_counts(tiny_qwen3: Path) -> None:
         for text, n in random_prompts(str(tiny_qwen3), 8, length, seed=3):
             assert n == length
             assert len(tok.encode(text, add_special_tokens=False).ids) == length
+
+
+def test_output_chunks_skip_role_announcements_and_usage() -> None:
+    assert is_output_chunk({"choices": [{"text": ""}]})  # held-back bytes still mark a step
+    assert is_output_chunk({"choices": [{"delta": {"content": "hi"}}]})
+    assert not is_output_chunk({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    assert not is_output_chunk({"choices": [], "usage": {"completion_tokens": 3}})

@@ -59,7 +59,9 @@ def test_offline_throughput_xllm_and_hf(tiny_qwen3: Path, capsys: pytest.Capture
 
 
 def test_serve_against_xllm(tiny_qwen3: Path) -> None:
-    with xllm_server(str(tiny_qwen3), extra_args=["--max-model-len", "256"]) as base_url:
+    with xllm_server(
+        str(tiny_qwen3), extra_args=["--max-model-len", "256", "--num-threads", "1"]
+    ) as base_url:
         _check_serve(_serve(base_url, tiny_qwen3))
         _check_serve(_serve(base_url, tiny_qwen3, endpoint="chat"))
 
@@ -67,7 +69,7 @@ def test_serve_against_xllm(tiny_qwen3: Path) -> None:
 @pytest.mark.slow
 @needs_vllm
 def test_serve_against_vllm_cpu(tiny_qwen3: Path) -> None:
-    with vllm_server(str(tiny_qwen3), max_model_len=256) as base_url:
+    with vllm_server(str(tiny_qwen3), max_model_len=256, num_threads=1) as base_url:
         _check_serve(_serve(base_url, tiny_qwen3))
 
 

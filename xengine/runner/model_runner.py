@@ -12,6 +12,7 @@ from ops.platforms import Platform
 from xengine.messages import TokenLogprob
 from xengine.request import Request
 from xengine.runner.input_batch import build_inputs
+from xengine.sampling.beam_search import BeamRows, beam_candidates
 from xengine.sampling.metadata import SamplingMetadata
 from xengine.sampling.sampler import Sampler, SamplerOutput
 from xengine.scheduler.plan import SampledToken, SchedulePlan, StepOutput
@@ -66,11 +67,25 @@ class ModelRunner:
     def _sample(self, plan: SchedulePlan, logits: torch.Tensor, out: StepOutput) -> None:
         rows: list[tuple[Request, int]] = []  # (sequence, sample index within it)
         row_of_logit: list[int] = []
+        beams = BeamRows()
+        beam_seq_ids: list[str] = []
         for i, s in enumerate(x for x in plan.seqs if x.sample):
+            if s.num_beam_candidates:
+                beams.rows.append(i)
+                beams.num_candidates.append(s.num_beam_candidates)
+                beams.banned_token_ids.append(s.banned_token_ids)
+                beams.allowed_token_ids.append(s.allowed_token_ids)
+                beam_seq_ids.append(s.req.seq_id)
+                continue
             for k in range(s.num_samples):
                 rows.append((s.req, k))
                 row_of_logit.append(i)
-        if len(rows) != logits.shape[0]:
+        if beam_seq_ids:
+            cand_lps, cand_ids = beam_candidates(logits, beams)
+            out.beam_candidates.update(zip(beam_seq_ids, zip(cand_lps, cand_ids)))
+        if not rows:
+            return
+        if beam_seq_ids or len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(row_of_logit, device=logits.device)]
         params = [r.params for r, _ in rows]
         generators = {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from xengine.messages import TokenLogprob
 from xengine.request import Request
 
@@ -14,6 +16,10 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens computed this step, starting at req.num_computed_tokens
     sample: bool  # True when this step reaches the end of the known tokens: sample the next one
     num_samples: int = 1  # > 1 once, on the step that forks an n > 1 request
+    # beam search: return the top ``num_beam_candidates`` (logprob, token) instead of sampling
+    num_beam_candidates: int = 0
+    banned_token_ids: list[int] = field(default_factory=list)  # beam rows: logprob -inf
+    allowed_token_ids: np.ndarray | None = None  # beam rows constrained by a catalog trie
 
 
 @dataclass
@@ -41,4 +47,6 @@ class StepOutput:
     """Per scheduled sequence that sampled: ``num_samples`` tokens (normally one)."""
 
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # beam rows: seq_id -> (logprobs, token ids) of its top candidates, logprob descending
+    beam_candidates: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
     forward_s: float = 0.0  # model forward + logits time of this step

@@ -7,6 +7,11 @@ No prefill/decode phases: every sequence has ``num_computed_tokens`` catching up
 ``online`` before ``offline``: running online sequences, waiting online ones (which may preempt
 offline ones), then running and waiting offline ones. Within a class running sequences go
 first (decode-first, stall-free admission).
+
+A beam-search request is one ``BeamGroup``: its root sequence is admitted (and prefilled) like any
+other; afterwards its live beams are scheduled together or not at all, since choosing the next
+beams needs every beam's candidates. Preempting any beam preempts the group, which restarts from
+its prompt (deterministic, so the result is the same).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import bisect
 
 from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
+from xengine.beam.catalog import ItemCatalog
+from xengine.beam.group import BeamGroup
 from xengine.config import SchedulerConfig
 from xengine.request import PRIORITY_RANK, Request, RequestStatus
 from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
@@ -37,20 +44,31 @@ class Scheduler:
         self.seqs: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # req_id -> seq_ids
         self.updated: dict[str, Request] = {}  # sequences with news for the client
+        self.beam_groups: dict[str, BeamGroup] = {}  # req_id -> running beam search
         self.num_preemptions = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_computed_prompt_tokens = 0
 
     # ------------------------------------------------------------------ admission / abort
-    def add(self, req: Request) -> None:
-        req.num_pending_forks = req.params.n - 1
+    def add(self, req: Request, catalog: ItemCatalog | None = None) -> None:
+        """Queue a request; ``catalog`` constrains a beam search to that catalog's items."""
+        if req.params.use_beam_search:
+            max_new = self.max_model_len - req.num_prompt_tokens
+            if req.params.max_tokens is not None:
+                max_new = min(max_new, req.params.max_tokens)
+            self.beam_groups[req.req_id] = BeamGroup(req, self.eos_token_ids, max_new, catalog)
+        else:
+            req.num_pending_forks = req.params.n - 1
         self.seqs[req.seq_id] = req
         self.groups.setdefault(req.req_id, []).append(req.seq_id)
         self._push_waiting(req)
 
     def abort(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
+            if req_id in self.beam_groups:
+                self._finish_beam_group(self.beam_groups[req_id], "abort")
+                continue
             for seq_id in list(self.groups.get(req_id, [])):
                 req = self.seqs.get(seq_id)
                 if req is not None and not req.is_finished:
@@ -90,17 +108,36 @@ class Scheduler:
                 return
             if req.rank[0] != cls or req.status != RequestStatus.RUNNING or req.seq_id in self._scheduled:
                 continue
+            group = self.beam_groups.get(req.req_id)
+            if group is not None and len(group.slots) > 1:
+                self._schedule_beams(group, plan)
+                continue
             num_new = self._num_new_tokens(req, req.num_computed_tokens)
             if num_new <= 0:
                 continue
             while not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens + num_new):
-                victim = self._pick_victim(exclude=req, max_rank=None)
+                victim = self._pick_victim(exclude=req.req_id, max_rank=None)
                 if victim is None:
                     self._preempt(req, plan)
                     break
                 self._preempt(victim, plan)
             else:
                 self._add_to_plan(plan, req, num_new)
+
+    def _schedule_beams(self, group: BeamGroup, plan: SchedulePlan) -> None:
+        """All live beams of ``group`` (one new token each) or none of them."""
+        beams = group.slots
+        if len(beams) > self._budget:
+            return
+        for beam in beams:
+            while not self.kv.allocate_slots(beam.seq_id, beam.num_tokens):
+                victim = self._pick_victim(exclude=group.req_id, max_rank=None)
+                if victim is None:
+                    self._preempt(beam, plan)
+                    return
+                self._preempt(victim, plan)
+        for beam in beams:
+            self._add_to_plan(plan, beam, beam.num_tokens - beam.num_computed_tokens)
 
     def _admit_waiting(self, cls: int, plan: SchedulePlan) -> None:
         while self.waiting and self._budget > 0:
@@ -136,15 +173,21 @@ class Scheduler:
     def _add_to_plan(self, plan: SchedulePlan, req: Request, num_new: int) -> None:
         sample = req.num_computed_tokens + num_new == req.num_tokens
         num_samples = 1 + req.num_pending_forks if sample else 1
-        plan.seqs.append(ScheduledSeq(req, num_new, sample, num_samples))
+        seq = ScheduledSeq(req, num_new, sample, num_samples)
+        group = self.beam_groups.get(req.req_id)
+        if group is not None and sample:
+            seq.num_beam_candidates = group.num_candidates
+            seq.banned_token_ids = group.banned_token_ids(req)
+            seq.allowed_token_ids = group.allowed_token_ids(req)
+        plan.seqs.append(seq)
         self._scheduled.add(req.seq_id)
         self._budget -= num_new
 
     # ------------------------------------------------------------------ preemption
-    def _pick_victim(self, exclude: Request | None, max_rank: int | None) -> Request | None:
-        """Lowest-priority, newest running sequence not scheduled this step."""
+    def _pick_victim(self, exclude: str | None, max_rank: int | None) -> Request | None:
+        """Lowest-priority, newest running sequence not scheduled this step, not of request ``exclude``."""
         for req in reversed(self.running):
-            if req is exclude or req.seq_id in self._scheduled:
+            if req.req_id == exclude or req.seq_id in self._scheduled:
                 continue
             if max_rank is not None and req.rank[0] <= max_rank:
                 return None
@@ -160,6 +203,10 @@ class Scheduler:
 
     def _preempt(self, req: Request, plan: SchedulePlan) -> None:
         """Preempt by recompute: drop its KV; it restarts from the prefix cache / scratch."""
+        group = self.beam_groups.get(req.req_id)
+        if group is not None:
+            self._preempt_beams(group, plan)
+            return
         self.running.remove(req)
         self.kv.free(req.seq_id)
         req.num_computed_tokens = 0
@@ -168,8 +215,27 @@ class Scheduler:
         plan.preempted_seq_ids.append(req.seq_id)
         self._push_waiting(req)
 
+    def _preempt_beams(self, group: BeamGroup, plan: SchedulePlan) -> None:
+        self._drop_beams(group, plan)
+        root = group.reset()
+        root.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(root)
+
+    def _drop_beams(self, group: BeamGroup, plan: SchedulePlan | None) -> None:
+        for beam in group.slots:
+            if beam.status == RequestStatus.RUNNING:
+                self.running.remove(beam)
+            elif beam.status == RequestStatus.WAITING:
+                self.waiting.remove(beam)
+            self.kv.free(beam.seq_id)
+            beam.status = RequestStatus.FINISHED
+            if plan is not None:
+                plan.preempted_seq_ids.append(beam.seq_id)
+
     # ------------------------------------------------------------------ update
     def update(self, plan: SchedulePlan, out: StepOutput) -> None:
+        stepped: dict[str, int] = {}  # beam groups that got candidates: req_id -> epoch
         for s in plan.seqs:
             req = s.req
             if req.status != RequestStatus.RUNNING:
@@ -180,8 +246,36 @@ class Scheduler:
             self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens, num_prompt) - before)
             # cache before sampling: a request that finishes now still leaves its prefix behind
             self.kv.cache_blocks(req.seq_id, req.all_token_ids, req.num_computed_tokens)
-            if s.sample:
+            if s.sample and req.req_id in self.beam_groups:
+                stepped[req.req_id] = self.beam_groups[req.req_id].epoch
+            elif s.sample:
                 self._apply_samples(req, out.sampled[req.seq_id])
+        for req_id, epoch in stepped.items():
+            group = self.beam_groups.get(req_id)
+            if group is not None and group.epoch == epoch:  # not aborted / preempted meanwhile
+                self._advance_beams(group, plan, out)
+
+    def _advance_beams(self, group: BeamGroup, plan: SchedulePlan, out: StepOutput) -> None:
+        cands = [out.beam_candidates[b.seq_id] for b in group.slots]
+        step = group.advance([c[0] for c in cands], [c[1] for c in cands])
+        if step.done:
+            self._finish_beam_group(group, None)
+            return
+        for beam in step.dropped:
+            self.running.remove(beam)
+            self.kv.free(beam.seq_id)
+            beam.status = RequestStatus.FINISHED
+        for parent, child in step.forks:
+            # full blocks are shared, the partial last block is copied on write
+            while not self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens):
+                victim = self._pick_victim(exclude=group.req_id, max_rank=None)
+                if victim is None:
+                    self._preempt_beams(group, plan)
+                    return
+                self._preempt(victim, plan)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
 
     def _apply_samples(self, req: Request, samples: list[SampledToken]) -> None:
         children = []
@@ -226,6 +320,9 @@ class Scheduler:
             self._finish(req, *reason)
 
     def _finish(self, req: Request, finish_reason: str, stop_reason: int | str | None = None) -> None:
+        if req.req_id in self.beam_groups:
+            self._finish_beam_group(self.beam_groups[req.req_id], finish_reason)
+            return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
@@ -235,6 +332,55 @@ class Scheduler:
         req.finish_reason = finish_reason
         req.stop_reason = stop_reason
         self.updated[req.seq_id] = req
+        if req.num_pending_forks:  # ended before forking: its n - 1 siblings end with it, empty
+            for index in range(1, req.num_pending_forks + 1):
+                sibling = Request(
+                    seq_id=f"{req.req_id}#{index}",
+                    req_id=req.req_id,
+                    index=index,
+                    prompt_token_ids=req.prompt_token_ids,
+                    params=req.params,
+                    num_cached_tokens=req.num_cached_tokens,
+                    status=RequestStatus.FINISHED,
+                    finish_reason=finish_reason,
+                )
+                self.updated[sibling.seq_id] = sibling
+            req.num_pending_forks = 0
+
+    def fail(self, req: Request, finish_reason: str) -> None:
+        """End ``req`` (and its beam group) now, e.g. when it can never be scheduled."""
+        self._finish(req, finish_reason)
+
+    def _finish_beam_group(self, group: BeamGroup, reason: str | None) -> None:
+        """Free every beam and publish the results (``reason`` None: the search completed)."""
+        self._drop_beams(group, None)
+        del self.beam_groups[group.req_id]
+        self.seqs.pop(group.root.seq_id, None)
+        hyps = group.results() if reason is None else []
+        results = []
+        for i in range(group.root.params.n):
+            out = Request(
+                seq_id=f"{group.req_id}#out{i}",
+                req_id=group.req_id,
+                index=i,
+                prompt_token_ids=group.root.prompt_token_ids,
+                params=group.root.params,
+                num_cached_tokens=group.root.num_cached_tokens,
+                status=RequestStatus.FINISHED,
+                finish_reason=reason or "length",
+            )
+            if i < len(hyps):
+                hyp = hyps[i]
+                out.output_token_ids, out.new_token_ids = list(hyp.token_ids), list(hyp.token_ids)
+                out.beam_score, out.cumulative_logprob = hyp.score, hyp.cumulative_logprob
+                if hyp.finished_by_stop:
+                    last = hyp.token_ids[-1]
+                    out.finish_reason = "stop"
+                    out.stop_reason = last if last in group.root.params.stop_token_ids else None
+            results.append(out)
+            self.seqs[out.seq_id] = out
+            self.updated[out.seq_id] = out
+        self.groups[group.req_id] = [r.seq_id for r in results]
 
     def take_updated(self) -> list[Request]:
         """Sequences with news since the last call; forgets fully finished requests."""
@@ -244,7 +390,6 @@ class Scheduler:
             if req.is_finished:
                 self.seqs.pop(req.seq_id, None)
                 group = self.groups.get(req.req_id)
-                if group is not None and req.num_pending_forks == 0:
-                    if all(self.seqs.get(s) is None for s in group):
-                        del self.groups[req.req_id]
+                if group is not None and all(self.seqs.get(s) is None for s in group):
+                    del self.groups[req.req_id]
         return out

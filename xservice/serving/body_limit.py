@@ -10,29 +10,36 @@ from xservice.errors import InvalidRequestError, RequestTooLargeError, error_res
 
 
 class BodyLimitMiddleware:
-    """Answer 413 when ``Content-Length`` or the streamed body exceeds ``max_body_bytes``.
+    """Answer 413 when ``Content-Length`` or the streamed body exceeds ``max_body_bytes``
+    (or, for a path in ``path_limits``, that path's own limit).
 
     The body is buffered here (at most ``max_body_bytes``) and replayed to the app, so an
     oversized chunked upload is refused before any handler runs.
     """
 
     def __init__(
-        self, app: ASGIApp, max_body_bytes: int, on_error: Callable[[int], None] | None = None
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        on_error: Callable[[int], None] | None = None,
+        path_limits: dict[str, int] | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.on_error = on_error
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope.get("path", ""), self.max_body_bytes)
         length = _content_length(scope)
         if length == -1:
             await self._reject(InvalidRequestError("Invalid Content-Length header."), scope, receive, send)
             return
-        if length is not None and length > self.max_body_bytes:
-            await self._reject(self._too_large(length), scope, receive, send)
+        if length is not None and length > limit:
+            await self._reject(self._too_large(length, limit), scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -42,18 +49,16 @@ class BodyLimitMiddleware:
                 return  # client went away before sending its body
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                await self._reject(self._too_large(size), scope, receive, send)
+            if size > limit:
+                await self._reject(self._too_large(size, limit), scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    def _too_large(self, size: int) -> RequestTooLargeError:
-        return RequestTooLargeError(
-            f"Request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes."
-        )
+    def _too_large(self, size: int, limit: int) -> RequestTooLargeError:
+        return RequestTooLargeError(f"Request body of {size} bytes exceeds the limit of {limit} bytes.")
 
     async def _reject(self, exc, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(exc)

@@ -6,10 +6,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from xservice.errors import InvalidRequestError
+from xengine.messages import CompletionDelta, SamplingParams
+from xengine.text.output_processor import RequestOutputState, SeqDelta
+from xservice.errors import InvalidRequestError, from_value_error
 from xservice.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, dump
 from xservice.serving.context import ServingContext, new_request_id
 from xservice.serving.generation import Generation, collect_all
@@ -27,6 +30,63 @@ from xservice.serving.streaming import (
 MAX_COMPLETION_LOGPROBS = 5
 MAX_PROMPTS = 64
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+DEFAULT_BEAM_WIDTH = 4
+
+
+class _ScoredOutputState(RequestOutputState):
+    """Keeps each beam-search sequence's score (the engine sends it with the sequence's tokens)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.scores: dict[int, tuple[float | None, float | None]] = {}
+
+    def process(self, delta: CompletionDelta) -> SeqDelta | None:
+        if delta.score is not None:
+            self.scores[delta.index] = (delta.score, delta.cumulative_logprob)
+        return super().process(delta)
+
+
+def _resolve_beam_fields(body: CompletionRequest, max_beam_width: int) -> CompletionRequest:
+    """Check the beam-search extras; ``num_return_sequences`` becomes ``n``."""
+    if not body.use_beam_search:
+        return body
+    nrs = body.num_return_sequences
+    if nrs is not None:
+        if "n" in body.model_fields_set and body.n != nrs:
+            raise InvalidRequestError(
+                "'n' and 'num_return_sequences' differ; set one of them.", param="num_return_sequences"
+            )
+        body = body.model_copy(update={"n": nrs})
+    width = body.beam_width if body.beam_width is not None else max(body.n, DEFAULT_BEAM_WIDTH)
+    if not 1 <= width <= max_beam_width:
+        raise InvalidRequestError(
+            f"invalid value for 'beam_width': must be in [1, {max_beam_width}], got {width}",
+            param="beam_width",
+        )
+    if body.n > width:
+        raise InvalidRequestError(
+            f"invalid value for 'n': at most beam_width ({width}) sequences can be returned, got {body.n}",
+            param="n",
+        )
+    if body.logprobs is not None:
+        raise InvalidRequestError("'logprobs' is not supported with beam search.", param="logprobs")
+    return body.model_copy(update={"beam_width": width})
+
+
+def _beam_params(body: CompletionRequest, params: SamplingParams, vocab_size: int) -> SamplingParams:
+    params = msgspec.structs.replace(
+        params,
+        use_beam_search=True,
+        beam_width=body.beam_width,
+        length_penalty=body.length_penalty,
+        early_stopping=body.early_stopping,
+        temperature=0.0,
+    )
+    try:
+        params.validate(vocab_size)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    return params
 
 
 def _check_fields(body: CompletionRequest) -> None:
@@ -66,7 +126,12 @@ def _generations(
         params = build_sampling_params(
             body, max_tokens=max_tokens, logprobs=body.logprobs, vocab_size=ctx.vocab_size
         )
-        gens.append(Generation(ctx, f"{req_id}-{i}", ids, params, body.priority, arrival=arrival))
+        if body.use_beam_search:
+            params = _beam_params(body, params, ctx.vocab_size)
+        gen = Generation(ctx, f"{req_id}-{i}", ids, params, body.priority, arrival=arrival)
+        if body.use_beam_search:
+            gen.state = _ScoredOutputState(gen.req_id, ctx.tokenizer, params, ids)
+        gens.append(gen)
         if body.echo and text is None:
             text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
         texts.append(text or "")
@@ -85,6 +150,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     """Validate, admit and run a completions request."""
     arrival = time.monotonic()
     ctx.check_model(body.model)
+    body = _resolve_beam_fields(body, ctx.config.scheduler.max_beam_width)
     check_n(body.n, ctx.config.service.max_n)
     _check_fields(body)
     req_id = new_request_id("cmpl")
@@ -108,7 +174,9 @@ def _response(
     choices = []
     for i, gen in enumerate(gens):
         prefix = prompt_texts[i] if body.echo else ""
+        scores = gen.state.scores if isinstance(gen.state, _ScoredOutputState) else {}
         for out in gen.outputs:
+            score, cumulative = scores.get(out.index, (None, None))
             logprobs = None
             if body.logprobs is not None:
                 logprobs = CompletionLogprobsBuilder(token_text).build(
@@ -121,6 +189,8 @@ def _response(
                     logprobs=logprobs,
                     finish_reason=out.finish_reason,
                     stop_reason=out.stop_reason,
+                    score=score,
+                    cumulative_logprob=cumulative,
                 )
             )
     return CompletionResponse(id=req_id, model=ctx.model_name, choices=choices, usage=_usage(gens))

@@ -1,0 +1,355 @@
+"""Files + Batches API through a real service: results match the online endpoints, bad lines go to the
+error file, online requests preempt batch lines, cancel, and the ``xllm batch`` / ``xllm run-batch`` CLIs.
+
+The helpers at the top are shared with ``test_batch_restart.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+FINAL = ("completed", "failed", "expired", "cancelled")
+WAIT_TIMEOUT_S = 240.0  # guards against a hang, not a timing assertion
+
+
+def start_batch_server(
+    launch_server: Callable[..., Any],
+    model_dir: Path,
+    data_dir: Path,
+    batch: dict[str, Any] | None = None,
+    scheduler: dict[str, Any] | None = None,
+) -> Any:
+    """``launch_server`` with a ``batch`` section (and scheduler overrides) in its config file."""
+    settings = launch_server.__globals__["ENGINE_SETTINGS"]  # the config the launcher writes
+    saved = dict(settings)
+    settings["batch"] = {"data_dir": str(data_dir), **(batch or {})}
+    settings["scheduler"] = {**settings["scheduler"], **(scheduler or {})}
+    try:
+        return launch_server(model_dir, {})
+    finally:
+        settings.clear()
+        settings.update(saved)
+
+
+def openai_client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat_line(custom_id: str, content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0.0}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {**body, **extra},
+    }
+
+
+def completion_line(custom_id: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+
+
+def write_jsonl(path: Path, lines: list[Any]) -> Path:
+    path.write_text("".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines))
+    return path
+
+
+def submit(client: openai.OpenAI, path: Path, endpoint: str) -> Any:
+    with open(path, "rb") as f:
+        file = client.files.create(file=f, purpose="batch")
+    return client.batches.create(input_file_id=file.id, endpoint=endpoint, completion_window="24h")
+
+
+def wait_batch(client: openai.OpenAI, batch_id: str, until: Callable[[Any], bool] | None = None) -> Any:
+    """Poll until ``until(batch)`` (default: a final status)."""
+    until = until or (lambda b: b.status in FINAL)
+    deadline = time.monotonic() + WAIT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        time.sleep(0.05)
+    raise AssertionError(f"batch {batch_id} not there after {WAIT_TIMEOUT_S}s: {batch}")
+
+
+def read_file(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def comparable(body: dict[str, Any]) -> dict[str, Any]:
+    """A response without what differs per request: id, created and prefix-cache hits."""
+    out = {k: v for k, v in body.items() if k not in ("id", "created")}
+    out["usage"] = {k: v for k, v in body["usage"].items() if k != "prompt_tokens_details"}
+    return out
+
+
+# ---------------------------------------------------------------------- the module's server
+
+MAX_FILE_BYTES = 64 * 1024
+MAX_NUM_SEQS = 4  # small, so an online request has to preempt a running batch line
+
+
+@pytest.fixture(scope="module")
+def batch_server(launch_server, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    data_dir = tmp_path_factory.mktemp("batch-data")
+    handle = start_batch_server(
+        launch_server,
+        model_dir,
+        data_dir,
+        batch={"max_file_bytes": MAX_FILE_BYTES, "max_concurrent_lines": 8},
+        scheduler={"max_num_seqs": MAX_NUM_SEQS},
+    )
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def client(batch_server: Any) -> openai.OpenAI:
+    return openai_client(batch_server)
+
+
+def online(client: openai.OpenAI, line: dict[str, Any]) -> dict[str, Any]:
+    """The same body sent to the online endpoint."""
+    resp = client.post(line["url"].removeprefix("/v1"), body=line["body"], cast_to=httpx.Response)
+    return resp.json()
+
+
+# ---------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_batch_matches_online(client: openai.OpenAI, tmp_path: Path, endpoint: str) -> None:
+    make = chat_line if endpoint == "/v1/chat/completions" else completion_line
+    lines = [make(f"req-{i}", f"Tell me about number {i}", max_tokens=4 + i) for i in range(6)]
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    with open(path, "rb") as f:
+        file = client.files.create(file=f, purpose="batch")
+    assert (file.object, file.purpose, file.filename, file.bytes) == (
+        "file",
+        "batch",
+        "in.jsonl",
+        path.stat().st_size,
+    )
+    created = client.batches.create(
+        input_file_id=file.id, endpoint=endpoint, completion_window="24h", metadata={"job": "t1"}
+    )
+    assert created.id.startswith("batch_") and created.object == "batch"
+    assert created.status == "validating" and created.metadata == {"job": "t1"}
+    batch = wait_batch(client, created.id)
+
+    assert batch.status == "completed", batch
+    assert batch.errors is None and batch.error_file_id is None
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        6,
+        6,
+        0,
+    )
+    stamps = [batch.created_at, batch.in_progress_at, batch.finalizing_at, batch.completed_at]
+    assert None not in stamps and stamps == sorted(stamps)
+    assert batch.expires_at == batch.created_at + 24 * 3600
+    output = read_file(client, batch.output_file_id)
+    assert [r["custom_id"] for r in output] == [ln["custom_id"] for ln in lines]
+    for record, line in zip(output, lines):
+        assert set(record) == {"id", "custom_id", "response", "error"}
+        assert record["id"].startswith("batch_req_") and record["error"] is None
+        response = record["response"]
+        assert response["status_code"] == 200 and response["request_id"] == response["body"]["id"]
+        assert comparable(response["body"]) == comparable(online(client, line))
+    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+
+
+def test_bad_lines_go_to_the_error_file(client: openai.OpenAI, tmp_path: Path) -> None:
+    good = [chat_line("ok-1", "Hi", max_tokens=3), chat_line("ok-2", "Hello", max_tokens=3)]
+    bad = {
+        "not-json": "{this is not json",
+        "no-id": {**chat_line("x", "Hi", 3), "custom_id": None},
+        "dup": chat_line("ok-1", "again", max_tokens=3),
+        "url": {**chat_line("wrong-url", "Hi", 3), "url": "/v1/completions"},
+        "method": {**chat_line("get", "Hi", 3), "method": "GET"},
+        "body": {**chat_line("no-body", "Hi", 3), "body": "text"},
+        "field": chat_line("bad-temp", "Hi", 3, temperature="hot"),
+        "n": chat_line("big-n", "Hi", 3, n=1000),
+        "model": chat_line("bad-model", "Hi", 3, model="no-such-model"),
+    }
+    path = write_jsonl(tmp_path / "in.jsonl", [good[0], *bad.values(), "", good[1]])
+    batch = wait_batch(client, submit(client, path, "/v1/chat/completions").id)
+
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        11,
+        2,
+        9,
+    )
+    assert [r["custom_id"] for r in read_file(client, batch.output_file_id)] == ["ok-1", "ok-2"]
+    records = read_file(client, batch.error_file_id)
+    assert len(records) == 9
+    refused = [(r["custom_id"], r["error"]["code"]) for r in records if r["response"] is None]
+    assert refused == [  # in input order; lines that never reached the endpoint
+        (None, "invalid_json_line"),
+        (None, "missing_custom_id"),
+        ("ok-1", "duplicate_custom_id"),
+        ("wrong-url", "mismatched_url"),
+        ("get", "invalid_method"),
+        ("no-body", "invalid_body"),
+    ]
+    assert "Line 2: not valid JSON" in records[0]["error"]["message"]
+    errors = {r["custom_id"]: r for r in records if r["response"] is not None}
+    # Bodies the endpoint refuses carry its error response, as an HTTP request would get it.
+    for cid, status, param in (
+        ("bad-temp", 400, "temperature"),
+        ("big-n", 400, "n"),
+        ("bad-model", 404, "model"),
+    ):
+        response = errors[cid]["response"]
+        assert response["status_code"] == status, errors[cid]
+        assert response["body"]["error"]["param"] == param and errors[cid]["error"]["message"]
+
+
+def test_api_errors(client: openai.OpenAI, tmp_path: Path) -> None:
+    big = tmp_path / "big.jsonl"
+    line = json.dumps(chat_line("x", "y" * 1000, 3))
+    big.write_text("\n".join([line] * (MAX_FILE_BYTES // len(line) + 1)))
+    with pytest.raises(openai.APIStatusError) as e, open(big, "rb") as f:
+        client.files.create(file=f, purpose="batch")
+    assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
+    path = write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "b", 2)])
+    with pytest.raises(openai.BadRequestError) as e, open(path, "rb") as f:
+        client.files.create(file=f, purpose="fine-tune")
+    assert e.value.body["param"] == "purpose"
+    for call in (
+        lambda: client.files.retrieve("file-nope"),
+        lambda: client.files.content("file-nope"),
+        lambda: client.files.delete("file-nope"),
+        lambda: client.batches.retrieve("batch_nope"),
+        lambda: client.batches.cancel("batch_nope"),
+        lambda: client.batches.create(
+            input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["type"] == "invalid_request_error"
+    with open(path, "rb") as f:
+        file = client.files.create(file=f, purpose="batch")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert e.value.body["param"] == "endpoint"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="1h")
+    assert e.value.body["param"] == "completion_window"
+    assert file.id in [f.id for f in client.files.list()]
+    assert client.files.content(file.id).text == path.read_text()
+    # Listing batches pages newest first.
+    first, second = (submit(client, path, "/v1/chat/completions") for _ in range(2))
+    page = client.batches.list(limit=1)
+    assert [b.id for b in page.data] == [second.id] and page.has_more
+    assert client.batches.list(limit=1, after=second.id).data[0].id == first.id
+    for b in (first, second):
+        wait_batch(client, b.id)
+    assert client.files.delete(file.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file.id)
+
+
+def test_online_preempts_batch_then_cancel(
+    client: openai.OpenAI, batch_server: Any, idle: Callable[..., Any], tmp_path: Path
+) -> None:
+    lines = [completion_line(f"long-{i}", f"Story {i}:", max_tokens=200, ignore_eos=True) for i in range(32)]
+    batch = submit(client, write_jsonl(tmp_path / "in.jsonl", lines), "/v1/completions")
+    with batch_server.client() as http:
+        num_preemptions = http.get("/v1/admin/stats").json()["num_preemptions"]
+        wait_batch(client, batch.id, until=lambda b: b.status == "in_progress")
+        # Every engine slot is taken by batch lines: the online request gets one by preempting a line.
+        body = {"prompt": "Quick question", "max_tokens": 8, "temperature": 0.0}
+        resp = http.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "length"
+        during = client.batches.retrieve(batch.id)
+        assert during.status == "in_progress"
+        assert during.request_counts.completed + during.request_counts.failed < len(lines)
+        assert http.get("/v1/admin/stats").json()["num_preemptions"] > num_preemptions
+
+        wait_batch(client, batch.id, until=lambda b: b.request_counts.completed >= 1)
+        cancelling = client.batches.cancel(batch.id)
+        assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
+        done = wait_batch(client, batch.id)
+        assert done.status == "cancelled" and done.cancelled_at is not None and done.completed_at is None
+        num_done = done.request_counts.completed
+        assert 1 <= num_done < len(lines) and done.request_counts.failed == 0
+        output = read_file(client, done.output_file_id)
+        assert len(output) == num_done and len({r["custom_id"] for r in output}) == num_done
+        assert all(r["response"]["body"]["usage"]["completion_tokens"] == 200 for r in output)
+        assert done.error_file_id is None
+        idle(http)  # the lines in flight were aborted in the engine
+        assert client.batches.cancel(batch.id).status == "cancelled"
+
+
+def test_cli_submit_and_run_batch(batch_server: Any, model_dir: Path, tmp_path: Path) -> None:
+    lines = [chat_line(f"c{i}", f"Say something about {i}", max_tokens=5) for i in range(4)]
+    lines.append({**chat_line("bad", "x", 3), "url": "/v1/completions"})
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    url = batch_server.base_url + "/v1"
+    submitted = subprocess.run(
+        [sys.executable, "-m", "xservice", "batch", "submit", str(path), "--url", url, "--wait", "-o",
+         str(tmp_path / "server.jsonl"), "--errors", str(tmp_path / "server-errors.jsonl")],
+        capture_output=True, text=True, env=env, timeout=WAIT_TIMEOUT_S,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    batch_id = submitted.stdout.split()[0]
+    listed = subprocess.run(
+        [sys.executable, "-m", "xservice", "batch", "list", "--url", url],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert batch_id in listed.stdout and "completed" in listed.stdout
+
+    s = batch_server.config
+    flags = {
+        "--model": str(model_dir),
+        "--served-model-name": s["model"]["served_model_name"],
+        "--max-model-len": s["model"]["max_model_len"],
+        "--seed": s["model"]["seed"],
+        "--block-size": s["cache"]["block_size"],
+        "--num-blocks": s["cache"]["num_blocks"],
+        "--max-num-seqs": s["scheduler"]["max_num_seqs"],
+        "--max-num-batched-tokens": s["scheduler"]["max_num_batched_tokens"],
+        "--device": "cpu",
+        "--num-threads": 1,
+    }
+    out = tmp_path / "local.jsonl"
+    cmd = [sys.executable, "-m", "xservice", "run-batch", "-i", str(path), "-o", str(out)]
+    cmd += [str(x) for kv in flags.items() for x in kv]
+    local = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=WAIT_TIMEOUT_S)
+    assert local.returncode == 0, local.stderr
+
+    def load(p: Path) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in p.read_text().splitlines()]
+
+    server_records = load(tmp_path / "server.jsonl") + load(tmp_path / "server-errors.jsonl")
+    local_records = load(out)  # run-batch writes failed lines into the output unless --errors is given
+    assert [r["custom_id"] for r in local_records] == [ln["custom_id"] for ln in lines]
+    by_id = {r["custom_id"]: r for r in server_records}
+    for record in local_records:
+        other = by_id[record["custom_id"]]
+        assert set(record) == set(other) and record["id"].startswith("batch_req_")
+        if record["response"] is None:
+            assert record["error"] == {**other["error"], "message": record["error"]["message"]}
+            assert record["error"]["code"] == "mismatched_url"
+        else:
+            assert record["response"]["status_code"] == 200
+            assert comparable(record["response"]["body"]) == comparable(other["response"]["body"])

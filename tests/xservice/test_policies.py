@@ -1,0 +1,60 @@
+"""Routing policies on snapshots: pure, deterministic, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from xservice.policies import (
+    CacheAwarePolicy,
+    InstanceSnapshot,
+    LeastLoadPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+    make_policy,
+)
+
+A, B, C = (InstanceSnapshot(n) for n in ("a", "b", "c"))
+
+
+def test_round_robin_cycles_in_name_order_and_skips_missing_candidates() -> None:
+    policy = RoundRobinPolicy()
+    picks = [policy.select(RouteRequest(), [C, A, B]) for _ in range(4)]
+    assert picks == ["a", "b", "c", "a"]
+    assert policy.select(RouteRequest(), [A, C]) == "c"  # after "a": next in order among the live ones
+
+
+def test_least_load_uses_the_larger_of_inflight_and_reported_load_then_name() -> None:
+    busy = InstanceSnapshot("a", num_inflight=3)
+    reported = InstanceSnapshot("b", num_running=1, num_waiting=1)
+    idle = InstanceSnapshot("c")
+    assert LeastLoadPolicy().select(RouteRequest(), [busy, reported, idle]) == "c"
+    assert LeastLoadPolicy().select(RouteRequest(), [busy, reported]) == "b"
+    assert LeastLoadPolicy().select(RouteRequest(), [B, A]) == "a"  # tie: name
+
+
+def test_cache_aware_prefers_the_prefix_holder_unless_it_is_much_busier() -> None:
+    policy = CacheAwarePolicy(match_weight=2.0)
+    holder = InstanceSnapshot("b", num_inflight=1)
+    req = RouteRequest(num_blocks=4, matched_blocks={"b": 4})
+    assert policy.select(req, [A, holder]) == "b"  # 2*1 - 1 = 1 > 0
+    partial = RouteRequest(num_blocks=4, matched_blocks={"b": 1})
+    assert policy.select(partial, [A, holder]) == "a"  # 2*0.25 - 1 < 0
+    scores = policy.scores(req, [A, holder])
+    assert scores == {"a": 0.0, "b": 1.0}
+
+
+def test_cache_aware_ties_go_to_least_load_then_name() -> None:
+    policy = CacheAwarePolicy(match_weight=1.0)
+    loaded = InstanceSnapshot("a", num_inflight=2)
+    # a: 1*1 - 1 = 0; c: 0 - 0 = 0 -> tie -> c has the lower load
+    assert policy.select(RouteRequest(num_blocks=2, matched_blocks={"a": 2}), [loaded, C]) == "c"
+    assert policy.select(RouteRequest(num_blocks=0), [C, B]) == "b"  # nothing cached, all idle: name
+
+
+def test_make_policy_and_errors() -> None:
+    assert make_policy("cache_aware", 3.0).match_weight == 3.0
+    assert make_policy("round_robin").name == "round_robin"
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random")
+    with pytest.raises(ValueError, match="no candidate"):
+        LeastLoadPolicy().select(RouteRequest(), [])

@@ -1,0 +1,1 @@
+"""Beam search state and item catalogs (constrained decoding for generative recommendation)."""

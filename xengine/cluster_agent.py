@@ -1,0 +1,211 @@
+"""The engine side of cluster mode: registration under a lease, heartbeats with load, KV events.
+
+``ClusterAgent`` runs in a daemon thread with its own asyncio loop, so the engine loop never
+waits on the metadata store. Every ``heartbeat_interval_s`` it keeps its lease alive and writes
+its ``LoadReport`` and (when the prefix cache changed) a ``KVEventBatch``. When the store is
+unreachable it retries with backoff; when its lease expired meanwhile it registers again under a
+new lease and republishes its whole KV set. Registration is fenced: the instance key is created
+in a transaction and never taken over from another live incarnation of the same name.
+
+The store clients are the service's (``xservice.cluster.store``, torch-free), imported lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger("xengine.cluster_agent")
+
+MAX_BACKOFF_S = 5.0
+FULL_KV_EVERY_S = 20.0  # republish the whole KV set now and then, healing any lost batch
+EWMA_ALPHA = 0.2
+
+
+class RegistrationConflictError(RuntimeError):
+    """Another live incarnation holds this instance name."""
+
+
+class ClusterAgent:
+    def __init__(
+        self,
+        store_url: str,
+        key_prefix: str,
+        record: Any,  # xservice.cluster.keys.InstanceRecord
+        load_fn: Callable[[], Any],  # -> EngineStats
+        lease_ttl_s: float = 3.0,
+        heartbeat_interval_s: float = 0.5,
+    ) -> None:
+        self.store_url = store_url
+        self.key_prefix = key_prefix
+        self.record = record
+        self.lease_ttl_s = lease_ttl_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._load_fn = load_fn
+        self._events: collections.deque[tuple[list[int], list[int]]] = collections.deque()
+        self._hashes: set[int] = set()
+        self._need_full = True
+        self._last_full = 0.0
+        self._kv_seq = 0
+        self._load_seq = 0
+        self._lease: int | None = None
+        self.ttft_ms: float | None = None
+        self.tpot_ms: float | None = None
+        self.num_registrations = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._thread_main, daemon=True, name="cluster-agent")
+
+    # ------------------------------------------------------------------ engine-thread API
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 3.0) -> None:
+        """Stop heartbeating and revoke the lease (the instance leaves the registry at once)."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def on_kv_events(self, stored: list[int], removed: list[int]) -> None:
+        """Prefix-cache event sink (called in the engine thread; O(1))."""
+        self._events.append((stored, removed))
+
+    def observe_ttft(self, ms: float) -> None:
+        self.ttft_ms = ms if self.ttft_ms is None else (1 - EWMA_ALPHA) * self.ttft_ms + EWMA_ALPHA * ms
+
+    def observe_tpot(self, ms: float) -> None:
+        self.tpot_ms = ms if self.tpot_ms is None else (1 - EWMA_ALPHA) * self.tpot_ms + EWMA_ALPHA * ms
+
+    # ------------------------------------------------------------------ agent thread
+
+    def _thread_main(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        from xservice.cluster.store import open_store
+
+        store = open_store(self.store_url)
+        backoff = self.heartbeat_interval_s
+        failing = False
+        try:
+            while not self._stop.is_set():
+                try:
+                    await self._beat(store)
+                    if failing:
+                        logger.info("metadata store reachable again")
+                    failing, backoff = False, self.heartbeat_interval_s
+                except Exception as e:  # noqa: BLE001 - keep serving; retry with backoff
+                    if not failing:
+                        logger.warning("cluster heartbeat failed (%s: %s); retrying", type(e).__name__, e)
+                    failing, self._need_full = True, True
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    await self._sleep(backoff)
+                    continue
+                await self._sleep(self.heartbeat_interval_s)
+            await self._leave(store)
+        finally:
+            await store.close()
+
+    async def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.05, seconds))
+
+    async def _beat(self, store: Any) -> None:
+        if self._lease is None or not await store.keepalive(self._lease):
+            await self._register(store)
+        await self._publish_load(store)
+        await self._publish_kv(store)
+
+    async def _register(self, store: Any) -> None:
+        from xservice.cluster import keys
+
+        self._lease = None
+        lease = await store.grant_lease(self.lease_ttl_s)
+        k = keys.key(self.key_prefix, "instances", self.record.name)
+        value = keys.encode(self.record)
+        if not await store.create(k, value, lease):
+            existing = keys.decode(await store.get(k) or b"", keys.InstanceRecord)
+            if existing is not None and existing.incarnation != self.record.incarnation:
+                await store.revoke(lease)
+                raise RegistrationConflictError(
+                    f"instance name {self.record.name!r} is held by incarnation {existing.incarnation}"
+                )
+            await store.put(k, value, lease)  # our own key from an older lease: take it over
+        self._lease = lease
+        self._need_full = True
+        self.num_registrations += 1
+        logger.info("registered %s (%s) lease %x", self.record.name, self.record.role, lease)
+
+    async def _publish_load(self, store: Any) -> None:
+        from xservice.cluster import keys
+
+        stats = self._load_fn()
+        self._load_seq += 1
+        report = keys.LoadReport(
+            incarnation=self.record.incarnation,
+            seq=self._load_seq,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_usage=stats.kv_usage,
+            num_free_blocks=stats.num_free_blocks,
+            num_cached_blocks=len(self._hashes),
+            ttft_ms=self.ttft_ms,
+            tpot_ms=self.tpot_ms,
+            sent_at=time.time(),
+        )
+        await store.put(keys.key(self.key_prefix, "load", self.record.name), keys.encode(report), self._lease)
+
+    def _drain_events(self) -> dict[int, bool]:
+        final: dict[int, bool] = {}
+        while True:
+            try:
+                stored, removed = self._events.popleft()
+            except IndexError:
+                return final
+            for h in removed:
+                final[h] = False
+            for h in stored:
+                final[h] = True
+
+    async def _publish_kv(self, store: Any) -> None:
+        from xservice.cluster import keys
+
+        changes = self._drain_events()
+        for h, present in changes.items():
+            (self._hashes.add if present else self._hashes.discard)(h)
+        now = time.monotonic()
+        full = self._need_full or (changes and now - self._last_full > FULL_KV_EVERY_S)
+        if not full and not changes:
+            return
+        self._kv_seq += 1
+        if full:
+            batch = keys.KVEventBatch(
+                incarnation=self.record.incarnation, seq=self._kv_seq, full=True, stored=sorted(self._hashes)
+            )
+        else:
+            batch = keys.KVEventBatch(
+                incarnation=self.record.incarnation,
+                seq=self._kv_seq,
+                stored=[h for h, p in changes.items() if p],
+                removed=[h for h, p in changes.items() if not p],
+            )
+        self._need_full = True  # until this batch is known to have landed
+        await store.put(
+            keys.key(self.key_prefix, "kv_events", self.record.name), keys.encode(batch), self._lease
+        )
+        self._need_full = False
+        if full:
+            self._last_full = now
+
+    async def _leave(self, store: Any) -> None:
+        if self._lease is None:
+            return
+        try:
+            await store.revoke(self._lease)
+        except Exception:  # noqa: BLE001 - the lease expires on its own
+            logger.debug("lease revoke failed", exc_info=True)

@@ -1,0 +1,167 @@
+"""An engine process that binds its own sockets and registers in the metadata store.
+
+``python -m xengine.engine_server --config-json JSON --name N --role mixed --store URL``
+
+Used by the cluster launchers (local subprocess or Ray actor). Unlike ``engine_proc`` (which
+connects to sockets its one service bound), this process binds a PULL socket (inputs) and a PUSH
+socket (outputs) on ``--host`` with free ports, and advertises them, its role, its engine info and
+a fresh incarnation id in the store through a ``ClusterAgent``; services discover it there and
+connect. The I/O loop is ``engine_proc.EngineProc``'s; frames to a service that went away are
+dropped instead of blocking the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+import uuid
+from typing import Any
+
+import msgspec
+import zmq
+
+from xengine.cluster_agent import ClusterAgent
+from xengine.config import EngineConfig, from_dict
+from xengine.engine_proc import SEND_LINGER_MS, EngineProc, apply_num_threads, set_parent_death_signal
+from xengine.messages import AddRequest, CompletionDelta, EngineOutput
+
+logger = logging.getLogger("xengine.engine_server")
+
+
+class _ObservedEngine:
+    """Wraps the engine to time first tokens and output tokens for the agent's load report."""
+
+    def __init__(self, engine: Any, agent: ClusterAgent) -> None:
+        self._engine = engine
+        self._agent = agent
+        self._started: dict[str, float] = {}
+        self._first: dict[str, tuple[float, int]] = {}  # req_id -> (first token time, tokens since)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def add_request(self, req: AddRequest) -> None:
+        self._engine.add_request(req)
+        self._started[req.req_id] = time.monotonic()
+
+    def step(self) -> list[CompletionDelta]:
+        deltas = self._engine.step()
+        now = time.monotonic()
+        for d in deltas:
+            if d.req_id in self._started and d.new_token_ids:
+                self._agent.observe_ttft((now - self._started.pop(d.req_id)) * 1000)
+                self._first[d.req_id] = (now, len(d.new_token_ids) - 1)
+            elif d.req_id in self._first:
+                t0, n = self._first[d.req_id]
+                self._first[d.req_id] = (t0, n + len(d.new_token_ids))
+            if d.finish_reason is not None:
+                self._started.pop(d.req_id, None)
+                t0, n = self._first.pop(d.req_id, (now, 0))
+                if n > 0:
+                    self._agent.observe_tpot((now - t0) * 1000 / n)
+        return deltas
+
+
+class ServedEngineProc(EngineProc):
+    def send(self, msg: EngineOutput) -> None:
+        try:
+            self._out.send(self._encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("no service connected: dropped a %s frame", type(msg).__name__)
+
+
+def bind_sockets(ctx: zmq.Context, host: str) -> tuple[zmq.Socket, zmq.Socket, str, str]:
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.RCVHWM, 0)
+    inp.bind(f"tcp://{host}:0")
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)
+    out.setsockopt(zmq.LINGER, SEND_LINGER_MS)
+    out.bind(f"tcp://{host}:0")
+    addrs = [s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in (inp, out)]
+    return inp, out, addrs[0], addrs[1]
+
+
+def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    from xengine.engine import Engine
+    from xservice.cluster.keys import InstanceRecord
+
+    ctx = zmq.Context()
+    inp, out, input_addr, output_addr = bind_sockets(ctx, args.host)
+    agent = None
+    try:
+        apply_num_threads(config)
+        engine = Engine(config)
+        record = InstanceRecord(
+            name=args.name,
+            role=args.role,
+            incarnation=uuid.uuid4().hex,
+            input_addr=input_addr,
+            output_addr=output_addr,
+            pid=os.getpid(),
+            info=msgspec.to_builtins(engine.info),
+            started_at=time.time(),
+        )
+        agent = ClusterAgent(
+            args.store, args.key_prefix, record, engine.get_stats, args.lease_ttl_s, args.heartbeat_interval_s
+        )
+        prefix_cache = getattr(getattr(engine, "kv", None), "prefix_cache", None)
+        if prefix_cache is not None and hasattr(prefix_cache, "event_sink"):
+            prefix_cache.event_sink = agent.on_kv_events
+        proc = ServedEngineProc(_ObservedEngine(engine, agent), inp, out, args.parent_pid)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: proc.begin_shutdown())
+        agent.start()
+        logger.info("engine %s (%s) serving at %s / %s", args.name, args.role, input_addr, output_addr)
+        return proc.run()
+    except Exception:  # noqa: BLE001
+        logger.error("engine server failed:\n%s", traceback.format_exc())
+        return 1
+    finally:
+        if agent is not None:
+            agent.stop()
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m xengine.engine_server", description=__doc__.split("\n")[0])
+    p.add_argument("--config-json", required=True, help="EngineConfig as JSON (dataclasses.asdict).")
+    p.add_argument("--name", required=True, help="Instance name (unique in the cluster).")
+    p.add_argument("--role", default="mixed", choices=("prefill", "decode", "mixed"), help="Instance role.")
+    p.add_argument("--store", required=True, help="etcd://HOST:PORT or embedded+tcp://HOST:PORT")
+    p.add_argument("--key-prefix", default="/xllm", help="Key prefix in the metadata store.")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind the ZMQ sockets to.")
+    p.add_argument("--lease-ttl-s", type=float, default=3.0, help="Registration lease TTL.")
+    p.add_argument("--heartbeat-interval-s", type=float, default=0.5, help="Heartbeat period.")
+    p.add_argument(
+        "--parent-pid", type=int, default=None, help="Exit when this process is no longer the parent."
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("XLLM_ENGINE_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s xengine[{args.name}:{os.getpid()}] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    if args.parent_pid is not None:
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != args.parent_pid:
+            return 0
+    config = from_dict(EngineConfig, json.loads(args.config_json))
+    config.validate()
+    return serve(config, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Batch lines: parse input lines, run one through the online serving path, build output records.
+
+A runnable line's ``body`` is validated and served by the same functions as an HTTP request to
+its endpoint (``create_completion`` / ``create_chat_completion``), with ``priority="offline"``
+and ``stream=false`` forced. Output records follow OpenAI's batch output format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from xservice.batch.store import IngestedLine, new_id
+from xservice.errors import (
+    APIError,
+    EngineUnavailableError,
+    InternalError,
+    RateLimitError,
+    _validation_error,
+    error_body,
+    status_of,
+)
+from xservice.protocol import ChatCompletionRequest, CompletionRequest
+from xservice.serving.chat import create_chat_completion
+from xservice.serving.completions import create_completion
+from xservice.serving.context import ServingContext, new_request_id
+
+logger = logging.getLogger(__name__)
+
+ENDPOINTS: dict[str, tuple[type[BaseModel], Any]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
+    "/v1/completions": (CompletionRequest, create_completion),
+}
+
+
+class RetryLater(Exception):
+    """The line could not run now (engine unavailable, too many requests); it stays pending."""
+
+
+# ---------------------------------------------------------------------- output records
+
+
+def success_record(custom_id: str, status_code: int, body: dict[str, Any]) -> dict[str, Any]:
+    request_id = body.get("id") or new_request_id("req")
+    return {
+        "id": new_id("batch_req_"),
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def error_record(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    """A line that never reached the endpoint (malformed, wrong url, cancelled, ...)."""
+    return {
+        "id": new_id("batch_req_"),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+
+
+def api_error_record(custom_id: str, exc: APIError) -> dict[str, Any]:
+    """A line the endpoint refused: the HTTP error response, plus its code and message."""
+    status, _ = status_of(exc)
+    return {
+        "id": new_id("batch_req_"),
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": new_request_id("req"), "body": error_body(exc)},
+        "error": {"code": exc.code or "invalid_request", "message": exc.message},
+    }
+
+
+# ---------------------------------------------------------------------- parsing
+
+
+def parse_lines(raw_lines: Iterable[bytes], endpoint: str) -> Iterator[IngestedLine]:
+    """Number the non-blank lines of an input file and check each one's envelope.
+
+    A line that cannot run (not JSON, no ``custom_id``, a duplicate ``custom_id``, a ``url`` other
+    than ``endpoint``, a ``method`` other than POST, no ``body`` object) carries its error record.
+    """
+    seen: set[str] = set()
+    line_no = 0
+    for raw in raw_lines:
+        if not raw.strip():
+            continue
+        yield _parse_line(raw, line_no, endpoint, seen)
+        line_no += 1
+
+
+def _parse_line(raw: bytes, line_no: int, endpoint: str, seen: set[str]) -> IngestedLine:
+    def bad(code: str, message: str, custom_id: str | None = None) -> IngestedLine:
+        where = f"Line {line_no + 1}: "
+        return IngestedLine(line_no, custom_id, result=error_record(custom_id, code, where + message))
+
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        return bad("invalid_json_line", f"not valid JSON ({e}).")
+    if not isinstance(obj, dict):
+        return bad("invalid_json_line", "must be a JSON object.")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return bad("missing_custom_id", "'custom_id' must be a non-empty string.")
+    if custom_id in seen:
+        return bad("duplicate_custom_id", f"'custom_id' {custom_id!r} appears more than once.", custom_id)
+    seen.add(custom_id)
+    method = obj.get("method", "POST")
+    if method != "POST":
+        return bad("invalid_method", f"'method' must be 'POST', got {method!r}.", custom_id)
+    url = obj.get("url")
+    if url != endpoint:
+        return bad(
+            "mismatched_url", f"'url' must be the batch endpoint {endpoint!r}, got {url!r}.", custom_id
+        )
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return bad("invalid_body", "'body' must be a JSON object.", custom_id)
+    return IngestedLine(line_no, custom_id, body=body)
+
+
+# ---------------------------------------------------------------------- running
+
+
+class _NoClient:
+    """Stands in for the HTTP request: a batch line's "client" never disconnects."""
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.get_running_loop().create_future()
+        raise AssertionError("unreachable")
+
+
+async def run_line(
+    ctx: ServingContext, endpoint: str, custom_id: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """Serve one line's ``body`` like a request to ``endpoint``; returns its output record.
+
+    Raises ``RetryLater`` when the service cannot take it now; cancelling aborts the engine request.
+    """
+    model_cls, handler = ENDPOINTS[endpoint]
+    try:
+        try:
+            request = model_cls.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(RequestValidationError(e.errors())) from None
+        request = request.model_copy(update={"priority": "offline", "stream": False})
+        response = await handler(ctx, request, _NoClient())
+    except (RateLimitError, EngineUnavailableError) as exc:
+        raise RetryLater(exc.message) from None
+    except APIError as exc:
+        return api_error_record(custom_id, exc)
+    except Exception:
+        logger.exception("batch line %r failed", custom_id)
+        return api_error_record(custom_id, InternalError("Internal server error."))
+    return success_record(custom_id, response.status_code, json.loads(response.body))
+
+
+def is_error_record(record: dict[str, Any]) -> bool:
+    response = record.get("response")
+    return record.get("error") is not None or response is None or response.get("status_code") != 200

@@ -1,0 +1,72 @@
+"""``ClusterConfig``: the ``cluster`` section of the config file (torch-free).
+
+With ``instances`` empty (the default) ``xllm serve`` runs the single-node service over one
+engine it spawns itself; otherwise it serves the listed instances through the instance pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xengine.config import _f
+
+STORES = ("embedded", "etcd")
+LAUNCHERS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    instances: str = _f(
+        "",
+        "Engine instances to launch, comma-separated 'name:role' (role: mixed, prefill, decode), e.g. "
+        "'engine-0:mixed,engine-1:mixed'. Empty: single-node mode.",
+    )
+    launcher: str = _f("local", "How instances are started: 'local' (subprocesses) or 'ray' (Ray actors).")
+    metadata_store: str = _f("embedded", "Metadata store: 'embedded' (in the service) or 'etcd'.")
+    etcd_endpoint: str = _f("127.0.0.1:2379", "etcd client endpoint HOST:PORT (metadata_store: etcd).")
+    key_prefix: str = _f("/xllm", "Prefix of every key xllm writes in the metadata store.")
+    routing_policy: str = _f("cache_aware", "Routing policy: round_robin, least_load or cache_aware.")
+    cache_match_weight: float = _f(2.0, "cache_aware: weight of the prefix-match fraction against load.")
+    lease_ttl_s: float = _f(3.0, "Instance registration lease TTL; a dead instance is gone after it.")
+    heartbeat_interval_s: float = _f(0.5, "How often instances renew their lease and report load/KV events.")
+    migrate_on_failure: bool = _f(True, "Re-run in-flight requests of a dead instance on a healthy one.")
+    engine_host: str = _f("127.0.0.1", "Address instances bind their ZMQ sockets to (loopback by default).")
+    instance_startup_timeout_s: float = _f(600.0, "How long to wait for every instance to register.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.instances.strip())
+
+    def instance_specs(self) -> list[tuple[str, str]]:
+        """``[(name, role)]`` parsed from ``instances``."""
+        specs = []
+        for item in (x.strip() for x in self.instances.split(",")):
+            if item:
+                name, _, role = item.partition(":")
+                specs.append((name.strip(), (role or "mixed").strip()))
+        return specs
+
+    def validate(self) -> None:
+        specs = self.instance_specs()
+        names = [n for n, _ in specs]
+        if len(set(names)) != len(names) or any(not n or "/" in n for n in names):
+            raise ValueError("cluster.instances: names must be unique, non-empty and contain no '/'")
+        for name, role in specs:
+            if role not in ("mixed", "prefill", "decode"):
+                raise ValueError(f"cluster.instances: role of {name!r} must be mixed, prefill or decode")
+        if specs and not any(role == "mixed" for _, role in specs):
+            raise ValueError("cluster.instances: needs at least one 'mixed' instance (PD pairs: phase 2)")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"cluster.launcher must be one of {', '.join(LAUNCHERS)}")
+        if self.metadata_store not in STORES:
+            raise ValueError(f"cluster.metadata_store must be one of {', '.join(STORES)}")
+        from xservice.policies import POLICIES
+
+        if self.routing_policy not in POLICIES:
+            raise ValueError(f"cluster.routing_policy must be one of {', '.join(POLICIES)}")
+        if not (0 < self.heartbeat_interval_s < self.lease_ttl_s):
+            raise ValueError("cluster: need 0 < heartbeat_interval_s < lease_ttl_s")
+
+    @property
+    def store_url(self) -> str:
+        return f"etcd://{self.etcd_endpoint}"

@@ -1,0 +1,46 @@
+"""``LocalLauncher``: engine instances as subprocesses of the service (they die with it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec
+from xservice.engine_client import _child_env
+
+
+class LocalHandle(InstanceHandle):
+    def __init__(self, name: str, proc: subprocess.Popen) -> None:
+        self.name = name
+        self.proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class LocalLauncher(BaseLauncher):
+    def launch(self, spec: InstanceSpec) -> LocalHandle:
+        cmd = [sys.executable, "-m", "xengine.engine_server", *spec.command_args(os.getpid())]
+        # Own session: the terminal's Ctrl-C goes to the service, which stops the engines.
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=_child_env(), start_new_session=True)
+        handle = self.handles[spec.name] = LocalHandle(spec.name, proc)
+        return handle

@@ -1,0 +1,308 @@
+"""``InstancePool``: the ``EngineClient`` interface over every registered instance.
+
+``build_app`` gets a pool instead of one engine client. Per request the pool picks an instance
+with the routing policy (over snapshots of load and of the global KV index), streams its deltas,
+and keeps the request alive across instance failures: when the instance dies mid-stream the pool
+re-submits the prompt plus the tokens already streamed to a healthy instance (recompute), with
+``max_tokens`` / ``min_tokens`` reduced by what was generated, and keeps yielding deltas under the
+original request id, so the client sees one uninterrupted stream with no token lost or repeated.
+
+Migration covers ``n == 1`` requests (other requests fail with ``EngineDeadError`` as in single
+node). It is exact for greedy decoding; sampled requests continue with a fresh random stream, and
+frequency / presence penalties restart (the streamed tokens become prompt tokens).
+Phase 1 routes to ``mixed`` instances only; ``prefill`` / ``decode`` roles are registered and
+shown, and are reserved for PD pairs (phase 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from xengine.messages import AddRequest, CompletionDelta, EngineStats
+from xservice.cluster.kv_index import prompt_block_hashes
+from xservice.cluster.registry import InstanceRegistry, InstanceState
+from xservice.cluster.remote_engine import RemoteEngineClient
+from xservice.engine_client import EngineDeadError
+from xservice.policies import BaseRoutingPolicy, InstanceSnapshot, RouteRequest
+
+logger = logging.getLogger(__name__)
+
+ROUTABLE_ROLES = ("mixed",)
+HANDSHAKE_ATTEMPTS = 60
+HANDSHAKE_TIMEOUT_S = 0.5
+
+
+class InstancePool:
+    def __init__(self, registry: InstanceRegistry, policy: BaseRoutingPolicy, migrate: bool = True) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.migrate = migrate
+        self.clients: dict[str, RemoteEngineClient] = {}  # connected and answering
+        self._pending: dict[str, RemoteEngineClient] = {}  # connected, handshake in progress
+        self.num_routed: dict[str, int] = {}
+        self.num_migrations = 0
+        self.last_migration_s: float | None = None  # dead instance detected -> migrated request resent
+        self._inflight: dict[str, int] = {}
+        self._dead_at = time.monotonic()
+        self._active: dict[str, tuple[RemoteEngineClient, str]] = {}  # req_id -> (client, sub req_id)
+        self._dead: set[str] = set()  # incarnations known dead (never reconnect to them)
+        self._changed = asyncio.Event()
+        self._closed = False
+        registry.subscribe(self._on_registry_event)
+
+    # ------------------------------------------------------------------ membership
+
+    def _on_registry_event(self, event: str, state: InstanceState, reason: str) -> None:
+        rec = state.record
+        if event == "down":
+            self.mark_dead(rec.name, reason, rec.incarnation)
+        elif rec.incarnation not in self._dead and not self._closed:
+            old = self.clients.get(rec.name)
+            if old is not None and old.incarnation == rec.incarnation and old.is_alive:
+                return
+            if old is not None:
+                self.mark_dead(rec.name, "replaced", old.incarnation)
+            pending = self._pending.get(rec.name)
+            if pending is not None and pending.incarnation == rec.incarnation:
+                return
+            client = self._pending[rec.name] = RemoteEngineClient.connect(rec)
+            asyncio.get_running_loop().create_task(self._handshake(client))
+
+    async def _handshake(self, client: RemoteEngineClient) -> None:
+        """Route to a new instance only once it answered: its replies then reach our sockets."""
+        name = client.name
+        for _ in range(HANDSHAKE_ATTEMPTS):
+            if self._pending.get(name) is not client or self._closed:
+                break
+            if await client.ping(HANDSHAKE_TIMEOUT_S):
+                if self._pending.get(name) is client:
+                    del self._pending[name]
+                    self.clients[name] = client
+                    self._inflight.setdefault(name, 0)
+                    self.num_routed.setdefault(name, 0)
+                    self._changed.set()
+                    return
+                break
+        else:
+            logger.warning("instance %s registered but does not answer at %s", name, client.input_addr)
+        if self._pending.get(name) is client:
+            del self._pending[name]
+        await client.close()
+
+    def mark_dead(self, name: str, reason: str, incarnation: str | None = None) -> None:
+        """Instance ``name`` (of ``incarnation``, or whichever we hold) is gone: fail over its requests."""
+        pending = self._pending.get(name)
+        if pending is not None and (incarnation is None or pending.incarnation == incarnation):
+            del self._pending[name]  # its handshake closes it
+        client = self.clients.get(name)
+        if client is None or (incarnation is not None and client.incarnation != incarnation):
+            if incarnation is not None:
+                self._dead.add(incarnation)
+            return
+        self._dead.add(client.incarnation)
+        del self.clients[name]
+        self._dead_at = time.monotonic()
+        logger.warning("instance %s is dead (%s); failing over its requests", name, reason)
+        client.mark_dead(f"instance {name} died: {reason}")
+        asyncio.get_running_loop().create_task(client.close())
+        self._changed.set()
+
+    async def wait_for(self, names: list[str], timeout_s: float) -> None:
+        """Wait until every instance in ``names`` is connected."""
+        deadline = time.monotonic() + timeout_s
+        while not all(n in self.clients for n in names):
+            if time.monotonic() > deadline:
+                missing = [n for n in names if n not in self.clients]
+                raise TimeoutError(f"instances not registered after {timeout_s:.0f}s: {', '.join(missing)}")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), 0.5)
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
+
+    # ------------------------------------------------------------------ routing
+
+    def snapshots(self) -> list[InstanceSnapshot]:
+        out = []
+        for name, client in sorted(self.clients.items()):
+            state = self.registry.instances.get(name)
+            if not client.is_alive or state is None or not state.healthy:
+                continue
+            load = state.load
+            out.append(
+                InstanceSnapshot(
+                    name=name,
+                    role=client.record.role,
+                    num_inflight=self._inflight.get(name, 0),
+                    num_running=load.num_running if load else 0,
+                    num_waiting=load.num_waiting if load else 0,
+                    kv_usage=load.kv_usage if load else 0.0,
+                )
+            )
+        return out
+
+    def route(self, prompt_token_ids: list[int]) -> RemoteEngineClient:
+        candidates = [s for s in self.snapshots() if s.role in ROUTABLE_ROLES]
+        if not candidates:
+            raise EngineDeadError("no healthy engine instance to serve the request")
+        hashes = prompt_block_hashes(prompt_token_ids, self.info.block_size)
+        request = RouteRequest(num_blocks=len(hashes), matched_blocks=self.registry.kv_index.match(hashes))
+        return self.clients[self.policy.select(request, candidates)]
+
+    # ------------------------------------------------------------------ EngineClient interface
+
+    @property
+    def info(self) -> Any:
+        for client in self.clients.values():
+            return client.info
+        raise EngineDeadError("no engine instance registered yet")
+
+    async def generate(self, req: AddRequest) -> AsyncIterator[CompletionDelta]:
+        """Route ``req`` and stream its deltas, migrating it if its instance dies (``n == 1``)."""
+        sub, generated, attempt = req, [], 0
+        while True:
+            client = self.route(sub.prompt_token_ids)
+            name = client.name
+            self._inflight[name] = self._inflight.get(name, 0) + 1
+            self.num_routed[name] = self.num_routed.get(name, 0) + 1
+            self._active[req.req_id] = (client, sub.req_id)
+            first = attempt > 0
+            try:
+                async for delta in client.generate(sub):
+                    if first:
+                        self.last_migration_s = time.monotonic() - self._dead_at
+                        first = False
+                    if sub is not req:
+                        delta = self._as_original(delta, req)
+                    generated.extend(delta.new_token_ids)
+                    yield delta
+                return
+            except EngineDeadError:
+                if not self.migrate or req.params.n != 1 or self._closed:
+                    raise
+                attempt += 1
+                sub = self._continuation(req, generated, attempt)
+                if sub is None:
+                    yield CompletionDelta(req_id=req.req_id, finish_reason="length")
+                    return
+                self.num_migrations += 1
+                logger.info("migrating %s from %s after %d tokens", req.req_id, name, len(generated))
+            finally:
+                self._inflight[name] -= 1
+                self._active.pop(req.req_id, None)
+
+    @staticmethod
+    def _continuation(req: AddRequest, generated: list[int], attempt: int) -> AddRequest | None:
+        """The same request resumed after ``generated`` (None when nothing is left to generate)."""
+        p = req.params
+        max_tokens = None if p.max_tokens is None else p.max_tokens - len(generated)
+        if max_tokens is not None and max_tokens <= 0:
+            return None
+        params = msgspec.structs.replace(
+            p, max_tokens=max_tokens, min_tokens=max(0, p.min_tokens - len(generated)), prompt_logprobs=None
+        )
+        return AddRequest(
+            req_id=f"{req.req_id}~m{attempt}",
+            prompt_token_ids=list(req.prompt_token_ids) + generated,
+            params=params,
+            priority=req.priority,
+            arrival_time=req.arrival_time,
+        )
+
+    @staticmethod
+    def _as_original(delta: CompletionDelta, req: AddRequest) -> CompletionDelta:
+        n = len(req.prompt_token_ids)
+        return msgspec.structs.replace(
+            delta, req_id=req.req_id, num_prompt_tokens=n, num_cached_tokens=min(delta.num_cached_tokens, n)
+        )
+
+    async def abort(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            active = self._active.get(req_id)
+            if active is not None:
+                await active[0].abort([active[1]])
+
+    async def stats(self, timeout_s: float = 5.0) -> EngineStats:
+        """Counters summed over the live instances (``kv_usage``: their mean)."""
+        clients = [c for c in self.clients.values() if c.is_alive]
+        if not clients:
+            raise EngineDeadError("no engine instance alive")
+        results = await asyncio.gather(*(c.stats(timeout_s) for c in clients), return_exceptions=True)
+        stats = [r for r in results if isinstance(r, EngineStats)]
+        if not stats:
+            raise EngineDeadError(f"no engine instance answered: {results[0]!r}")
+        total = EngineStats()
+        for s in stats:
+            for f in s.__struct_fields__:
+                if f != "kv_usage":
+                    setattr(total, f, getattr(total, f) + getattr(s, f))
+        total.kv_usage = sum(s.kv_usage for s in stats) / len(stats)
+        return total
+
+    async def ping(self, timeout_s: float = 2.0) -> bool:
+        clients = [c for c in self.clients.values() if c.is_alive]
+        return any(await asyncio.gather(*(c.ping(timeout_s) for c in clients))) if clients else False
+
+    async def reset_prefix_cache(self, timeout_s: float = 5.0) -> bool:
+        clients = [c for c in self.clients.values() if c.is_alive]
+        return all(await asyncio.gather(*(c.reset_prefix_cache(timeout_s) for c in clients)))
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._closed and any(c.is_alive for c in self.clients.values())
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._active)
+
+    @property
+    def pid(self) -> int:
+        for client in self.clients.values():
+            return client.pid
+        return -1
+
+    async def close(self, drain_timeout_s: float = 0.0) -> None:
+        self._closed = True
+        for client in list(self.clients.values()) + list(self._pending.values()):
+            await client.close()
+        self.clients.clear()
+
+    # ------------------------------------------------------------------ admin
+
+    async def instances_view(self, timeout_s: float = 2.0) -> list[dict[str, Any]]:
+        """One entry per registered instance: role, health, load, KV blocks, routing counters."""
+        out = []
+        for name, state in sorted(self.registry.instances.items()):
+            client = self.clients.get(name)
+            rec = state.record
+            out.append(
+                {
+                    "name": name,
+                    "role": rec.role,
+                    "healthy": bool(state.healthy and client is not None and client.is_alive),
+                    "incarnation": rec.incarnation,
+                    "pid": rec.pid,
+                    "address": rec.input_addr,
+                    "load": msgspec.to_builtins(state.load) if state.load else None,
+                    "heartbeat_age_s": round(time.monotonic() - state.last_heartbeat, 3),
+                    "num_kv_blocks_indexed": self.registry.kv_index.num_blocks(name),
+                    "num_inflight": self._inflight.get(name, 0),
+                    "num_routed": self.num_routed.get(name, 0),
+                }
+            )
+        return out
+
+    def cluster_view(self) -> dict[str, Any]:
+        return {
+            "mode": "cluster",
+            "routing_policy": self.policy.name,
+            "store_ok": self.registry.store_ok,
+            "num_migrations": self.num_migrations,
+            "num_stale_rejected": self.registry.num_stale_rejected,
+        }

@@ -1,0 +1,98 @@
+"""``RemoteEngineClient``: an ``EngineClient`` for an engine that runs elsewhere and registered itself.
+
+It connects to the addresses in the instance's ``InstanceRecord`` instead of spawning a process and
+binding sockets; ``info`` comes from the record. It cannot watch a process, so whoever knows the
+instance died (the registry on lease expiry or heartbeat gap, a launcher on process exit) calls
+``mark_dead``: in-flight requests then fail with ``EngineDeadError`` (and the pool migrates them).
+Closing it releases the sockets only; the engine belongs to its launcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import zmq.asyncio
+
+from xengine.messages import EngineInfo
+from xservice.cluster.keys import InstanceRecord
+from xservice.engine_client import WATCH_INTERVAL_S, EngineClient, EngineDeadError
+
+
+class RemoteEngineClient(EngineClient):
+    def __init__(self, record: InstanceRecord) -> None:
+        self.record = record
+        super().__init__(ipc_dir="")
+        self.info = msgspec.convert(record.info, EngineInfo)
+
+    @classmethod
+    def connect(cls, record: InstanceRecord) -> RemoteEngineClient:
+        """Connect to the instance (non-blocking; ZMQ reconnects by itself) and start routing outputs."""
+        client = cls(record)
+        client._pump_task = asyncio.get_running_loop().create_task(
+            client._pump(), name=f"remote-{record.name}"
+        )
+        return client
+
+    def _open_sockets(self, bind: bool) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        return super()._open_sockets(bind=False)
+
+    @property
+    def input_addr(self) -> str:
+        return self.record.input_addr
+
+    @property
+    def output_addr(self) -> str:
+        return self.record.output_addr
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    @property
+    def incarnation(self) -> str:
+        return self.record.incarnation
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_reason is None
+
+    @property
+    def pid(self) -> int:
+        return self.record.pid
+
+    def mark_dead(self, reason: str) -> None:
+        """The instance is gone: fail every in-flight request and call now."""
+        self._mark_dead(reason)
+
+    async def close(self, drain_timeout_s: float = 0.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._mark_dead("the client was closed")
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            try:
+                await self._pump_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._release()
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    def _release(self) -> None:
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+    async def _pump(self) -> None:
+        try:
+            while self._dead_reason is None:
+                if await self._pull.poll(int(WATCH_INTERVAL_S * 1000)):
+                    await self._recv_pending()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken pump must not leave requests hanging
+            self._mark_dead(f"engine client failed: {type(e).__name__}: {e}")

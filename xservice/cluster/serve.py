@@ -1,0 +1,117 @@
+"""``xllm serve`` in cluster mode: store, registry, launched instances and the pool behind the app.
+
+Called by ``xservice.cli.serve`` when the config lists ``cluster.instances``. The service opens the
+metadata store (etcd, or the embedded store served to its engines over loopback ZMQ), starts the
+registry, launches the instances, waits until each registered, then serves HTTP over an
+``InstancePool``. A launched instance whose process exits is failed over at once (its lease
+would expire later anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from xservice.cluster.config import ClusterConfig
+from xservice.cluster.launchers import BaseLauncher, InstanceSpec, make_launcher
+from xservice.cluster.pool import InstancePool
+from xservice.cluster.registry import InstanceRegistry
+from xservice.cluster.store import BaseMetadataStore, StoreUnavailableError
+from xservice.config import XllmConfig
+from xservice.policies import make_policy
+
+logger = logging.getLogger(__name__)
+
+EXIT_WATCH_INTERVAL_S = 0.1
+
+ServeHttp = Callable[[XllmConfig, socket.socket, Any, Any, Any], Awaitable[int]]
+
+
+@contextlib.asynccontextmanager
+async def open_service_store(cluster: ClusterConfig) -> AsyncIterator[tuple[BaseMetadataStore, str]]:
+    """The service's store and the URL its engines use to reach it."""
+    if cluster.metadata_store == "etcd":
+        from xservice.cluster.store.etcd import EtcdStore
+
+        host, _, port = cluster.etcd_endpoint.rpartition(":")
+        store = EtcdStore(host or "127.0.0.1", int(port))
+        try:
+            yield store, cluster.store_url
+        finally:
+            await store.close()
+        return
+    from xservice.cluster.store.bridge import StoreBridgeServer
+    from xservice.cluster.store.embedded import EmbeddedStore
+
+    store = EmbeddedStore()
+    bridge = StoreBridgeServer(store, f"tcp://{cluster.engine_host}:0")
+    try:
+        yield store, f"embedded+{bridge.addr}"
+    finally:
+        await bridge.close()
+        await store.close()
+
+
+async def watch_exits(launcher: BaseLauncher, pool: InstancePool) -> None:
+    """Fail over an instance as soon as its launched process exits."""
+    reported: set[str] = set()
+    while True:
+        for name, handle in list(launcher.handles.items()):
+            code = await asyncio.to_thread(handle.exit_code) if not _is_local(handle) else handle.exit_code()
+            if code is not None and name not in reported:
+                reported.add(name)
+                print(f"xllm: instance {name} exited with code {code}", file=sys.stderr, flush=True)
+                pool.mark_dead(name, f"process exited with code {code}")
+            elif code is None:
+                reported.discard(name)
+        await asyncio.sleep(
+            EXIT_WATCH_INTERVAL_S if all(_is_local(h) for h in launcher.handles.values()) else 1.0
+        )
+
+
+def _is_local(handle: Any) -> bool:
+    return hasattr(handle, "proc")
+
+
+async def serve_cluster(
+    cfg: XllmConfig, sock: socket.socket, tokenizer: Any, serve_http: ServeHttp, phases: Any
+) -> int:
+    cl = cfg.cluster
+    async with open_service_store(cl) as (store, engine_store_url):
+        registry = InstanceRegistry(store, cl.key_prefix, cl.lease_ttl_s, cl.heartbeat_interval_s)
+        pool = InstancePool(
+            registry, make_policy(cl.routing_policy, cl.cache_match_weight), cl.migrate_on_failure
+        )
+        launcher: BaseLauncher | None = None
+        watcher: asyncio.Task | None = None
+        try:
+            try:
+                await registry.start()
+            except StoreUnavailableError as e:
+                from xservice.cli import CliError
+
+                raise CliError(f"{e}; start one (ci/etcd.sh start) or check cluster.etcd_endpoint") from e
+            launcher = await asyncio.to_thread(make_launcher, cl.launcher)
+            specs = cl.instance_specs()
+            for name, role in specs:
+                spec = InstanceSpec(
+                    name, role, cfg.engine, engine_store_url, cl.key_prefix, cl.engine_host, cl.lease_ttl_s,
+                    cl.heartbeat_interval_s,
+                )  # fmt: skip
+                await asyncio.to_thread(launcher.launch, spec)
+            print(f"xllm: launched {len(specs)} instance(s) with the {cl.launcher} launcher", file=sys.stderr)
+            watcher = asyncio.get_running_loop().create_task(watch_exits(launcher, pool))
+            await pool.wait_for([n for n, _ in specs], cl.instance_startup_timeout_s)
+            return await serve_http(cfg, sock, pool, tokenizer, phases)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            await pool.close()
+            if launcher is not None:
+                await asyncio.to_thread(launcher.stop_all)
+            await registry.close()

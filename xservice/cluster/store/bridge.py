@@ -1,0 +1,143 @@
+"""The embedded store over loopback ZMQ, so engine processes can register without etcd.
+
+``StoreBridgeServer`` (in the service) answers ``StoreCall`` frames against an ``EmbeddedStore``;
+``BridgeStoreClient`` (in an engine's cluster agent) implements the write side of
+``BaseMetadataStore`` with them. Watching stays in the service, next to the store.
+Frames are msgspec msgpack (never pickle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from xservice.cluster.store.base import BaseMetadataStore, StoreUnavailableError, WatchEvent
+
+CALL_TIMEOUT_S = 2.0
+
+
+class StoreCall(msgspec.Struct, kw_only=True):
+    op: str
+    key: str = ""
+    value: bytes = b""
+    lease: int | None = None
+    ttl_s: float = 0.0
+
+
+class StoreReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    value: bytes | None = None
+    number: int = 0
+    error: str | None = None
+
+
+class StoreBridgeServer:
+    """Serves ``store`` on a ROUTER socket bound to ``addr`` (``tcp://127.0.0.1:0`` picks a port)."""
+
+    def __init__(self, store: BaseMetadataStore, addr: str = "tcp://127.0.0.1:0") -> None:
+        self._store = store
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(addr)
+        self.addr = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._task = asyncio.get_running_loop().create_task(self._serve())
+        self._decoder = msgspec.msgpack.Decoder(StoreCall)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    async def _serve(self) -> None:
+        while True:
+            ident, _, frame = await self._sock.recv_multipart()
+            try:
+                reply = await self._answer(self._decoder.decode(frame))
+            except Exception as e:  # noqa: BLE001 - report to the caller
+                reply = StoreReply(ok=False, error=f"{type(e).__name__}: {e}")
+            await self._sock.send_multipart([ident, b"", self._encoder.encode(reply)])
+
+    async def _answer(self, call: StoreCall) -> StoreReply:
+        s = self._store
+        if call.op == "put":
+            return StoreReply(number=await s.put(call.key, call.value, call.lease))
+        if call.op == "create":
+            return StoreReply(ok=await s.create(call.key, call.value, call.lease))
+        if call.op == "get":
+            return StoreReply(value=await s.get(call.key))
+        if call.op == "delete":
+            return StoreReply(ok=await s.delete(call.key))
+        if call.op == "grant":
+            return StoreReply(number=await s.grant_lease(call.ttl_s))
+        if call.op == "keepalive":
+            return StoreReply(ok=await s.keepalive(call.lease or 0))
+        if call.op == "revoke":
+            await s.revoke(call.lease or 0)
+            return StoreReply()
+        return StoreReply(ok=False, error=f"unknown op {call.op!r}")
+
+    async def close(self) -> None:
+        self._task.cancel()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class BridgeStoreClient(BaseMetadataStore):
+    """Client of a ``StoreBridgeServer`` (no watch, no prefix reads: those stay in the service)."""
+
+    def __init__(self, addr: str) -> None:
+        self._addr = addr
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._lock = asyncio.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(StoreReply)
+
+    async def _call(self, call: StoreCall) -> StoreReply:
+        async with self._lock:
+            if self._sock is None:
+                self._sock = self._ctx.socket(zmq.REQ)
+                self._sock.setsockopt(zmq.LINGER, 0)
+                self._sock.connect(self._addr)
+            await self._sock.send(self._encoder.encode(call))
+            if not await self._sock.poll(int(CALL_TIMEOUT_S * 1000)):
+                self._sock.close(linger=0)  # a REQ socket without its reply is stuck: start over
+                self._sock = None
+                raise StoreUnavailableError(f"embedded store at {self._addr} did not answer")
+            reply = self._decoder.decode(await self._sock.recv())
+        if reply.error is not None:
+            raise ValueError(reply.error)
+        return reply
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        return (await self._call(StoreCall(op="put", key=key, value=value, lease=lease))).number
+
+    async def create(self, key: str, value: bytes, lease: int | None = None) -> bool:
+        return (await self._call(StoreCall(op="create", key=key, value=value, lease=lease))).ok
+
+    async def get(self, key: str) -> bytes | None:
+        return (await self._call(StoreCall(op="get", key=key))).value
+
+    async def delete(self, key: str) -> bool:
+        return (await self._call(StoreCall(op="delete", key=key))).ok
+
+    async def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
+        raise NotImplementedError("prefix reads go to the service's embedded store directly")
+
+    async def grant_lease(self, ttl_s: float) -> int:
+        return (await self._call(StoreCall(op="grant", ttl_s=ttl_s))).number
+
+    async def keepalive(self, lease: int) -> bool:
+        return (await self._call(StoreCall(op="keepalive", lease=lease))).ok
+
+    async def revoke(self, lease: int) -> None:
+        await self._call(StoreCall(op="revoke", lease=lease))
+
+    def watch_prefix(self, prefix: str, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+        raise NotImplementedError("watches go to the service's embedded store directly")
+
+    async def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,1 @@
+"""``xllm`` subcommands that live outside ``xservice/cli.py`` (each exposes ``register_*``)."""

@@ -1,0 +1,108 @@
+"""Routing policies: pick one instance for a request from snapshots (no I/O, deterministic).
+
+The caller passes only the candidates that may serve the request (healthy, right role), each with
+its load, and the request's prefix-cache match per instance (leading prompt blocks it holds).
+
+- ``round_robin``: the next candidate after the last pick, in name order.
+- ``least_load``: the lowest load; ties to the name.
+- ``cache_aware`` (MiMo §3.1 / xLLM §3.4): ``score = match_weight * matched_fraction - normalized_load``,
+  highest wins; ties to the lower load, then the name.
+
+Load is ``max(num_inflight, num_running + num_waiting)``: what this service routed and has not seen
+finish (exact, immediate), or what the engine last reported (includes other services' work).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class InstanceSnapshot:
+    name: str
+    role: str = "mixed"
+    num_inflight: int = 0  # service side: routed here and not finished
+    num_running: int = 0  # engine side, from the last heartbeat
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def load(self) -> int:
+        return max(self.num_inflight, self.num_running + self.num_waiting)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    num_blocks: int = 0  # full prompt blocks
+    matched_blocks: Mapping[str, int] | None = None  # instance -> leading blocks it holds
+
+
+class BaseRoutingPolicy(abc.ABC):
+    name: str = ""
+
+    @abc.abstractmethod
+    def select(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> str:
+        """The chosen instance's name; ``candidates`` is non-empty."""
+
+
+def _check(candidates: Sequence[InstanceSnapshot]) -> list[InstanceSnapshot]:
+    if not candidates:
+        raise ValueError("no candidate instances to route to")
+    return sorted(candidates, key=lambda c: c.name)
+
+
+class RoundRobinPolicy(BaseRoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._last: str | None = None
+
+    def select(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> str:
+        ordered = _check(candidates)
+        pick = next((c for c in ordered if self._last is None or c.name > self._last), ordered[0])
+        self._last = pick.name
+        return pick.name
+
+
+class LeastLoadPolicy(BaseRoutingPolicy):
+    name = "least_load"
+
+    def select(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> str:
+        return min(_check(candidates), key=lambda c: (c.load, c.kv_usage, c.name)).name
+
+
+class CacheAwarePolicy(BaseRoutingPolicy):
+    name = "cache_aware"
+
+    def __init__(self, match_weight: float = 2.0) -> None:
+        self.match_weight = match_weight
+
+    def scores(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> dict[str, float]:
+        ordered = _check(candidates)
+        max_load = max(c.load for c in ordered)
+        matched = request.matched_blocks or {}
+        out = {}
+        for c in ordered:
+            frac = matched.get(c.name, 0) / request.num_blocks if request.num_blocks else 0.0
+            norm_load = c.load / max_load if max_load > 0 else 0.0
+            out[c.name] = self.match_weight * frac - norm_load
+        return out
+
+    def select(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> str:
+        scores = self.scores(request, candidates)
+        return min(_check(candidates), key=lambda c: (-scores[c.name], c.load, c.name)).name
+
+
+POLICIES = ("round_robin", "least_load", "cache_aware")
+
+
+def make_policy(name: str, match_weight: float = 2.0) -> BaseRoutingPolicy:
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_load":
+        return LeastLoadPolicy()
+    if name == "cache_aware":
+        return CacheAwarePolicy(match_weight)
+    raise ValueError(f"unknown routing policy {name!r}; valid: {', '.join(POLICIES)}")

@@ -1,0 +1,1 @@
+"""Generative recommendation API: item catalogs and catalog-constrained beam search."""

@@ -1,0 +1,75 @@
+"""OpenAI Files API (batch input and output files): upload, list, retrieve, delete, content."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse
+
+from xservice.batch.multipart import parse_form
+from xservice.batch.service import BatchService, get_batch_service
+from xservice.errors import InvalidRequestError, NotFoundError, RequestTooLargeError
+
+router = APIRouter()
+
+PURPOSES = ("batch",)
+
+
+@router.post("/v1/files")
+async def create_file(request: Request, batch: BatchService = Depends(get_batch_service)) -> dict[str, Any]:
+    form = parse_form(await request.body(), request.headers.get("content-type", ""))
+    upload = form.get("file")
+    if upload is None or upload.filename is None:
+        raise InvalidRequestError("Missing the 'file' field (a file upload).", param="file")
+    purpose = form["purpose"].data.decode("utf-8", "replace") if "purpose" in form else None
+    if purpose not in PURPOSES:
+        raise InvalidRequestError(
+            f"'purpose' must be one of {list(PURPOSES)}, got {purpose!r}.", param="purpose"
+        )
+    limit = batch.config.max_file_bytes
+    if len(upload.data) > limit:
+        raise RequestTooLargeError(f"File of {len(upload.data)} bytes exceeds the limit of {limit} bytes.")
+    if not upload.data.strip():
+        raise InvalidRequestError("The file is empty.", param="file")
+    return await asyncio.to_thread(batch.store.add_file, upload.data, upload.filename, purpose)
+
+
+@router.get("/v1/files")
+async def list_files(purpose: str | None = None, batch: BatchService = Depends(get_batch_service)) -> Any:
+    data = batch.store.list_files(purpose)
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": False,
+    }
+
+
+def _file(batch: BatchService, file_id: str) -> dict[str, Any]:
+    obj = batch.store.get_file(file_id)
+    if obj is None:
+        raise NotFoundError(f"No such file: '{file_id}'.", param="file_id")
+    return obj
+
+
+@router.get("/v1/files/{file_id}")
+async def retrieve_file(file_id: str, batch: BatchService = Depends(get_batch_service)) -> dict[str, Any]:
+    return _file(batch, file_id)
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, batch: BatchService = Depends(get_batch_service)) -> dict[str, Any]:
+    if not batch.store.delete_file(file_id):
+        raise NotFoundError(f"No such file: '{file_id}'.", param="file_id")
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str, batch: BatchService = Depends(get_batch_service)) -> FileResponse:
+    obj = _file(batch, file_id)
+    return FileResponse(
+        batch.store.file_path(file_id), media_type="application/jsonl", filename=obj["filename"]
+    )
