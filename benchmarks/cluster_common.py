@@ -75,9 +75,13 @@ class LocalCluster:
             self.exit_watcher.cancel()
             self.exit_watcher = None
 
-    async def launch(self, names: list[str], timeout_s: float = 300.0) -> None:
+    async def launch(
+        self, names: list[str], timeout_s: float = 300.0, roles: dict[str, str] | None = None
+    ) -> None:
+        """Start instances ``names`` (role ``roles[name]``, default ``mixed``) and wait until registered."""
         for name in names:
-            spec = InstanceSpec(name, "mixed", self.engine, f"embedded+{self.bridge.addr}")
+            role = (roles or {}).get(name, "mixed")
+            spec = InstanceSpec(name, role, self.engine, f"embedded+{self.bridge.addr}")
             self.launcher.launch(spec)
         await self.pool.wait_for(names, timeout_s)
 

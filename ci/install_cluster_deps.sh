@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install what cluster mode needs: etcd 3.4 (Debian etcd-server), libibverbs1 (Mooncake transfer
-# engine, phase 2) and the Python clients aetcd + ray into .venv. Idempotent; fast when done.
+# Install what cluster mode needs: etcd 3.4 (Debian etcd-server), libibverbs1 (needed by the Mooncake
+# transfer engine) and, into .venv, the Python clients aetcd + ray and the Mooncake transfer engine
+# (mooncake-transfer-engine-non-cuda: PD KV transfer over TCP). Idempotent; fast when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VPY=${VPY:-.venv/bin/python}
@@ -21,4 +22,8 @@ if ! "$VPY" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('aetc
   echo "[cluster-deps] installing aetcd and ray into .venv" >&2
   "$VPY" -m pip install -q aetcd ray
 fi
-echo "[cluster-deps] ready: $(etcd --version 2>/dev/null | head -1), aetcd + ray in $VPY" >&2
+if ! "$VPY" -c "import importlib.util as u, sys; sys.exit(not u.find_spec('mooncake.engine'))" 2>/dev/null; then
+  echo "[cluster-deps] installing mooncake-transfer-engine-non-cuda into .venv" >&2
+  "$VPY" -m pip install -q mooncake-transfer-engine-non-cuda
+fi
+echo "[cluster-deps] ready: $(etcd --version 2>/dev/null | head -1), aetcd + ray + mooncake in $VPY" >&2

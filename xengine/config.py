@@ -75,7 +75,11 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str | None = _f(None, "cpu | cuda | npu (default: XLLM_DEVICE, then detection).")
-    num_threads: int | None = _f(None, "CPU intra-op threads for the engine (default: torch's choice).")
+    num_threads: int | None = _f(
+        None,
+        "CPU intra-op threads for the engine (default: all cores but one in an engine process that "
+        "serves HTTP, torch's choice in the offline API).",
+    )
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,17 @@ from memory.kv_layout import KVCacheSpec, PagedKVLayout
 from ops.platforms import resolve_platform, set_platform
 from xengine.beam.catalog import CatalogRegistry
 from xengine.config import EngineConfig
+from xengine.kv_transfer import KVTransferManager
 from xengine.loader import load_model
-from xengine.messages import AddRequest, CatalogInfo, CompletionDelta, EngineInfo, EngineStats
+from xengine.messages import (
+    AddRequest,
+    CatalogInfo,
+    CompletionDelta,
+    EngineInfo,
+    EngineStats,
+    KVExportInfo,
+    KVImportResult,
+)
 from xengine.models.info import read_model_info
 from xengine.request import PRIORITY_RANK, Request
 from xengine.runner.model_runner import ModelRunner
@@ -76,6 +85,7 @@ class Engine:
             config.model.seed,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, info.eos_token_ids)
+        self.kv_transfer = KVTransferManager(self.kv, kv_caches, spec)  # PD: Mooncake agent on first use
         self.vocab_size = info.vocab_size
         self.catalogs = CatalogRegistry(info.vocab_size)
         self.last_step_timing: StepTiming | None = None
@@ -193,6 +203,8 @@ class Engine:
     def step(self) -> list[CompletionDelta]:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.kv_transfer.num_pins:
+            self.kv_transfer.release_admitted(self.kv.block_tables)
         forward_s = 0.0
         if not plan.is_empty:
             out = self.runner.execute(plan)
@@ -249,7 +261,19 @@ class Engine:
             num_preemptions=s.num_preemptions,
             num_steps=self.num_steps,
             num_computed_prompt_tokens=s.num_computed_prompt_tokens,
+            num_kv_blocks_imported=self.kv_transfer.num_blocks_imported,
+            num_kv_bytes_imported=self.kv_transfer.num_bytes_imported,
         )
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ PD KV transfer
+    def kv_export(self, export_id: str, token_ids: list[int]) -> KVExportInfo:
+        return self.kv_transfer.export(export_id, token_ids)
+
+    def kv_import(self, source: KVExportInfo, token_ids: list[int], pin_id: str) -> KVImportResult:
+        return self.kv_transfer.import_(source, token_ids, pin_id)
+
+    def kv_release(self, pin_id: str) -> bool:
+        return self.kv_transfer.release(pin_id)

@@ -35,6 +35,9 @@ from xengine.messages import (
     CompletionDelta,
     EngineDead,
     EngineOutput,
+    KVExport,
+    KVImport,
+    KVRelease,
     Ready,
     RegisterCatalog,
     Shutdown,
@@ -171,6 +174,8 @@ class EngineProc:
             self.send(self._register_catalog(msg))
         elif isinstance(msg, Shutdown):
             self.begin_shutdown(msg.drain_timeout_s)
+        elif isinstance(msg, (KVExport, KVImport, KVRelease)):
+            self.send(self._kv_call(msg))
 
     def _add(self, req: AddRequest) -> None:
         if self._drain_deadline is not None:
@@ -204,6 +209,20 @@ class EngineProc:
             return UtilityResult(call_id=call.call_id, ok=False, error=f"{type(e).__name__}: {e}")
         return UtilityResult(call_id=call.call_id, ok=False, error=f"unknown utility method {call.method!r}")
 
+    def _kv_call(self, msg: KVExport | KVImport | KVRelease) -> UtilityResult:
+        """PD KV transfer (``xengine/kv_transfer.py``); a failure is reported, not fatal."""
+        try:
+            if isinstance(msg, KVExport):
+                info = self._engine.kv_export(msg.export_id, list(msg.token_ids))
+                return UtilityResult(call_id=msg.call_id, kv_export=info)
+            if isinstance(msg, KVImport):
+                result = self._engine.kv_import(msg.source, list(msg.token_ids), msg.pin_id)
+                return UtilityResult(call_id=msg.call_id, kv_import=result)
+            return UtilityResult(call_id=msg.call_id, ok=self._engine.kv_release(msg.export_id))
+        except Exception as e:  # noqa: BLE001
+            logger.error("%s failed:\n%s", type(msg).__name__, traceback.format_exc())
+            return UtilityResult(call_id=msg.call_id, ok=False, error=f"{type(e).__name__}: {e}")
+
     def _register_catalog(self, msg: RegisterCatalog) -> UtilityResult:
         try:
             info = self._engine.register_catalog(msg.name, msg.items)
@@ -225,12 +244,13 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
 
 
 def apply_num_threads(config: EngineConfig) -> None:
-    """Set the engine's intra-op threads through the platform, before the model loads."""
-    if config.device.num_threads is None:
-        return
+    """Set the engine's intra-op threads through the platform, before the model loads. Unset, an
+    engine process leaves room for the service it shares the host with."""
     from ops.platforms import resolve_platform
 
-    resolve_platform(config.device.device).set_num_threads(config.device.num_threads)
+    platform = resolve_platform(config.device.device)
+    num_threads = config.device.num_threads
+    platform.set_num_threads(num_threads if num_threads is not None else platform.serving_num_threads())
 
 
 def connect_sockets(ctx: zmq.Context, input_addr: str, output_addr: str) -> tuple[zmq.Socket, zmq.Socket]:

@@ -98,6 +98,9 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     try:
         apply_num_threads(config)
         engine = Engine(config)
+        if args.role in ("prefill", "decode"):  # register the KV memory with Mooncake up front
+            engine.kv_transfer.host = args.host
+            engine.kv_transfer.start()
         record = InstanceRecord(
             name=args.name,
             role=args.role,

@@ -214,7 +214,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     drain_timeout_s: float = 10.0
 
 
-EngineInput = Union[AddRequest, AbortRequests, UtilityCall, RegisterCatalog, Shutdown]
+# EngineInput (the union of every service -> engine message) is defined after the PD messages below.
 
 
 # ---------------------------------------------------------------- engine -> service
@@ -255,6 +255,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_preemptions: int = 0
     num_steps: int = 0
     num_computed_prompt_tokens: int = 0
+    # PD disaggregation (decode side): KV blocks pulled from prefill instances, and their bytes
+    num_kv_blocks_imported: int = 0
+    num_kv_bytes_imported: int = 0
 
 
 class EngineInfo(msgspec.Struct, kw_only=True):
@@ -285,6 +288,8 @@ class UtilityResult(msgspec.Struct, tag="result", kw_only=True):
     call_id: int
     stats: EngineStats | None = None
     catalogs: list[CatalogInfo] | None = None
+    kv_export: KVExportInfo | None = None
+    kv_import: KVImportResult | None = None
     ok: bool = True
     error: str | None = None
 
@@ -298,6 +303,62 @@ class EngineDead(msgspec.Struct, tag="dead"):
 
 
 EngineOutput = Union[StepOutputs, UtilityResult, Ready, EngineDead]
+
+
+# ---------------------------------------------------------------- PD disaggregation (KV transfer)
+
+
+class KVExportInfo(msgspec.Struct, kw_only=True):
+    """A prefill instance's pinned prompt blocks and where a peer reads them (Mooncake session)."""
+
+    session: str  # "host:rpc_port" of the exporter's transfer engine
+    layer_addrs: list[int]  # base address of each layer's registered KV tensor
+    num_blocks: int  # blocks per layer tensor (the exporter's pool size)
+    block_bytes: int  # bytes of one block of K (or V) in one layer
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_ids: list[int]  # the exporter's blocks holding the prompt's leading whole blocks
+
+
+class KVImportResult(msgspec.Struct, kw_only=True):
+    num_blocks: int  # leading whole prompt blocks now pinned on the importer
+    num_hit_blocks: int  # of those, already in its prefix cache (not transferred)
+    num_transferred_blocks: int
+    num_bytes: int
+    transfer_s: float
+
+
+class KVExport(msgspec.Struct, tag="kv_export", kw_only=True):
+    """Pin the cached whole blocks of ``token_ids`` under ``export_id``; answered with ``KVExportInfo``."""
+
+    call_id: int
+    export_id: str
+    token_ids: list[int]
+
+
+class KVImport(msgspec.Struct, tag="kv_import", kw_only=True):
+    """Pull the prompt blocks this instance lacks from ``source`` into its prefix cache and pin them
+    under ``pin_id`` until the request ``pin_id`` is admitted; answered with ``KVImportResult``."""
+
+    call_id: int
+    source: KVExportInfo
+    token_ids: list[int]
+    pin_id: str
+
+
+class KVRelease(msgspec.Struct, tag="kv_release", kw_only=True):
+    """Drop the pin ``export_id`` (an export or an import pin); unknown ids are ignored."""
+
+    call_id: int
+    export_id: str
+
+
+EngineInput = Union[
+    AddRequest, AbortRequests, UtilityCall, RegisterCatalog, Shutdown, KVExport, KVImport, KVRelease
+]
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:

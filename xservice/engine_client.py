@@ -38,6 +38,11 @@ from xengine.messages import (
     EngineInfo,
     EngineInput,
     EngineStats,
+    KVExport,
+    KVExportInfo,
+    KVImport,
+    KVImportResult,
+    KVRelease,
     Ready,
     RegisterCatalog,
     Shutdown,
@@ -307,6 +312,33 @@ class EngineClient:
         if not result.ok:
             raise RuntimeError(f"listing catalogs failed: {result.error}")
         return list(result.catalogs or [])
+
+    async def kv_export(self, export_id: str, token_ids: list[int], timeout_s: float = 30.0) -> KVExportInfo:
+        """PD, prefill side: pin the prompt's cached whole blocks under ``export_id`` and describe them."""
+        result = await self._call_msg(
+            lambda call_id: KVExport(call_id=call_id, export_id=export_id, token_ids=token_ids), timeout_s
+        )
+        if not result.ok or result.kv_export is None:
+            raise RuntimeError(f"KV export failed: {result.error}")
+        return result.kv_export
+
+    async def kv_import(
+        self, source: KVExportInfo, token_ids: list[int], pin_id: str, timeout_s: float = 60.0
+    ) -> KVImportResult:
+        """PD, decode side: pull the prompt blocks it lacks from ``source`` and pin them for ``pin_id``."""
+        result = await self._call_msg(
+            lambda call_id: KVImport(call_id=call_id, source=source, token_ids=token_ids, pin_id=pin_id),
+            timeout_s,
+        )
+        if not result.ok or result.kv_import is None:
+            raise RuntimeError(f"KV import failed: {result.error}")
+        return result.kv_import
+
+    async def kv_release(self, export_id: str, timeout_s: float = 5.0) -> bool:
+        """Drop a KV export (or import) pin; False when the engine had none under that id."""
+        return (
+            await self._call_msg(lambda call_id: KVRelease(call_id=call_id, export_id=export_id), timeout_s)
+        ).ok
 
     @property
     def is_alive(self) -> bool:

@@ -57,6 +57,11 @@ class Platform(ABC):
                 raise ValueError(f"num_threads must be >= 1, got {n}")
             torch.set_num_threads(n)
 
+    def serving_num_threads(self) -> int | None:
+        """Intra-op threads for an engine process that shares the host with the HTTP service
+        (``None``: keep torch's default)."""
+        return None
+
     def empty_cache(self) -> None:
         """Release cached, unused device memory back to the driver (no-op where there is none)."""
         return None

@@ -58,3 +58,21 @@ def test_make_policy_and_errors() -> None:
         make_policy("random")
     with pytest.raises(ValueError, match="no candidate"):
         LeastLoadPolicy().select(RouteRequest(), [])
+
+
+def test_pd_pairs_the_least_loaded_prefill_with_the_decode_holding_the_prompt() -> None:
+    from xservice.policies import PDPair, PDPolicy
+
+    snaps = [
+        InstanceSnapshot("p0", role="prefill", num_inflight=2),
+        InstanceSnapshot("p1", role="prefill", num_running=1),
+        InstanceSnapshot("d0", role="decode"),
+        InstanceSnapshot("d1", role="decode", num_inflight=1),
+        InstanceSnapshot("m0", role="mixed"),
+    ]
+    policy = PDPolicy(match_weight=2.0)
+    assert policy.select(RouteRequest(num_blocks=4), snaps) == PDPair("p1", "d0")  # no match: least load
+    held = RouteRequest(num_blocks=4, matched_blocks={"d1": 4, "p0": 4})
+    assert policy.select(held, snaps) == PDPair("p1", "d1")  # 2 * 1.0 - 1 beats 0 - 0
+    assert policy.select(held, snaps[2:]) == PDPair(None, "d1")  # no prefill: the caller runs it plain
+    assert policy.select(held, snaps[:2]) == PDPair("p1", None)

@@ -54,8 +54,11 @@ class ClusterConfig:
         for name, role in specs:
             if role not in ("mixed", "prefill", "decode"):
                 raise ValueError(f"cluster.instances: role of {name!r} must be mixed, prefill or decode")
-        if specs and not any(role == "mixed" for _, role in specs):
-            raise ValueError("cluster.instances: needs at least one 'mixed' instance (PD pairs: phase 2)")
+        roles = {role for _, role in specs}
+        if specs and "mixed" not in roles and not {"prefill", "decode"} <= roles:
+            raise ValueError(
+                "cluster.instances: needs at least one 'mixed' instance, or a 'prefill' and a 'decode' one"
+            )
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"cluster.launcher must be one of {', '.join(LAUNCHERS)}")
         if self.metadata_store not in STORES:

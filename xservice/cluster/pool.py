@@ -10,39 +10,53 @@ original request id, so the client sees one uninterrupted stream with no token l
 Migration covers ``n == 1`` requests (other requests fail with ``EngineDeadError`` as in single
 node). It is exact for greedy decoding; sampled requests continue with a fresh random stream, and
 frequency / presence penalties restart (the streamed tokens become prompt tokens).
-Phase 1 routes to ``mixed`` instances only; ``prefill`` / ``decode`` roles are registered and
-shown, and are reserved for PD pairs (phase 2).
+
+Plain requests go to ``mixed`` instances (to ``decode``, then ``prefill`` ones when there is no
+mixed one). When healthy ``prefill`` and ``decode`` instances exist, ``n == 1`` requests run PD
+disaggregated through ``PDDispatcher`` (``xservice/cluster/pd.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import msgspec
 
 from xengine.messages import AddRequest, CompletionDelta, EngineStats
 from xservice.cluster.kv_index import prompt_block_hashes
+from xservice.cluster.pd import PDDispatcher
 from xservice.cluster.registry import InstanceRegistry, InstanceState
 from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.engine_client import EngineDeadError
-from xservice.policies import BaseRoutingPolicy, InstanceSnapshot, RouteRequest
+from xservice.policies import BaseRoutingPolicy, InstanceSnapshot, PDPolicy, RouteRequest
 
 logger = logging.getLogger(__name__)
 
-ROUTABLE_ROLES = ("mixed",)
+# Role groups in order of preference: the first group with a healthy instance is routed to.
+PLAIN_ROLES: tuple[tuple[str, ...], ...] = (("mixed",), ("decode",), ("prefill",))
+DECODE_ROLES: tuple[tuple[str, ...], ...] = (("decode",), ("mixed",), ("prefill",))
 HANDSHAKE_ATTEMPTS = 60
 HANDSHAKE_TIMEOUT_S = 0.5
 
 
 class InstancePool:
-    def __init__(self, registry: InstanceRegistry, policy: BaseRoutingPolicy, migrate: bool = True) -> None:
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        policy: BaseRoutingPolicy,
+        migrate: bool = True,
+        pd_policy: PDPolicy | None = None,
+    ) -> None:
         self.registry = registry
         self.policy = policy
         self.migrate = migrate
+        self.pd = PDDispatcher(self, pd_policy or PDPolicy())
         self.clients: dict[str, RemoteEngineClient] = {}  # connected and answering
         self._pending: dict[str, RemoteEngineClient] = {}  # connected, handshake in progress
         self.num_routed: dict[str, int] = {}
@@ -147,15 +161,42 @@ class InstancePool:
             )
         return out
 
-    def route(self, prompt_token_ids: list[int]) -> RemoteEngineClient:
-        candidates = [s for s in self.snapshots() if s.role in ROUTABLE_ROLES]
+    def route(
+        self, prompt_token_ids: list[int], prefer: Sequence[Sequence[str]] = PLAIN_ROLES
+    ) -> RemoteEngineClient:
+        """An instance of the first role group in ``prefer`` that has a healthy one (routing policy)."""
+        snapshots = self.snapshots()
+        candidates: list[InstanceSnapshot] = []
+        for roles in prefer:
+            candidates = [s for s in snapshots if s.role in roles]
+            if candidates:
+                break
         if not candidates:
             raise EngineDeadError("no healthy engine instance to serve the request")
-        hashes = prompt_block_hashes(prompt_token_ids, self.info.block_size)
-        request = RouteRequest(num_blocks=len(hashes), matched_blocks=self.registry.kv_index.match(hashes))
-        return self.clients[self.policy.select(request, candidates)]
+        return self.clients[self.policy.select(self.route_request(prompt_token_ids), candidates)]
 
-    # ------------------------------------------------------------------ EngineClient interface
+    def route_request(self, prompt_token_ids: list[int]) -> RouteRequest:
+        """The prompt's whole-block count and, per instance, how many leading blocks it holds."""
+        hashes = prompt_block_hashes(prompt_token_ids, self.info.block_size)
+        return RouteRequest(num_blocks=len(hashes), matched_blocks=self.registry.kv_index.match(hashes))
+
+    @contextlib.contextmanager
+    def track(
+        self, req_id: str, client: RemoteEngineClient, sub_id: str, routed: bool = True
+    ) -> Iterator[None]:
+        """Count ``client``'s work on request ``req_id`` (sent there as ``sub_id``) while it runs
+        (``routed``: also as one more request routed to it)."""
+        name = client.name
+        self._inflight[name] = self._inflight.get(name, 0) + 1
+        if routed:
+            self.num_routed[name] = self.num_routed.get(name, 0) + 1
+        self._active[req_id] = (client, sub_id)
+        try:
+            yield
+        finally:
+            self._inflight[name] -= 1
+            if self._active.get(req_id, (None, None))[1] == sub_id:
+                del self._active[req_id]
 
     @property
     def info(self) -> Any:
@@ -164,42 +205,55 @@ class InstancePool:
         raise EngineDeadError("no engine instance registered yet")
 
     async def generate(self, req: AddRequest) -> AsyncIterator[CompletionDelta]:
-        """Route ``req`` and stream its deltas, migrating it if its instance dies (``n == 1``)."""
-        sub, generated, attempt = req, [], 0
+        """Route ``req`` (PD when possible) and stream its deltas, migrating it on failure (``n == 1``)."""
+        stream = self.pd.generate(req) if self.pd.applies(req) else self.stream(req, req, [])
+        async for delta in stream:
+            yield delta
+
+    async def stream(
+        self,
+        req: AddRequest,
+        sub: AddRequest,
+        generated: list[int],
+        prefer: Sequence[Sequence[str]] = PLAIN_ROLES,
+        client: RemoteEngineClient | None = None,
+        num_cached_tokens: int | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        """Stream ``sub`` (``req`` itself or its continuation after ``generated``) on ``client`` or a
+        routed instance; when that instance dies, continue on another one (recompute).
+
+        ``generated`` is extended with every token yielded; deltas carry ``req``'s id and prompt size
+        (and ``num_cached_tokens`` when given).
+        """
+        migrated = False
         while True:
-            client = self.route(sub.prompt_token_ids)
+            client = client or self.route(sub.prompt_token_ids, prefer)
             name = client.name
-            self._inflight[name] = self._inflight.get(name, 0) + 1
-            self.num_routed[name] = self.num_routed.get(name, 0) + 1
-            self._active[req.req_id] = (client, sub.req_id)
-            first = attempt > 0
             try:
-                async for delta in client.generate(sub):
-                    if first:
-                        self.last_migration_s = time.monotonic() - self._dead_at
-                        first = False
-                    if sub is not req:
-                        delta = self._as_original(delta, req)
-                    generated.extend(delta.new_token_ids)
-                    yield delta
+                with self.track(req.req_id, client, sub.req_id):
+                    async for delta in client.generate(sub):
+                        if migrated:
+                            self.last_migration_s = time.monotonic() - self._dead_at
+                            migrated = False
+                        if sub is not req:
+                            delta = self._as_original(delta, req, num_cached_tokens)
+                        generated.extend(delta.new_token_ids)
+                        yield delta
                 return
             except EngineDeadError:
                 if not self.migrate or req.params.n != 1 or self._closed:
                     raise
-                attempt += 1
-                sub = self._continuation(req, generated, attempt)
+                sub = self.continuation(req, generated, f"m{self.num_migrations + 1}")
                 if sub is None:
                     yield CompletionDelta(req_id=req.req_id, finish_reason="length")
                     return
                 self.num_migrations += 1
+                client, migrated = None, True
                 logger.info("migrating %s from %s after %d tokens", req.req_id, name, len(generated))
-            finally:
-                self._inflight[name] -= 1
-                self._active.pop(req.req_id, None)
 
     @staticmethod
-    def _continuation(req: AddRequest, generated: list[int], attempt: int) -> AddRequest | None:
-        """The same request resumed after ``generated`` (None when nothing is left to generate)."""
+    def continuation(req: AddRequest, generated: list[int], tag: str) -> AddRequest | None:
+        """The same request resumed after ``generated`` as ``<req_id>~<tag>`` (None: nothing left)."""
         p = req.params
         max_tokens = None if p.max_tokens is None else p.max_tokens - len(generated)
         if max_tokens is not None and max_tokens <= 0:
@@ -208,7 +262,7 @@ class InstancePool:
             p, max_tokens=max_tokens, min_tokens=max(0, p.min_tokens - len(generated)), prompt_logprobs=None
         )
         return AddRequest(
-            req_id=f"{req.req_id}~m{attempt}",
+            req_id=f"{req.req_id}~{tag}",
             prompt_token_ids=list(req.prompt_token_ids) + generated,
             params=params,
             priority=req.priority,
@@ -216,10 +270,13 @@ class InstancePool:
         )
 
     @staticmethod
-    def _as_original(delta: CompletionDelta, req: AddRequest) -> CompletionDelta:
+    def _as_original(
+        delta: CompletionDelta, req: AddRequest, num_cached_tokens: int | None = None
+    ) -> CompletionDelta:
         n = len(req.prompt_token_ids)
+        cached = delta.num_cached_tokens if num_cached_tokens is None else num_cached_tokens
         return msgspec.structs.replace(
-            delta, req_id=req.req_id, num_prompt_tokens=n, num_cached_tokens=min(delta.num_cached_tokens, n)
+            delta, req_id=req.req_id, num_prompt_tokens=n, num_cached_tokens=min(cached, n)
         )
 
     async def abort(self, req_ids: list[str]) -> None:
@@ -294,6 +351,9 @@ class InstancePool:
                     "num_kv_blocks_indexed": self.registry.kv_index.num_blocks(name),
                     "num_inflight": self._inflight.get(name, 0),
                     "num_routed": self.num_routed.get(name, 0),
+                    "kv_imported": dict(
+                        self.pd.imported.get(name, {"blocks": 0, "hit_blocks": 0, "bytes": 0})
+                    ),
                 }
             )
         return out
@@ -305,4 +365,5 @@ class InstancePool:
             "store_ok": self.registry.store_ok,
             "num_migrations": self.num_migrations,
             "num_stale_rejected": self.registry.num_stale_rejected,
+            "pd": dataclasses.asdict(self.pd.counters),
         }

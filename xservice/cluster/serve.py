@@ -23,7 +23,7 @@ from xservice.cluster.pool import InstancePool
 from xservice.cluster.registry import InstanceRegistry
 from xservice.cluster.store import BaseMetadataStore, StoreUnavailableError
 from xservice.config import XllmConfig
-from xservice.policies import make_policy
+from xservice.policies import PDPolicy, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,10 @@ async def serve_cluster(
     async with open_service_store(cl) as (store, engine_store_url):
         registry = InstanceRegistry(store, cl.key_prefix, cl.lease_ttl_s, cl.heartbeat_interval_s)
         pool = InstancePool(
-            registry, make_policy(cl.routing_policy, cl.cache_match_weight), cl.migrate_on_failure
+            registry,
+            make_policy(cl.routing_policy, cl.cache_match_weight),
+            cl.migrate_on_failure,
+            PDPolicy(cl.cache_match_weight),
         )
         launcher: BaseLauncher | None = None
         watcher: asyncio.Task | None = None

@@ -1,5 +1,6 @@
-"""Pure, I/O-free service policies over snapshots (routing; PD pairing comes with phase 2)."""
+"""Pure, I/O-free service policies over snapshots: routing and PD pairing."""
 
+from xservice.policies.pd import PDPair, PDPolicy
 from xservice.policies.routing import (
     POLICIES,
     BaseRoutingPolicy,
@@ -17,6 +18,8 @@ __all__ = [
     "CacheAwarePolicy",
     "InstanceSnapshot",
     "LeastLoadPolicy",
+    "PDPair",
+    "PDPolicy",
     "RoundRobinPolicy",
     "RouteRequest",
     "make_policy",

@@ -1,0 +1,202 @@
+"""PD disaggregation end to end: ``xllm serve`` with 2 prefill + 2 decode real engine instances, the
+prompt KV moving over a real Mooncake transfer engine (TCP, loopback), the embedded metadata store.
+
+In file order: a batch through PD equals one colocated engine (and KV really moved); a follow-up
+sharing a prefix transfers fewer blocks (decode-side prefix hit); ``kill -9`` of a decode instance
+mid-stream (migration); ``kill -9`` of a prefill instance holding requests (re-dispatch); with no
+prefill instance left requests run whole on the decode instance. Greedy outputs always equal the
+colocated engine's: no token lost or repeated.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from test_cluster_serving import ENGINE, ClusterServer, complete, wait_until
+
+pytest.importorskip("mooncake.engine")
+
+INSTANCES = "prefill-0:prefill,prefill-1:prefill,decode-0:decode,decode-1:decode"
+SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank. "
+BATCH = [f"Prompt {i}: " + SENTENCE * (i % 4 + 1) for i in range(6)] + [
+    "Hi",
+    "Shared system prompt. " * 8 + "First question?",
+]
+SHARED = "You are a careful assistant who answers briefly. " * 7
+STREAMS = [f"Stream {i}: once upon a time in a land far away there lived a" for i in range(4)]
+BATCH_TOKENS, STREAM_TOKENS = 24, 48
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path) -> Iterator[ClusterServer]:
+    server = ClusterServer(
+        model_dir,
+        {
+            "instances": INSTANCES,
+            "metadata_store": "embedded",
+            "lease_ttl_s": 3.0,
+            "heartbeat_interval_s": 0.5,
+        },
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> dict[str, str]:
+    """Greedy texts of one colocated offline ``LLM`` with the instances' settings."""
+    from xengine.llm import LLM
+    from xengine.messages import SamplingParams
+
+    llm = LLM(
+        model=str(model_dir),
+        max_model_len=ENGINE["model"]["max_model_len"],
+        seed=ENGINE["model"]["seed"],
+        block_size=ENGINE["cache"]["block_size"],
+        num_blocks=ENGINE["cache"]["num_blocks"],
+        device="cpu",
+        num_threads=1,
+    )
+    out = {}
+    prompts = [(p, BATCH_TOKENS) for p in BATCH + [SHARED + "Question A?", SHARED + "Question B?"]]
+    for prompt, n in prompts + [(p, STREAM_TOKENS) for p in STREAMS]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        out[prompt] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    del llm
+    gc.collect()
+    return out
+
+
+def _parallel(fn, items: list[Any]) -> list[Any]:
+    results: list[Any] = [None] * len(items)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(items[i])
+        except Exception as e:  # noqa: BLE001 - reported by the caller's assertions
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    return results
+
+
+def _kv_imported(cluster: ClusterServer) -> dict[str, dict[str, int]]:
+    return {n: i["kv_imported"] for n, i in cluster.instances().items() if i["role"] == "decode"}
+
+
+def test_pd_batch_is_token_identical_to_a_colocated_engine(cluster: ClusterServer, expected) -> None:
+    client = cluster.openai()
+    outs = _parallel(lambda p: complete(client, p, BATCH_TOKENS), BATCH)
+    for prompt, out in zip(BATCH, outs):
+        assert not isinstance(out, Exception), out
+        assert out.choices[0].text == expected[prompt], f"{prompt!r} differs"
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == BATCH_TOKENS
+    admin = cluster.admin()
+    assert admin["pd"]["num_requests"] >= len(BATCH) and admin["pd"]["num_fallbacks"] == 0
+    imported = _kv_imported(cluster)
+    assert sum(c["blocks"] for c in imported.values()) >= 8  # the long prompts' whole blocks moved
+    assert sum(c["bytes"] for c in imported.values()) > 0
+    routed = {n: i["num_routed"] for n, i in cluster.instances().items()}
+    assert all(routed[n] > 0 for n in routed)  # both prefill and both decode instances served
+
+
+def test_decode_side_prefix_hit_transfers_fewer_blocks(cluster: ClusterServer, expected) -> None:
+    client = cluster.openai()
+    before = _kv_imported(cluster)
+    first = complete(client, SHARED + "Question A?", BATCH_TOKENS)
+    assert first.choices[0].text == expected[SHARED + "Question A?"]
+    mid = _kv_imported(cluster)
+    holder = next(n for n in mid if mid[n]["blocks"] > before[n]["blocks"])
+    num_first = mid[holder]["blocks"] - before[holder]["blocks"]
+    assert num_first >= 6
+    # the decode instance's KV events reach the service's index; cache-aware pairing then picks it
+    wait_until(lambda: cluster.instances()[holder]["num_kv_blocks_indexed"] >= num_first, what="KV events")
+    second = complete(client, SHARED + "Question B?", BATCH_TOKENS)
+    assert second.choices[0].text == expected[SHARED + "Question B?"]
+    after = _kv_imported(cluster)
+    hits = after[holder]["hit_blocks"] - mid[holder]["hit_blocks"]
+    moved = after[holder]["blocks"] - mid[holder]["blocks"]
+    assert hits >= num_first - 1 and moved < num_first  # the shared prefix stayed on the decode side
+
+
+def _stream(client: openai.OpenAI, prompt: str, chunks: list[str]) -> str | None:
+    finish = None
+    for chunk in complete(client, prompt, STREAM_TOKENS, stream=True):
+        chunks.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+    return finish
+
+
+def _run_streams_killing(cluster: ClusterServer, kill) -> list[str]:
+    """Stream every prompt of ``STREAMS`` while ``kill(chunks)`` kills an instance; the texts."""
+    client = cluster.openai()
+    chunks: list[list[str]] = [[] for _ in STREAMS]
+    results: list[Any] = [None] * len(STREAMS)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _stream(client, STREAMS[i], chunks[i])
+        except Exception as e:  # noqa: BLE001
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(STREAMS))]
+    [t.start() for t in threads]
+    kill(chunks)
+    [t.join(120) for t in threads]
+    assert results == ["length"] * len(STREAMS), results
+    return ["".join(c) for c in chunks]
+
+
+def test_kill_9_of_a_decode_instance_mid_stream_migrates(cluster: ClusterServer, expected) -> None:
+    before = cluster.admin()["num_migrations"]
+    victim: dict[str, Any] = {}
+
+    def kill(chunks: list[list[str]]) -> None:
+        wait_until(lambda: all(len(c) >= 3 for c in chunks), 60, "streams to start")
+        decodes = [i for i in cluster.instances().values() if i["role"] == "decode"]
+        victim.update(max(decodes, key=lambda i: i["num_inflight"]))
+        assert victim["num_inflight"] > 0
+        os.kill(victim["pid"], signal.SIGKILL)
+
+    texts = _run_streams_killing(cluster, kill)
+    assert texts == [expected[p] for p in STREAMS]
+    assert cluster.admin()["num_migrations"] > before
+    wait_until(lambda: victim["name"] not in cluster.instances(), 10, "the dead decode instance to go")
+
+
+def test_kill_9_of_a_prefill_instance_re_dispatches_its_prefills(cluster: ClusterServer, expected) -> None:
+    before = cluster.admin()["pd"]["num_prefill_retries"]
+    victim = cluster.instances()["prefill-0"]
+    os.kill(victim["pid"], signal.SIGSTOP)  # frozen: requests routed to it wait in its prefill
+
+    def kill(chunks: list[list[str]]) -> None:
+        try:
+            wait_until(lambda: cluster.instances()["prefill-0"]["num_inflight"] > 0, 10, "a stuck prefill")
+        finally:
+            os.kill(victim["pid"], signal.SIGKILL)
+
+    texts = _run_streams_killing(cluster, kill)
+    assert texts == [expected[p] for p in STREAMS]
+    assert cluster.admin()["pd"]["num_prefill_retries"] > before
+    wait_until(lambda: "prefill-0" not in cluster.instances(), 10, "the dead prefill instance to go")
+
+
+def test_without_prefill_instances_requests_run_whole_on_a_decode_instance(
+    cluster: ClusterServer, expected
+) -> None:
+    os.kill(cluster.instances()["prefill-1"]["pid"], signal.SIGKILL)
+    wait_until(lambda: "prefill-1" not in cluster.instances(), 10, "the last prefill instance to go")
+    client = cluster.openai()
+    outs = _parallel(lambda p: complete(client, p, BATCH_TOKENS), BATCH[:3])
+    assert [o.choices[0].text for o in outs] == [expected[p] for p in BATCH[:3]]
+    assert [i["role"] for i in cluster.instances().values()] == ["decode"]

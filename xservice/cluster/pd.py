@@ -1,0 +1,246 @@
+"""PD disaggregation, service side: run a request's prefill on a prefill instance and its decode on a
+decode instance, moving the prompt's KV between them with the Mooncake transfer engine.
+
+Per request (``n == 1``, no beam search), with ``PDPolicy`` choosing the instances:
+
+1. **prefill**: send the request to a prefill instance P with ``max_tokens = 1``. Its one token is
+   streamed to the client at once (TTFT). If it ends the request (EOS, stop, ``max_tokens == 1``)
+   we are done.
+2. **export**: ``kv_export`` on P pins the prompt's whole blocks (from P's prefix cache) and returns
+   their ids and P's Mooncake session.
+3. **import**: ``kv_import`` on a decode instance D pulls the blocks D does not already hold into
+   D's prefix cache (batched one-sided reads) and pins them for the decode request.
+4. **decode**: ``kv_release`` on P, then D gets prompt + first token as its prompt with
+   ``max_tokens - 1``; the prompt's whole blocks are prefix-cache hits there, so D recomputes only
+   the partial last block and the first token. Its deltas are streamed under the original id.
+
+Failures: P dies before its token → the prefill is re-dispatched to another prefill instance
+(none left: the whole request runs on a decode instance, plain). P dies (or the transfer fails)
+after the token but before D imported → the prefill is redone on another prefill instance for its
+KV (none left: D recomputes the prompt). D dies during the import → another decode instance imports.
+D dies while decoding → the pool's migration (prompt + streamed tokens, recompute). Every path
+yields each token exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from xengine.messages import AddRequest, CompletionDelta, KVExportInfo
+from xservice.engine_client import EngineDeadError
+from xservice.policies import PDPolicy
+
+if TYPE_CHECKING:
+    from xservice.cluster.pool import InstancePool
+    from xservice.cluster.remote_engine import RemoteEngineClient
+
+logger = logging.getLogger(__name__)
+
+KV_CALL_TIMEOUT_S = 60.0
+MAX_KV_ATTEMPTS = 3  # exports / imports tried before the decode side recomputes the prompt instead
+_KV_ERRORS = (EngineDeadError, RuntimeError, TimeoutError, asyncio.TimeoutError)
+
+
+@dataclass
+class _Export:
+    client: RemoteEngineClient
+    export_id: str
+    info: KVExportInfo
+
+
+@dataclass
+class PDCounters:
+    num_requests: int = 0  # requests that ran PD disaggregated
+    num_prefill_retries: int = 0  # prefills re-dispatched or redone after a prefill instance failed
+    num_fallbacks: int = 0  # requests (or decode halves) that ran without a KV transfer
+
+
+class PDDispatcher:
+    def __init__(self, pool: InstancePool, policy: PDPolicy) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.counters = PDCounters()
+        self.imported: dict[str, dict[str, int]] = {}  # decode instance -> KV import counters
+
+    def applies(self, req: AddRequest) -> bool:
+        """PD needs a healthy prefill and decode instance; ``n > 1`` and beam search run plain."""
+        if req.params.n != 1 or req.params.use_beam_search:
+            return False
+        roles = {s.role for s in self.pool.snapshots()}
+        return "prefill" in roles and "decode" in roles
+
+    # ------------------------------------------------------------------ the request
+
+    async def generate(self, req: AddRequest) -> AsyncIterator[CompletionDelta]:
+        from xservice.cluster.pool import DECODE_ROLES
+
+        pool, generated = self.pool, []
+        self.counters.num_requests += 1
+        prefill = await self._first_token(req)
+        if prefill is None:  # no prefill instance left: the whole request on a decode instance
+            self.counters.num_fallbacks += 1
+            async for delta in pool.stream(req, req, generated, DECODE_ROLES):
+                yield delta
+            return
+        delta, client = prefill
+        generated.extend(delta.new_token_ids)
+        done = delta.finish_reason is not None
+        cached = delta.num_cached_tokens
+        yield delta
+        if done:
+            return
+        export = await self._export(req, client)
+        decode, sub_id = await self._import(req, export)
+        sub = pool.continuation(req, generated, sub_id)
+        assert sub is not None  # the first token did not finish the request
+        async for delta in pool.stream(req, sub, generated, DECODE_ROLES, decode, cached):
+            yield delta
+
+    async def _first_token(self, req: AddRequest) -> tuple[CompletionDelta, RemoteEngineClient] | None:
+        """Prefill ``req`` on a prefill instance for its first token; None when none is left.
+
+        The returned delta carries the token, and a finish reason only if the request ends there.
+        """
+        p = req.params
+        params = msgspec.structs.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
+        for attempt in itertools.count(1):
+            client = self._pick_prefill()
+            if client is None:
+                return None
+            sub = msgspec.structs.replace(req, req_id=f"{req.req_id}~p{attempt}", params=params)
+            try:
+                deltas = await self._run(req, client, sub)
+            except EngineDeadError:
+                if not self.pool.migrate:
+                    raise
+                self.counters.num_prefill_retries += 1
+                logger.info("prefill of %s lost with %s; re-dispatching", req.req_id, client.name)
+                continue
+            tokens = [t for d in deltas for t in d.new_token_ids]
+            last = deltas[-1]
+            reason = last.finish_reason
+            room = len(req.prompt_token_ids) + 1 < client.info.max_model_len
+            if reason == "length" and (p.max_tokens is None or p.max_tokens > 1) and tokens and room:
+                reason = None  # only our max_tokens=1 ended it: the decode instance continues
+            delta = msgspec.structs.replace(
+                last, req_id=req.req_id, new_token_ids=tokens, finish_reason=reason,
+                stop_reason=last.stop_reason if reason else None,
+                new_logprobs=_joined(deltas, "new_logprobs"), new_top_logprobs=_joined(deltas, "new_top_logprobs"),
+            )  # fmt: skip
+            return delta, client
+        raise AssertionError("unreachable")
+
+    async def _run(
+        self, req: AddRequest, client: RemoteEngineClient, sub: AddRequest
+    ) -> list[CompletionDelta]:
+        with self.pool.track(req.req_id, client, sub.req_id):
+            return [d async for d in client.generate(sub)]
+
+    # ------------------------------------------------------------------ KV handoff
+
+    async def _export(self, req: AddRequest, client: RemoteEngineClient | None) -> _Export | None:
+        """Pin the prompt's KV on ``client`` (or, after a failure, on a prefill instance that redoes the
+        prefill for it); None when no prefill instance can provide it (the decode side recomputes)."""
+        kv_only = msgspec.structs.replace(req.params, max_tokens=1, min_tokens=0, logprobs=None)
+        for attempt in range(1, MAX_KV_ATTEMPTS + 1):
+            if client is None:
+                client = self._pick_prefill()
+                if client is None:
+                    return None
+                sub = msgspec.structs.replace(req, req_id=f"{req.req_id}~r{attempt}", params=kv_only)
+                try:
+                    await self._run(req, client, sub)  # recompute the prompt's KV; the token is known
+                except EngineDeadError:
+                    client = None
+                    continue
+            export_id = f"{req.req_id}~x{attempt}"
+            try:
+                info = await client.kv_export(export_id, list(req.prompt_token_ids), KV_CALL_TIMEOUT_S)
+                return _Export(client, export_id, info)
+            except _KV_ERRORS as e:
+                logger.info(
+                    "KV export of %s from %s failed (%s); redoing the prefill", req.req_id, client.name, e
+                )
+                self.counters.num_prefill_retries += 1
+                client = None
+        return None
+
+    async def _import(self, req: AddRequest, export: _Export | None) -> tuple[RemoteEngineClient | None, str]:
+        """Pull the exported KV into a decode instance; returns it (None: route later) and the
+        decode request's id (its import pin)."""
+        num_failed = 0
+        try:
+            for attempt in itertools.count(1):
+                decode = self._pick_decode(req)
+                sub_id = f"d{attempt}"
+                if export is None or decode is None:
+                    self.counters.num_fallbacks += 1
+                    return decode, sub_id
+                pin_id = f"{req.req_id}~{sub_id}"
+                try:
+                    with self.pool.track(req.req_id, decode, pin_id, routed=False):
+                        result = await decode.kv_import(
+                            export.info, list(req.prompt_token_ids), pin_id, KV_CALL_TIMEOUT_S
+                        )
+                except EngineDeadError:
+                    continue  # the decode instance died: another one imports
+                except _KV_ERRORS as e:  # the source is gone or broken: redo the prefill elsewhere
+                    logger.info("KV import of %s into %s failed (%s)", req.req_id, decode.name, e)
+                    self._release(export)
+                    num_failed += 1
+                    self.counters.num_prefill_retries += 1
+                    retry = num_failed < MAX_KV_ATTEMPTS and self._pick_prefill(not_=export.client)
+                    export = await self._export(req, None) if retry else None
+                    continue
+                self._release(export)
+                export = None
+                self._count_import(
+                    decode.name, result.num_transferred_blocks, result.num_hit_blocks, result.num_bytes
+                )
+                return decode, sub_id
+        finally:
+            if export is not None:  # cancelled (client gone) or failed: P's pin is not needed
+                self._release(export)
+        raise AssertionError("unreachable")
+
+    def _count_import(self, name: str, blocks: int, hit_blocks: int, num_bytes: int) -> None:
+        counts = self.imported.setdefault(name, {"blocks": 0, "hit_blocks": 0, "bytes": 0})
+        counts["blocks"] += blocks
+        counts["hit_blocks"] += hit_blocks
+        counts["bytes"] += num_bytes
+
+    def _release(self, export: _Export) -> None:
+        """Drop P's export pin in the background (it also expires on P by itself)."""
+
+        async def release() -> None:
+            try:
+                await export.client.kv_release(export.export_id)
+            except _KV_ERRORS:
+                pass
+
+        if export.client.is_alive:
+            asyncio.get_running_loop().create_task(release())
+
+    # ------------------------------------------------------------------ instance choice
+
+    def _pick_prefill(self, not_: RemoteEngineClient | None = None) -> RemoteEngineClient | None:
+        snapshots = [s for s in self.pool.snapshots() if not_ is None or s.name != not_.name]
+        name = self.policy.select_prefill(snapshots)
+        return self.pool.clients[name] if name is not None else None
+
+    def _pick_decode(self, req: AddRequest) -> RemoteEngineClient | None:
+        request = self.pool.route_request(req.prompt_token_ids)
+        name = self.policy.select_decode(request, self.pool.snapshots())
+        return self.pool.clients[name] if name is not None else None
+
+
+def _joined(deltas: list[CompletionDelta], field: str) -> list | None:
+    parts = [getattr(d, field) for d in deltas if getattr(d, field) is not None]
+    return [x for part in parts for x in part] if parts else None
