@@ -2,12 +2,18 @@
 
 ``python -m xengine.engine_server --config-json JSON --name N --role mixed --store URL``
 
-Used by the cluster launchers (local subprocess or Ray actor). Unlike ``engine_proc`` (which
-connects to sockets its one service bound), this process binds a PULL socket (inputs) and a PUSH
-socket (outputs) on ``--host`` with free ports, and advertises them, its role, its engine info and
+Used by the cluster launchers (local subprocess or Ray actor) and by ``xllm engine`` (a standalone
+instance that outlives any service). Unlike ``engine_proc`` (which connects to sockets its one
+service bound), this process binds a PULL socket (inputs) and a PUSH socket (outputs) on ``--host``
+(free ports, or ``--port`` and ``--port + 1``), and advertises them, its role, its engine info and
 a fresh incarnation id in the store through a ``ClusterAgent``; services discover it there and
 connect. The I/O loop is ``engine_proc.EngineProc``'s; frames to a service that went away are
 dropped instead of blocking the engine.
+
+One service at a time: a service's first frame is ``Hello(service_id)``. A hello from another
+service id than the current one (the previous service died and a new one took over) aborts every
+request the engine still runs for other services and drops their remaining outputs, so a
+restarted service neither waits on nor sees its predecessor's requests.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import zmq
 from xengine.cluster_agent import ClusterAgent
 from xengine.config import EngineConfig, from_dict
 from xengine.engine_proc import SEND_LINGER_MS, EngineProc, apply_num_threads, set_parent_death_signal
-from xengine.messages import AddRequest, CompletionDelta, EngineOutput
+from xengine.messages import AddRequest, CompletionDelta, EngineOutput, Hello, StepOutputs
 
 logger = logging.getLogger("xengine.engine_server")
 
@@ -69,21 +75,66 @@ class _ObservedEngine:
 
 
 class ServedEngineProc(EngineProc):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.service_id: str | None = None  # the service of the last Hello (None: none said hello)
+        self._owner: dict[str, str | None] = {}  # req_id -> service id that added it (while unfinished)
+        self._orphans: set[str] = set()  # aborted requests of a previous service: outputs dropped
+        self.num_orphans_aborted = 0
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, Hello):
+            self._hello(msg.service_id)
+        else:
+            super()._handle(msg)
+
+    def _hello(self, service_id: str) -> None:
+        if service_id == self.service_id:
+            return
+        orphans = [r for r in self._num_unfinished if self._owner.get(r) != service_id]
+        logger.info(
+            "service %s connected (previous: %s); aborting %d request(s) of previous services",
+            service_id, self.service_id, len(orphans),
+        )  # fmt: skip
+        self.service_id = service_id
+        if orphans:
+            self._engine.abort_requests(orphans)
+            self._orphans.update(orphans)
+            self.num_orphans_aborted += len(orphans)
+            self._need_step = True
+
+    def _add(self, req: AddRequest) -> None:
+        super()._add(req)
+        if req.req_id in self._num_unfinished:
+            self._owner[req.req_id] = self.service_id
+
     def send(self, msg: EngineOutput) -> None:
+        if isinstance(msg, StepOutputs) and self._owner:
+            deltas = msg.deltas
+            if self._orphans:
+                deltas = [d for d in deltas if d.req_id not in self._orphans]
+                self._orphans.intersection_update(self._num_unfinished)
+            for d in msg.deltas:
+                if d.finish_reason is not None and d.req_id not in self._num_unfinished:
+                    self._owner.pop(d.req_id, None)
+            if not deltas:
+                return
+            msg = StepOutputs(deltas) if deltas is not msg.deltas else msg
         try:
             self._out.send(self._encoder.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("no service connected: dropped a %s frame", type(msg).__name__)
 
 
-def bind_sockets(ctx: zmq.Context, host: str) -> tuple[zmq.Socket, zmq.Socket, str, str]:
+def bind_sockets(ctx: zmq.Context, host: str, port: int = 0) -> tuple[zmq.Socket, zmq.Socket, str, str]:
+    """Input (PULL) on ``port``, output (PUSH) on ``port + 1``; free ports when ``port`` is 0."""
     inp = ctx.socket(zmq.PULL)
     inp.setsockopt(zmq.RCVHWM, 0)
-    inp.bind(f"tcp://{host}:0")
+    inp.bind(f"tcp://{host}:{port}")
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.SNDHWM, 0)
     out.setsockopt(zmq.LINGER, SEND_LINGER_MS)
-    out.bind(f"tcp://{host}:0")
+    out.bind(f"tcp://{host}:{port + 1 if port else 0}")
     addrs = [s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in (inp, out)]
     return inp, out, addrs[0], addrs[1]
 
@@ -93,7 +144,7 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     from xservice.cluster.keys import InstanceRecord
 
     ctx = zmq.Context()
-    inp, out, input_addr, output_addr = bind_sockets(ctx, args.host)
+    inp, out, input_addr, output_addr = bind_sockets(ctx, args.host, getattr(args, "port", 0) or 0)
     agent = None
     try:
         apply_num_threads(config)
@@ -142,6 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--store", required=True, help="etcd://HOST:PORT or embedded+tcp://HOST:PORT")
     p.add_argument("--key-prefix", default="/xllm", help="Key prefix in the metadata store.")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind the ZMQ sockets to.")
+    p.add_argument("--port", type=int, default=0, help="Input port (output: port + 1); 0: free ports.")
     p.add_argument("--lease-ttl-s", type=float, default=3.0, help="Registration lease TTL.")
     p.add_argument("--heartbeat-interval-s", type=float, default=0.5, help="Heartbeat period.")
     p.add_argument(

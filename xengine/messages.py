@@ -371,3 +371,17 @@ def make_input_decoder() -> msgspec.msgpack.Decoder:
 
 def make_output_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(EngineOutput)
+
+
+# ---------------------------------------------------------------- service identity (cluster mode)
+
+
+class Hello(msgspec.Struct, tag="hello", kw_only=True):
+    """First frame a service sends a standalone engine (``engine_server``) it connects to. An engine
+    serves one service at a time: a hello from a new ``service_id`` (the previous service died or
+    was replaced) aborts every request of other services, whose outputs are then dropped."""
+
+    service_id: str
+
+
+EngineInput = Union[EngineInput, Hello]  # type: ignore[misc]  # Union flattens: Hello joins the inputs

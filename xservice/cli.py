@@ -1,4 +1,4 @@
-"""The ``xllm`` command line: ``serve``, ``chat``, ``model make-tiny``.
+"""The ``xllm`` command line: ``serve``, ``chat``, ``model make-tiny``, ``batch``, ``engine``.
 
 Each subcommand is a ``register(subparsers)`` function that adds its parser and sets
 ``run=<function(args) -> int>``; add new ones to ``COMMANDS``. User errors raise ``CliError``:
@@ -418,6 +418,7 @@ def _error_message(text: str) -> str:
 
 
 from xservice.commands.batch import register_batch, register_run_batch  # noqa: E402  (imports this module lazily)
+from xservice.commands.engine import register_engine  # noqa: E402  (imports this module lazily)
 
 COMMANDS: tuple[Callable[[Any], None], ...] = (
     register_serve,
@@ -425,4 +426,5 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     register_model,
     register_batch,
     register_run_batch,
+    register_engine,
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 
@@ -70,3 +71,14 @@ async def batch_lifespan(app: FastAPI) -> AsyncIterator[None]:
 def get_batch_service(request: Request) -> BatchService:
     """FastAPI dependency: the app's ``BatchService``."""
     return request.app.state.batch
+
+
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """An OpenAI list object (files, batches) with its paging cursors."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }

@@ -2,6 +2,8 @@
 
 With ``instances`` empty (the default) ``xllm serve`` runs the single-node service over one
 engine it spawns itself; otherwise it serves the listed instances through the instance pool.
+With ``launcher: external`` it launches nothing and serves whatever instances registered in etcd
+(standalone ``xllm engine`` processes that outlive the service).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from xengine.config import _f
 
 STORES = ("embedded", "etcd")
-LAUNCHERS = ("local", "ray")
+LAUNCHERS = ("local", "ray", "external")
 
 
 @dataclass(frozen=True)
@@ -19,9 +21,15 @@ class ClusterConfig:
     instances: str = _f(
         "",
         "Engine instances to launch, comma-separated 'name:role' (role: mixed, prefill, decode), e.g. "
-        "'engine-0:mixed,engine-1:mixed'. Empty: single-node mode.",
+        "'engine-0:mixed,engine-1:mixed'. Empty: single-node mode (unless launcher is 'external'). With "
+        "launcher 'external': the names to wait for before serving (roles come from their registrations).",
     )
-    launcher: str = _f("local", "How instances are started: 'local' (subprocesses) or 'ray' (Ray actors).")
+    launcher: str = _f(
+        "local",
+        "How instances are started: 'local' (subprocesses, they die with the service), 'ray' (Ray actors) "
+        "or 'external' (none: serve the instances registered in etcd by 'xllm engine', which outlive the "
+        "service; a restarted service rebuilds its prefix index from etcd; needs metadata_store etcd).",
+    )
     metadata_store: str = _f("embedded", "Metadata store: 'embedded' (in the service) or 'etcd'.")
     etcd_endpoint: str = _f("127.0.0.1:2379", "etcd client endpoint HOST:PORT (metadata_store: etcd).")
     key_prefix: str = _f("/xllm", "Prefix of every key xllm writes in the metadata store.")
@@ -35,7 +43,12 @@ class ClusterConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.instances.strip())
+        return bool(self.instances.strip()) or self.external
+
+    @property
+    def external(self) -> bool:
+        """Attach mode: the service launches nothing and serves the registered instances."""
+        return self.launcher == "external"
 
     def instance_specs(self) -> list[tuple[str, str]]:
         """``[(name, role)]`` parsed from ``instances``."""
@@ -63,6 +76,12 @@ class ClusterConfig:
             raise ValueError(f"cluster.launcher must be one of {', '.join(LAUNCHERS)}")
         if self.metadata_store not in STORES:
             raise ValueError(f"cluster.metadata_store must be one of {', '.join(STORES)}")
+        if self.external and self.metadata_store != "etcd":
+            raise ValueError(
+                "cluster.launcher 'external' needs cluster.metadata_store: etcd (the embedded store lives "
+                "in the service, so engines could not outlive it); start etcd (ci/etcd.sh start) and set "
+                "cluster.etcd_endpoint"
+            )
         from xservice.policies import POLICIES
 
         if self.routing_policy not in POLICIES:

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -57,6 +58,7 @@ class InstancePool:
         self.policy = policy
         self.migrate = migrate
         self.pd = PDDispatcher(self, pd_policy or PDPolicy())
+        self.service_id = uuid.uuid4().hex  # sent to every instance in a Hello (see engine_server)
         self.clients: dict[str, RemoteEngineClient] = {}  # connected and answering
         self._pending: dict[str, RemoteEngineClient] = {}  # connected, handshake in progress
         self.num_routed: dict[str, int] = {}
@@ -85,7 +87,7 @@ class InstancePool:
             pending = self._pending.get(rec.name)
             if pending is not None and pending.incarnation == rec.incarnation:
                 return
-            client = self._pending[rec.name] = RemoteEngineClient.connect(rec)
+            client = self._pending[rec.name] = RemoteEngineClient.connect(rec, self.service_id)
             asyncio.get_running_loop().create_task(self._handshake(client))
 
     async def _handshake(self, client: RemoteEngineClient) -> None:
@@ -134,6 +136,18 @@ class InstancePool:
             if time.monotonic() > deadline:
                 missing = [n for n in names if n not in self.clients]
                 raise TimeoutError(f"instances not registered after {timeout_s:.0f}s: {', '.join(missing)}")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), 0.5)
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
+
+    async def wait_for_any(self, timeout_s: float) -> None:
+        """Wait until at least one instance is connected."""
+        deadline = time.monotonic() + timeout_s
+        while not self.clients:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no instance registered after {timeout_s:.0f}s")
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), 0.5)

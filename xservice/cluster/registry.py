@@ -9,7 +9,9 @@ any other incarnation than the registered one are rejected (``num_stale_rejected
 When the store is unreachable the view is kept as is (serving continues); once it is back the
 registry re-reads a snapshot, gives every instance a fresh grace period to re-register, and
 watches again. The KV index is persisted per instance under ``<prefix>/kv/<name>`` (batched),
-so a restarted service rebuilds its routing state from the store.
+so a restarted service rebuilds its routing state from the store: its first snapshot loads each
+registered incarnation's persisted set, then applies the latest ``kv_events`` batch on top (and
+deletes the snapshots of instances that are no longer registered).
 """
 
 from __future__ import annotations
@@ -121,17 +123,23 @@ class InstanceRegistry:
                 by_kind.setdefault(parsed[0], {})[parsed[1]] = v
         for name, raw in by_kind.get("instances", {}).items():
             self._apply_instance(name, raw, now)
+        stale: list[str] = []
         for name, raw in by_kind.get("kv", {}).items():
             snap = keys.decode(raw, keys.KVSnapshot)
             state = self.instances.get(name)
             if snap is not None and state is not None and snap.incarnation == state.record.incarnation:
                 if not self.kv_index.num_blocks(name):
                     self.kv_index.replace(name, snap.hashes)
+            else:
+                stale.append(name)  # an instance that died while no service watched it
         for kind in ("load", "kv_events"):
             for name, raw in by_kind.get(kind, {}).items():
                 self._apply(WatchEvent("put", keys.key(self.prefix, kind, name), raw, revision))
         for state in self.instances.values():
             state.last_heartbeat = max(state.last_heartbeat, now)  # grace: a fresh chance to heartbeat
+        if self.persist_kv:
+            for name in stale:  # (a re-registering instance republishes its whole KV set anyway)
+                await self._forget_kv(name)
         self._revision = revision
         self.store_ok, self._store_ok_since = True, now
         self._synced.set()

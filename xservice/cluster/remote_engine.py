@@ -4,7 +4,9 @@ It connects to the addresses in the instance's ``InstanceRecord`` instead of spa
 binding sockets; ``info`` comes from the record. It cannot watch a process, so whoever knows the
 instance died (the registry on lease expiry or heartbeat gap, a launcher on process exit) calls
 ``mark_dead``: in-flight requests then fail with ``EngineDeadError`` (and the pool migrates them).
-Closing it releases the sockets only; the engine belongs to its launcher.
+Closing it releases the sockets only; the engine belongs to its launcher (or runs standalone).
+With a ``service_id`` its first frame is ``Hello``: the engine then aborts whatever a previous
+service left running there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import msgspec
 import zmq.asyncio
 
-from xengine.messages import EngineInfo
+from xengine.messages import EngineInfo, Hello
 from xservice.cluster.keys import InstanceRecord
 from xservice.engine_client import WATCH_INTERVAL_S, EngineClient, EngineDeadError
 
@@ -26,9 +28,12 @@ class RemoteEngineClient(EngineClient):
         self.info = msgspec.convert(record.info, EngineInfo)
 
     @classmethod
-    def connect(cls, record: InstanceRecord) -> RemoteEngineClient:
-        """Connect to the instance (non-blocking; ZMQ reconnects by itself) and start routing outputs."""
+    def connect(cls, record: InstanceRecord, service_id: str | None = None) -> RemoteEngineClient:
+        """Connect to the instance (non-blocking; ZMQ reconnects by itself) and start routing outputs;
+        with ``service_id``, say hello first (queued until the connection is up)."""
         client = cls(record)
+        if service_id is not None:
+            client._send(Hello(service_id=service_id))
         client._pump_task = asyncio.get_running_loop().create_task(
             client._pump(), name=f"remote-{record.name}"
         )

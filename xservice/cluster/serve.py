@@ -1,10 +1,17 @@
 """``xllm serve`` in cluster mode: store, registry, launched instances and the pool behind the app.
 
-Called by ``xservice.cli.serve`` when the config lists ``cluster.instances``. The service opens the
-metadata store (etcd, or the embedded store served to its engines over loopback ZMQ), starts the
-registry, launches the instances, waits until each registered, then serves HTTP over an
-``InstancePool``. A launched instance whose process exits is failed over at once (its lease
-would expire later anyway).
+Called by ``xservice.cli.serve`` when the config lists ``cluster.instances`` (or sets
+``cluster.launcher: external``). The service opens the metadata store (etcd, or the embedded store
+served to its engines over loopback ZMQ), starts the registry, launches the instances, waits until
+each registered, then serves HTTP over an ``InstancePool``. A launched instance whose process exits
+is failed over at once (its lease would expire later anyway).
+
+With ``launcher: external`` (attach mode) it launches nothing: the instances are standalone
+``xllm engine`` processes that registered in etcd and outlive the service. The registry's first
+snapshot rebuilds the global prefix index from the persisted ``<prefix>/kv/*`` plus the latest
+``<prefix>/kv_events/*`` before the first request is routed; the service then waits for the
+instances listed in ``cluster.instances`` (else every registered one, or the first to register).
+Stopping the service leaves the engines running.
 """
 
 from __future__ import annotations
@@ -99,6 +106,9 @@ async def serve_cluster(
                 from xservice.cli import CliError
 
                 raise CliError(f"{e}; start one (ci/etcd.sh start) or check cluster.etcd_endpoint") from e
+            if cl.external:
+                await _wait_for_external(cl, pool, registry)
+                return await serve_http(cfg, sock, pool, tokenizer, phases)
             launcher = await asyncio.to_thread(make_launcher, cl.launcher)
             specs = cl.instance_specs()
             for name, role in specs:
@@ -118,3 +128,24 @@ async def serve_cluster(
             if launcher is not None:
                 await asyncio.to_thread(launcher.stop_all)
             await registry.close()
+
+
+async def _wait_for_external(cl: ClusterConfig, pool: InstancePool, registry: InstanceRegistry) -> None:
+    """Attach mode: report the rebuilt index, then wait for the instances to serve."""
+    index = registry.kv_index
+    registered = sorted(registry.instances)
+    blocks = {name: index.num_blocks(name) for name in registered}
+    print(
+        f"xllm: attach mode: {len(registered)} instance(s) registered "
+        f"({', '.join(registered) or 'none yet'}); "
+        f"prefix index rebuilt from the store: {sum(blocks.values())} block(s) "
+        f"({', '.join(f'{n}: {b}' for n, b in blocks.items()) or '-'})",
+        file=sys.stderr,
+        flush=True,
+    )
+    names = [n for n, _ in cl.instance_specs()] or registered
+    if names:
+        await pool.wait_for(names, cl.instance_startup_timeout_s)
+    else:
+        print("xllm: waiting for an instance to register (xllm engine ...)", file=sys.stderr, flush=True)
+        await pool.wait_for_any(cl.instance_startup_timeout_s)

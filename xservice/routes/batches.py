@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict
 
 from xservice.batch.lines import ENDPOINTS
-from xservice.batch.service import BatchService, get_batch_service
+from xservice.batch.service import BatchService, get_batch_service, list_page
 from xservice.errors import InvalidRequestError, NotFoundError
 
 router = APIRouter()
@@ -64,13 +64,7 @@ async def list_batches(
     batch: BatchService = Depends(get_batch_service),
 ) -> dict[str, Any]:
     data, has_more = batch.store.list_batches(limit, after)
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return list_page(data, has_more)
 
 
 def _batch(batch: BatchService, batch_id: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse
 
 from xservice.batch.multipart import parse_form
-from xservice.batch.service import BatchService, get_batch_service
+from xservice.batch.service import BatchService, get_batch_service, list_page
 from xservice.errors import InvalidRequestError, NotFoundError, RequestTooLargeError
 
 router = APIRouter()
@@ -39,13 +39,7 @@ async def create_file(request: Request, batch: BatchService = Depends(get_batch_
 @router.get("/v1/files")
 async def list_files(purpose: str | None = None, batch: BatchService = Depends(get_batch_service)) -> Any:
     data = batch.store.list_files(purpose)
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": False,
-    }
+    return list_page(data, False)
 
 
 def _file(batch: BatchService, file_id: str) -> dict[str, Any]:

@@ -1,0 +1,115 @@
+"""``xllm engine``: one standalone engine instance that registers in etcd and outlives any service.
+
+``xllm engine --config FILE --name NAME --role {mixed,prefill,decode} [--model DIR] [--port P]``
+
+Runs ``xengine/engine_server.py``'s server in this process, with no parent-death link: it binds
+its ZMQ sockets on ``cluster.engine_host`` (free ports, or ``--port`` and ``--port + 1``),
+registers under a lease in the etcd of ``cluster.etcd_endpoint`` / ``cluster.key_prefix`` and
+serves whichever service connects (``xllm serve`` with ``cluster.launcher: external``). When a
+new service connects (the previous one died or was restarted), the requests of the previous one
+are aborted. SIGTERM / Ctrl-C drains running requests and deregisters. ``xservice.cli`` is
+imported lazily: it imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+ROLES = ("mixed", "prefill", "decode")
+STORE_CHECK_TIMEOUT_S = 5.0
+
+
+def register_engine(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "engine",
+        help="run one standalone engine instance registered in etcd (cluster mode)",
+        description="Run one engine instance that registers in etcd (config section 'cluster': "
+        "etcd_endpoint, key_prefix, engine_host, lease_ttl_s, heartbeat_interval_s) and serves the "
+        "service that connects to it ('xllm serve' with cluster.launcher: external). It outlives the "
+        "service: a restarted service finds it in etcd again.",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config file (engine sections and 'cluster').")
+    p.add_argument("--name", required=True, help="instance name, unique in the cluster (no '/')")
+    p.add_argument("--role", choices=ROLES, default="mixed", help="instance role (default: %(default)s)")
+    p.add_argument(
+        "--model", dest="cfg__model__model", metavar="DIR", default=None, help="model folder [model.model]"
+    )
+    p.add_argument("--port", type=int, default=0, help="input port (output: port + 1); default: free ports")
+    p.set_defaults(run=run_engine)
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    from xservice.cli import CliError, load_cli_config, resolve_model
+
+    cfg = resolve_model(load_cli_config(args))
+    cl = cfg.cluster
+    if not args.name or "/" in args.name:
+        raise CliError("--name must be non-empty and contain no '/'")
+    if cl.metadata_store != "etcd":
+        raise CliError(
+            "xllm engine needs cluster.metadata_store: etcd (the embedded store lives in a service, so a "
+            "standalone engine could not outlive it); set it in the config file"
+        )
+    if not 0 <= args.port < 65535:
+        raise CliError("--port must be in [0, 65534] (the output socket uses port + 1)")
+    _check_store(cl.etcd_endpoint)
+    logging.basicConfig(
+        level=os.environ.get("XLLM_ENGINE_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s xengine[{args.name}:{os.getpid()}] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    server_args = argparse.Namespace(
+        name=args.name,
+        role=args.role,
+        store=cl.store_url,
+        key_prefix=cl.key_prefix,
+        host=cl.engine_host,
+        port=args.port,
+        lease_ttl_s=cl.lease_ttl_s,
+        heartbeat_interval_s=cl.heartbeat_interval_s,
+        parent_pid=None,  # standalone: no parent-death link
+    )
+    import zmq
+
+    from xengine import engine_server
+
+    print(
+        f"xllm: engine {args.name} ({args.role}) for {cfg.model.model}, "
+        f"registering in etcd://{cl.etcd_endpoint}{cl.key_prefix}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        return engine_server.serve(cfg.engine, server_args)
+    except zmq.ZMQError as e:
+        raise CliError(
+            f"cannot bind {cl.engine_host}:{args.port or 'free ports'} ({e}); pass another --port"
+        ) from e
+
+
+def _check_store(endpoint: str) -> None:
+    """Fail fast (instead of retrying forever) when etcd is not reachable at startup."""
+    from xservice.cli import CliError
+    from xservice.cluster.store import StoreUnavailableError
+    from xservice.cluster.store.etcd import EtcdStore
+
+    async def check() -> None:
+        host, _, port = endpoint.rpartition(":")
+        store = EtcdStore(host or "127.0.0.1", int(port))
+        try:
+            await asyncio.wait_for(store.get("/"), STORE_CHECK_TIMEOUT_S)
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(check())
+    except (StoreUnavailableError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
+        raise CliError(
+            f"etcd not reachable at {endpoint} ({e}); "
+            "start one (ci/etcd.sh start) or fix cluster.etcd_endpoint"
+        ) from e
