@@ -11,7 +11,8 @@ Slot ``s`` of the flat cache is block ``s // block_size``, offset ``s % block_si
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +28,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Per-step values a backend derives once and reuses in every layer (gather indices, masks, buffers);
+    # keyed by backend. Lives as long as this metadata, i.e. one step.
+    scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -1,20 +1,29 @@
 """Reference paged attention over a mixed prefill/decode batch.
 
-Decodes (query_len == 1) are batched: their context is gathered from the block tables into one padded
-``[B, L, Hkv, D]`` tensor and attended with a single SDPA call under a length (and window) mask.
-Prefill chunks run one SDPA call per sequence with a causal mask offset by the cached context. Scores
-and softmax are computed in float32 whatever the cache dtype.
+Decodes (query_len == 1) are batched: their context is gathered from the block tables into a padded
+``[B, L, Hkv, D]`` buffer and attended by SDPA under a length (and window) mask, a few sequences per
+call so the gathered K/V are still in cache when SDPA reads them; the query heads of a KV head ride
+as its query rows, so each K/V row is read once. The gather index, the masks and the buffer depend
+only on the step: the first layer builds them into ``meta.scratch`` and the others reuse them.
+Prefill chunks run one SDPA call per sequence with a causal mask offset by the cached context.
+Scores and softmax are computed in float32 whatever the cache dtype.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ops.attention import AttentionMetadata
 from ops.torch_ref.kv_store import store_kv
+
+_SCRATCH_KEY = "torch_ref.attention"
+# Gathered decode K/V per SDPA call: about a core's L2, so SDPA reads what the gather just wrote from
+# cache rather than memory (15% faster at 32 x 160 tokens than one call over the whole batch).
+_CHUNK_BYTES = 2 << 20
 
 
 def attention(
@@ -27,14 +36,17 @@ def attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     store_kv(k, v, kv_cache, meta.slot_mapping)
+    step = _step(meta, kv_cache)
+    if step.num_decodes and step.num_decodes == meta.num_seqs:
+        return _decode(q, kv_cache, step, scale, sliding_window).to(q.dtype)
     out = torch.empty_like(q)
-    starts = list(itertools.accumulate(meta.query_lens_cpu, initial=0))
-    decodes = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
-    if decodes:
-        _decode(q, out, kv_cache, meta, decodes, starts, scale, sliding_window)
+    if step.num_decodes:
+        out[step.decode_tokens] = _decode(q[step.decode_tokens], kv_cache, step, scale, sliding_window).to(
+            out.dtype
+        )
     for b, q_len in enumerate(meta.query_lens_cpu):
         if q_len > 1:
-            s, e = starts[b], starts[b + 1]
+            s, e = step.starts[b], step.starts[b + 1]
             out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta, b, scale, sliding_window)
     return out
 
@@ -48,56 +60,111 @@ def _sdpa(
     )
 
 
-def _gather_context(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions ``0 .. length - 1`` of each sequence: two ``[B, length, Hkv, D]`` tensors.
+def _context_slots(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, length: int, block_size: int
+) -> torch.Tensor:
+    """Flat cache slot of positions ``0 .. length - 1`` of each sequence: ``[B, length]`` int64.
 
     Positions at or past a sequence's ``seq_lens`` read its position 0 instead, so padding never picks
     up unwritten (possibly NaN) cache memory; callers mask those positions out.
     """
+    pos = torch.arange(length, device=block_tables.device)
+    pos = torch.where(pos < seq_lens.unsqueeze(1), pos, 0)
+    return block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+
+
+def _gather_context(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions ``0 .. length - 1`` of each sequence: two ``[B, length, Hkv, D]`` tensors."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    pos = torch.arange(length, device=kv_cache.device)
-    pos = torch.where(pos < seq_lens.unsqueeze(1), pos, 0)  # [B, length]
-    slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+    slots = _context_slots(block_tables, seq_lens, length, block_size)
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     shape = (*slots.shape, num_kv_heads, head_dim)
     index = slots.flatten()
     return flat[0].index_select(0, index).view(shape), flat[1].index_select(0, index).view(shape)
 
 
+@dataclass
+class _Step:
+    """What the attention of every layer shares within one step."""
+
+    starts: list[int]  # token offset of each sequence
+    num_decodes: int
+    decode_tokens: torch.Tensor | None = None  # token rows of the decodes (None when there are none)
+    slots: torch.Tensor | None = None  # [num_decodes, max_len] flat cache slots of the decodes' context
+    last: torch.Tensor | None = None  # [num_decodes, 1] position of each decode's query token
+    max_len: int = 0
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
+    buffer: torch.Tensor | None = None  # [2, chunk * max_len, Hkv, D] gathered K/V, reused by every layer
+
+
+def _step(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Step:
+    step = meta.scratch.get(_SCRATCH_KEY)
+    if step is not None:
+        return step
+    starts = list(itertools.accumulate(meta.query_lens_cpu, initial=0))
+    decodes = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+    step = _Step(starts, len(decodes))
+    if decodes:
+        device = kv_cache.device
+        if len(decodes) == meta.num_seqs:
+            tables, seq_lens = meta.block_tables, meta.seq_lens
+        else:
+            rows = torch.tensor(decodes, device=device)
+            tables, seq_lens = meta.block_tables[rows], meta.seq_lens[rows]
+        step.decode_tokens = torch.tensor([starts[b] for b in decodes], device=device)
+        step.max_len = max(meta.seq_lens_cpu[b] for b in decodes)
+        step.slots = _context_slots(tables, seq_lens, step.max_len, kv_cache.shape[2])
+        step.last = (seq_lens.long() - 1).unsqueeze(1)
+    meta.scratch[_SCRATCH_KEY] = step
+    return step
+
+
+def _decode_mask(step: _Step, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """Additive float mask ``[B, 1, 1, L]``: 0 where a decode may attend, -inf elsewhere."""
+    mask = step.masks.get(sliding_window)
+    if mask is None:
+        key_pos = torch.arange(step.max_len, device=device)
+        allowed = key_pos <= step.last
+        if sliding_window is not None:
+            allowed &= key_pos > step.last - sliding_window
+        mask = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+        mask = step.masks[sliding_window] = mask[:, None, None, :]
+    return mask
+
+
 def _decode(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    decodes: list[int],
-    starts: list[int],
-    scale: float,
-    sliding_window: int | None,
-) -> None:
-    all_decode = len(decodes) == meta.num_seqs
-    device = q.device
-    seq_idx = None if all_decode else torch.tensor(decodes, device=device)
-    tok_idx = None if all_decode else torch.tensor([starts[b] for b in decodes], device=device)
-    max_len = max(meta.seq_lens_cpu[b] for b in decodes)
-    tables = meta.block_tables if seq_idx is None else meta.block_tables[seq_idx]
-    seq_lens = meta.seq_lens if seq_idx is None else meta.seq_lens[seq_idx]
-    key_pos = torch.arange(max_len, device=device)
-    last = (seq_lens.long() - 1).unsqueeze(1)  # position of each query token
-    mask = key_pos <= last
-    if sliding_window is not None:
-        mask &= key_pos > last - sliding_window
-    k_ctx, v_ctx = _gather_context(kv_cache, tables, seq_lens, max_len)  # [B, L, Hkv, D]
-    q_dec = q if tok_idx is None else q[tok_idx]  # [B, Hq, D]
-    res = _sdpa(
-        q_dec.unsqueeze(2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), mask[:, None, None, :], scale, False
-    )
-    res = res.squeeze(2).to(out.dtype)
-    if tok_idx is None:
-        out.copy_(res)
-    else:
-        out[tok_idx] = res
+    q: torch.Tensor, kv_cache: torch.Tensor, step: _Step, scale: float, sliding_window: int | None
+) -> torch.Tensor:
+    """Attention of the decodes' query tokens (``q``: [B, Hq, D]) over their context: float32 [B, Hq, D].
+
+    Sequences go in chunks whose gathered K/V fit ``_CHUNK_BYTES``, so SDPA reads them from cache.
+    """
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_seqs, num_heads = q.shape[:2]
+    seq_bytes = 2 * step.max_len * num_kv_heads * head_dim * kv_cache.element_size()
+    chunk = max(1, min(num_seqs, _CHUNK_BYTES // seq_bytes))
+    shape = (2, chunk * step.max_len, num_kv_heads, head_dim)
+    if step.buffer is None or step.buffer.shape != shape or step.buffer.dtype != kv_cache.dtype:
+        step.buffer = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    mask = _decode_mask(step, sliding_window, q.device)
+    # The query heads sharing a KV head become that head's query rows: one pass over its K/V serves them.
+    q_grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = None if chunk == num_seqs else q_grouped.new_empty(q_grouped.shape, dtype=torch.float32)
+    for s in range(0, num_seqs, chunk):
+        e = min(s + chunk, num_seqs)
+        buf = step.buffer[:, : (e - s) * step.max_len]
+        index = step.slots[s:e].flatten()
+        torch.index_select(flat[0], 0, index, out=buf[0])
+        torch.index_select(flat[1], 0, index, out=buf[1])
+        ctx = buf.view(2, e - s, step.max_len, num_kv_heads, head_dim).transpose(2, 3)
+        res = _sdpa(q_grouped[s:e], ctx[0], ctx[1], mask[s:e], scale, False)
+        if out is None:
+            return res.reshape(num_seqs, num_heads, head_dim)
+        out[s:e] = res
+    return out.view(num_seqs, num_heads, head_dim)
 
 
 def _prefill(

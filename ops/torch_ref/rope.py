@@ -5,8 +5,20 @@ from __future__ import annotations
 import torch
 
 
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Float32 ``x`` rotated over its whole last dim, written into one fresh tensor (no ``cat``)."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :half]).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out[..., half:]).add_(x1 * sin)
+    return out
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
     rot_dim = cos.shape[-1] * 2
+    if is_neox and rot_dim == x.shape[-1] and x.dtype == torch.float32:
+        return _rotate_neox(x, cos, sin)
     x_rot, x_pass = x[..., :rot_dim].float(), x[..., rot_dim:]
     if is_neox:
         x1, x2 = x_rot.chunk(2, dim=-1)

@@ -80,6 +80,21 @@ def test_loaded_model_is_eval_without_grad_and_tied(checkpoint) -> None:
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+def test_float32_linear_weights_are_input_major_with_checkpoint_values(checkpoint, variant: str) -> None:
+    path = checkpoint(variant)
+    model = load_model(str(path), torch.float32, CPU)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    down = model.model.layers[0].mlp.down_proj.weight
+    assert down.stride() == (1, down.shape[0])
+    assert torch.equal(down, hf.model.layers[0].mlp.down_proj.weight)
+    # A head tied to the embedding keeps the row-major layout its row lookups want.
+    head = model.lm_head.weight
+    tied = head is model.model.embed_tokens.weight
+    assert head.is_contiguous() == tied
+    assert torch.equal(head, hf.lm_head.weight)
+
+
 def test_missing_and_unexpected_weights_are_errors(checkpoint) -> None:
     from safetensors.torch import load_file
 

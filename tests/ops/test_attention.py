@@ -66,6 +66,35 @@ def test_all_decode_batch() -> None:
     assert (out - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_decodes_gathered_in_chunks(monkeypatch, window) -> None:
+    # A budget of under one sequence's context makes every decode its own gather + SDPA chunk.
+    monkeypatch.setattr("ops.torch_ref.attention._CHUNK_BYTES", 1)
+    out, ref = _run_case([1, 1, 3, 1, 1], [1, 17, 9, 5, 33], 4, 2, 4, window, torch.float32)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_step_values_are_shared_across_layers() -> None:
+    # Two layers (caches, windows) attending with one metadata: per-step values built by the first
+    # layer must serve the second.
+    gen = torch.Generator().manual_seed(3)
+    seq_lens, block_size, tables = [5, 12, 1], 4, [[3, 7], [0, 1, 2], [6]]
+    meta = build_attention_metadata([1, 1, 1], seq_lens, tables, block_size)
+    for window in (None, 3):
+        cache = torch.randn(2, 8, block_size, 2, 16, generator=gen)
+        q, k, v = (
+            torch.randn(3, 4, 16, generator=gen),
+            torch.randn(3, 2, 16, generator=gen),
+            torch.randn(3, 2, 16, generator=gen),
+        )
+        out = attention(q, k, v, cache, meta, 0.25, window)
+        for b, (n, blocks) in enumerate(zip(seq_lens, tables)):
+            slots = [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+            flat = cache.view(2, -1, 2, 16)
+            ref = _dense(q[b : b + 1], flat[0, slots], flat[1, slots], n - 1, 0.25, window)
+            assert (out[b : b + 1].double() - ref).abs().max().item() < 1e-5
+
+
 def test_all_prefill_with_large_window_and_prefix() -> None:
     out, ref = _run_case([6, 3], [6, 20], 4, 2, 4, 64, torch.float32)
     assert (out - ref).abs().max().item() < 1e-5

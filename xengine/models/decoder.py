@@ -11,7 +11,7 @@ from torch import nn
 
 from ops.activation import silu_and_mul
 from ops.attention import AttentionMetadata, attention
-from xengine.layers.linear import MergedLinear
+from xengine.layers.linear import MergedLinear, make_weights_input_major
 from xengine.layers.norm import RMSNorm
 from xengine.layers.rotary import RotaryEmbedding
 from xengine.models.base import BaseCausalLM
@@ -147,5 +147,6 @@ class DecoderForCausalLM(BaseCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.tie_weights()  # re-tie: moving a meta-built model to a device may untie parameters
+        make_weights_input_major(self, keep=(self.model.embed_tokens.weight,))
         skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
         WeightLoader(self, skip=skip).load(weights)
