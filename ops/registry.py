@@ -2,7 +2,7 @@
 backend (``torch_ref``) as the fallback for every platform.
 
 Backends register lazily: a factory per platform (``register_backend``) is called the first time an
-op is looked up on that platform, so ``triton`` / ``torch_npu`` are only imported where they exist.
+op is looked up on that platform, so a backend's kernel libraries are only imported where they exist.
 """
 
 from __future__ import annotations

@@ -211,8 +211,9 @@ class Engine:
             forward_s = out.forward_s
             self.scheduler.update(plan, out)
             self.num_steps += 1
-        elif self.scheduler.waiting and not self.scheduler.running:
-            # nothing fits even with the whole pool free: fail the head instead of spinning
+        elif self.scheduler.waiting and self.kv.num_free_blocks == self.kv.pool.num_blocks:
+            # nothing fits even with the whole pool free (no running request, no pinned import):
+            # fail the head instead of spinning
             self.scheduler.fail(self.scheduler.waiting[0], "length")
         deltas = self._collect_deltas()
         self.last_step_timing = StepTiming(

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import assert_engine_idle, make_engine, random_prompts, run_to_completion
 
 from memory.transfer import KVRegion, block_ranges
+from tests.xengine.conftest import assert_engine_idle, make_engine, random_prompts, run_to_completion
 from xengine.messages import AddRequest, SamplingParams
 
 pytest.importorskip("mooncake.engine")

@@ -285,8 +285,10 @@ class Scheduler:
         for seq, sample in zip([req, *children], samples):
             self._append_token(seq, sample)
 
-    def _fork(self, parent: Request, index: int) -> Request:
-        child = Request(
+    @staticmethod
+    def _sibling(parent: Request, index: int, **state: object) -> Request:
+        """Sequence ``index`` of an ``n > 1`` request: the parent's prompt and params, its own id."""
+        return Request(
             seq_id=f"{parent.req_id}#{index}",
             req_id=parent.req_id,
             index=index,
@@ -294,9 +296,13 @@ class Scheduler:
             params=parent.params,
             priority=parent.priority,
             arrival_time=parent.arrival_time,
-            output_token_ids=list(parent.output_token_ids),
             num_cached_tokens=parent.num_cached_tokens,
-            admitted_once=True,
+            **state,
+        )
+
+    def _fork(self, parent: Request, index: int) -> Request:
+        child = self._sibling(
+            parent, index, output_token_ids=list(parent.output_token_ids), admitted_once=True
         )
         self.seqs[child.seq_id] = child
         self.groups[parent.req_id].append(child.seq_id)
@@ -334,15 +340,8 @@ class Scheduler:
         self.updated[req.seq_id] = req
         if req.num_pending_forks:  # ended before forking: its n - 1 siblings end with it, empty
             for index in range(1, req.num_pending_forks + 1):
-                sibling = Request(
-                    seq_id=f"{req.req_id}#{index}",
-                    req_id=req.req_id,
-                    index=index,
-                    prompt_token_ids=req.prompt_token_ids,
-                    params=req.params,
-                    num_cached_tokens=req.num_cached_tokens,
-                    status=RequestStatus.FINISHED,
-                    finish_reason=finish_reason,
+                sibling = self._sibling(
+                    req, index, status=RequestStatus.FINISHED, finish_reason=finish_reason
                 )
                 self.updated[sibling.seq_id] = sibling
             req.num_pending_forks = 0

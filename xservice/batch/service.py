@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from xservice.batch.runner import BatchRunner
 from xservice.batch.store import BatchStore
 from xservice.config import BatchConfig
+from xservice.errors import NotFoundError
 from xservice.serving.context import ServingContext
 
 
@@ -82,3 +83,10 @@ def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         "last_id": data[-1]["id"] if data else None,
         "has_more": has_more,
     }
+
+
+def found_or_404(obj: dict[str, Any] | None, kind: str, param: str, obj_id: str) -> dict[str, Any]:
+    """``obj``, or the OpenAI-shaped 404 for an unknown file / batch id."""
+    if obj is None:
+        raise NotFoundError(f"No such {kind}: '{obj_id}'.", param=param)
+    return obj

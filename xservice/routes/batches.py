@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict
 
 from xservice.batch.lines import ENDPOINTS
-from xservice.batch.service import BatchService, get_batch_service, list_page
+from xservice.batch.service import BatchService, found_or_404, get_batch_service, list_page
 from xservice.errors import InvalidRequestError, NotFoundError
 
 router = APIRouter()
@@ -68,10 +68,7 @@ async def list_batches(
 
 
 def _batch(batch: BatchService, batch_id: str) -> dict[str, Any]:
-    obj = batch.store.get_batch(batch_id)
-    if obj is None:
-        raise NotFoundError(f"No such batch: '{batch_id}'.", param="batch_id")
-    return obj
+    return found_or_404(batch.store.get_batch(batch_id), "batch", "batch_id", batch_id)
 
 
 @router.get("/v1/batches/{batch_id}")

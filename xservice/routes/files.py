@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse
 
 from xservice.batch.multipart import parse_form
-from xservice.batch.service import BatchService, get_batch_service, list_page
+from xservice.batch.service import BatchService, found_or_404, get_batch_service, list_page
 from xservice.errors import InvalidRequestError, NotFoundError, RequestTooLargeError
 
 router = APIRouter()
@@ -43,10 +43,7 @@ async def list_files(purpose: str | None = None, batch: BatchService = Depends(g
 
 
 def _file(batch: BatchService, file_id: str) -> dict[str, Any]:
-    obj = batch.store.get_file(file_id)
-    if obj is None:
-        raise NotFoundError(f"No such file: '{file_id}'.", param="file_id")
-    return obj
+    return found_or_404(batch.store.get_file(file_id), "file", "file_id", file_id)
 
 
 @router.get("/v1/files/{file_id}")

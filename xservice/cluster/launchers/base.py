@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import subprocess
 from dataclasses import dataclass
 
 from xengine.config import EngineConfig
@@ -67,3 +68,14 @@ class BaseLauncher(abc.ABC):
         for handle in self.handles.values():
             handle.stop(timeout_s)
         self.handles.clear()
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (the engine drains), then SIGKILL if it has not exited within ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec
+from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec, stop_process
 from xservice.engine_client import _child_env
 
 
@@ -29,12 +29,7 @@ class LocalHandle(InstanceHandle):
             self.proc.wait()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc, timeout_s)
 
 
 class LocalLauncher(BaseLauncher):

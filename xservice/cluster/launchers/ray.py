@@ -13,7 +13,7 @@ import subprocess
 import sys
 from typing import Any
 
-from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec
+from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec, stop_process
 from xservice.engine_client import _child_env
 
 RAY_CALL_TIMEOUT_S = 30.0
@@ -38,12 +38,7 @@ class EngineHost:
             self.proc.wait()
 
     def stop(self, timeout_s: float) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc, timeout_s)
 
 
 class RayHandle(InstanceHandle):
