@@ -18,7 +18,7 @@ from xservice.cluster.launchers.local import LocalLauncher
 from xservice.cluster.pool import InstancePool
 from xservice.cluster.registry import InstanceRegistry
 from xservice.cluster.serve import watch_exits
-from xservice.cluster.store.bridge import StoreBridgeServer
+from xservice.cluster.store.bridge_server import StoreBridgeServer
 from xservice.cluster.store.embedded import EmbeddedStore
 from xservice.config import load_config
 from xservice.policies import make_policy

@@ -20,7 +20,7 @@ import time
 
 from cluster_common import LocalCluster, ensure_model
 
-from xengine.messages import AddRequest, SamplingParams
+from xengine.api.messages import AddRequest, SamplingParams
 
 
 async def stream(pool, req_id: str, prompt: list[int], max_tokens: int, log: dict) -> None:

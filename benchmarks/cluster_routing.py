@@ -19,7 +19,7 @@ import time
 
 from cluster_common import LocalCluster, ensure_model
 
-from xengine.messages import AddRequest, SamplingParams
+from xengine.api.messages import AddRequest, SamplingParams
 from xservice.policies import make_policy
 
 

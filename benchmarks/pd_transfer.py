@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint  # noqa: E402
 from benchmarks.cluster_common import LocalCluster  # noqa: E402
-from xengine.messages import AddRequest, SamplingParams  # noqa: E402
+from xengine.api.messages import AddRequest, SamplingParams  # noqa: E402
 from xservice.config import load_config  # noqa: E402
 from xservice.engine_client import EngineClient  # noqa: E402
 

@@ -22,9 +22,9 @@ import time
 from typing import Any
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
-from xengine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from xengine.api.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from xengine.api.messages import AddRequest, SamplingParams
 from xengine.engine import Engine
-from xengine.messages import AddRequest, SamplingParams
 from xengine.sampling.beam_search import BeamSelector, select_brute_force
 
 

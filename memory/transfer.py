@@ -9,17 +9,40 @@ The layout is ``PagedKVLayout``'s: layer ``l`` is one contiguous ``[2, num_block
 head_dim]`` tensor, so block ``b`` of K (``kv = 0``) or V (``kv = 1``) starts at
 ``base_l + (kv * num_blocks + b) * block_bytes``. Runs of consecutive blocks on both sides are
 coalesced into one range. ``mooncake`` is imported only when an agent is created.
+
+Listening sockets. Each engine opens two TCP listeners: the P2P handshake / RPC socket (its port is
+the session's) and the TCP transport's data socket (the one peers read memory through). Mooncake
+(0.3.13, and upstream as of 2026-08) binds both to the wildcard address whatever ``host`` is:
+``0.0.0.0`` (``findAvailableTcpPort``) and ``[::]`` dual-stack (``TcpContext``). No option or
+``MC_*`` variable changes that (``MC_TCP_BIND_ADDRESS`` only picks the *advertised* address, and only
+outside P2P mode). What can be set is the port range both are drawn from: ``MC_MIN_RPC_PORT`` /
+``MC_MAX_RPC_PORT``, read once per process when ``mooncake.engine`` is loaded. ``port_range`` sets
+them (before that load) and checks the ports; ``listen_addrs`` reports where the engine listens and
+``strict_bind`` refuses an engine that listens beyond ``host``.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
+import socket
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+logger = logging.getLogger("memory.transfer")
+
 PROTOCOL = "tcp"
 METADATA_MODE = "P2PHANDSHAKE"
+
+# Mooncake's own checks on MC_MIN_RPC_PORT / MC_MAX_RPC_PORT (config.cpp ValidatePortRange): a range
+# outside these is silently replaced by its default [15000, 17000]. Each engine takes two ports.
+_PORT_MIN, _PORT_MAX = 1024, 65535
+_EPHEMERAL = (32768, 60999)
+_MOONCAKE_MODULE = "mooncake.engine"
 
 
 @dataclass(frozen=True)
@@ -66,10 +89,101 @@ def block_ranges(
     return src_addrs, dst_addrs, lengths
 
 
-class KVTransferAgent:
-    """One Mooncake transfer engine over this instance's KV tensors."""
+def check_port_range(port_range: tuple[int, int]) -> tuple[int, int]:
+    """``(first, last)`` inclusive, as Mooncake accepts it; raises ``ValueError`` otherwise."""
+    lo, hi = (int(p) for p in port_range)
+    if not (_PORT_MIN <= lo < hi <= _PORT_MAX) or (lo <= _EPHEMERAL[1] and hi >= _EPHEMERAL[0]):
+        raise ValueError(
+            f"invalid value for 'port_range': {port_range!r}; need first < last (two ports per engine) "
+            f"within [{_PORT_MIN}, {_PORT_MAX}] and outside the ephemeral range {list(_EPHEMERAL)}"
+        )
+    return lo, hi
 
-    def __init__(self, kv_caches: list[torch.Tensor], host: str = "127.0.0.1") -> None:
+
+def _set_mooncake_port_range(port_range: tuple[int, int] | None) -> None:
+    """Export the range for Mooncake, which reads it once, when ``mooncake.engine`` is loaded."""
+    if port_range is None:
+        return
+    want = tuple(str(p) for p in port_range)
+    have = (os.environ.get("MC_MIN_RPC_PORT"), os.environ.get("MC_MAX_RPC_PORT"))
+    if _MOONCAKE_MODULE in sys.modules:
+        if have != want:
+            raise RuntimeError(
+                f"Mooncake is already loaded in this process with port range {have}; its port range "
+                f"is read once per process, so {port_range} cannot apply (give every agent of a "
+                "process the same range, or set MC_MIN_RPC_PORT / MC_MAX_RPC_PORT before start)"
+            )
+        return
+    os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = want
+
+
+def _proc_listeners() -> dict[int, tuple[str, int]] | None:
+    """``{socket inode: (address, port)}`` of this process's listening TCP sockets (Linux ``/proc``)."""
+    try:
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+        found: dict[int, tuple[str, int]] = {}
+        for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+            with open(f"/proc/self/net/{name}") as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    if cols[3] != "0A" or int(cols[9]) not in inodes:  # 0A: LISTEN
+                        continue
+                    addr_hex, port_hex = cols[1].split(":")
+                    raw = b"".join(
+                        bytes.fromhex(addr_hex[i : i + 8])[::-1] for i in range(0, len(addr_hex), 8)
+                    )
+                    found[int(cols[9])] = (socket.inet_ntop(family, raw), int(port_hex, 16))
+        return found
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def _host_addrs(host: str) -> set[str]:
+    try:
+        return {str(ipaddress.ip_address(host))}
+    except ValueError:
+        pass
+    try:
+        return {
+            str(ipaddress.ip_address(a[4][0]))
+            for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        }
+    except OSError:
+        return set()
+
+
+class KVTransferAgent:
+    """One Mooncake transfer engine over this instance's KV tensors.
+
+    ``host`` is the address peers reach this engine at (its session). ``port_range`` ``(first, last)``
+    confines both of the engine's listening ports (``None``: Mooncake's ``MC_MIN_RPC_PORT`` /
+    ``MC_MAX_RPC_PORT``, default 15000-17000); it is process-wide in Mooncake, so every agent of a
+    process must ask for the same one. ``listen_addrs`` holds the engine's listening ``(address,
+    port)`` pairs (``None`` where ``/proc`` cannot tell). Mooncake binds them to the wildcard address
+    (see the module docstring): by default that is logged as a warning; with ``strict_bind`` an
+    engine listening on anything but ``host`` is shut down and ``RuntimeError`` raised.
+    """
+
+    def __init__(
+        self,
+        kv_caches: list[torch.Tensor],
+        host: str = "127.0.0.1",
+        port_range: tuple[int, int] | None = None,
+        strict_bind: bool = False,
+    ) -> None:
+        if port_range is not None:
+            port_range = check_port_range(port_range)
+        if not kv_caches or any(not t.is_contiguous() for t in kv_caches):
+            raise ValueError("KV transfer needs contiguous per-layer KV tensors")
+        _set_mooncake_port_range(port_range)
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
@@ -78,12 +192,18 @@ class KVTransferAgent:
                 "pip install mooncake-transfer-engine-non-cuda (and Debian libibverbs1); "
                 "see ci/install_cluster_deps.sh"
             ) from e
-        if not kv_caches or any(not t.is_contiguous() for t in kv_caches):
-            raise ValueError("KV transfer needs contiguous per-layer KV tensors")
         self._kv_caches = kv_caches  # keep the registered memory alive
+        before = _proc_listeners()
         self._engine = TransferEngine()
         if self._engine.initialize(host, METADATA_MODE, PROTOCOL, "") != 0:
             raise RuntimeError(f"Mooncake transfer engine failed to initialize on {host}")
+        after = _proc_listeners()
+        self.listen_addrs: list[tuple[str, int]] | None = (
+            None
+            if before is None or after is None
+            else sorted(v for k, v in after.items() if k not in before)
+        )
+        self._check_listeners(host, port_range, strict_bind)
         addrs = [t.data_ptr() for t in kv_caches]
         if self._engine.batch_register_memory(addrs, [t.nbytes for t in kv_caches]) != 0:
             raise RuntimeError("Mooncake transfer engine failed to register the KV memory")
@@ -94,6 +214,35 @@ class KVTransferAgent:
             num_blocks=first.shape[1],
             block_bytes=first[0, 0].nbytes,
         )
+
+    def _check_listeners(self, host: str, port_range: tuple[int, int] | None, strict_bind: bool) -> None:
+        rpc_port = self._engine.get_rpc_port()
+        ports = [rpc_port] + [p for _, p in self.listen_addrs or []]
+        if port_range is not None and any(not port_range[0] <= p <= port_range[1] for p in ports):
+            self._engine = None  # the engine closes its listeners when it is freed
+            raise RuntimeError(
+                f"Mooncake transfer engine listens on ports {sorted(set(ports))}, outside port_range "
+                f"{port_range}: MC_MIN_RPC_PORT / MC_MAX_RPC_PORT were overridden before Mooncake loaded"
+            )
+        if self.listen_addrs is None:
+            if strict_bind:
+                self._engine = None
+                raise RuntimeError("cannot verify where the Mooncake transfer engine listens (no /proc)")
+            return
+        allowed = _host_addrs(host)
+        exposed = [(a, p) for a, p in self.listen_addrs if a not in allowed]
+        if not exposed:
+            return
+        msg = (
+            f"Mooncake transfer engine for {host} listens on {exposed}, not only on {host}: it binds "
+            "its handshake and TCP data sockets to the wildcard address, and any host that can reach "
+            "these ports can read and write the registered KV memory; restrict them at the network "
+            "level (port_range gives the ports)"
+        )
+        if strict_bind:
+            self._engine = None
+            raise RuntimeError(msg)
+        logger.warning(msg)
 
     def read_blocks(self, peer: KVRegion, pairs: list[tuple[int, int]]) -> TransferStats:
         """Copy the peer's blocks into ours: ``pairs`` is ``[(peer block id, our block id)]``.

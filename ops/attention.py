@@ -11,34 +11,10 @@ Slot ``s`` of the flat cache is block ``s // block_size``, offset ``s % block_si
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
-
-@dataclass
-class AttentionMetadata:
-    query_start_loc: torch.Tensor  # int32 [B + 1], cumulative query lengths, on device
-    seq_lens: torch.Tensor  # int32 [B], context length after this step, on device
-    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with 0, on device
-    slot_mapping: torch.Tensor  # int64 [num_tokens], cache slot of each new token, on device
-    query_lens_cpu: list[int]  # host copies (no device sync needed to loop)
-    seq_lens_cpu: list[int]
-    max_query_len: int
-    max_seq_len: int
-    block_size: int
-    # Per-step values a backend derives once and reuses in every layer (gather indices, masks, buffers);
-    # keyed by backend. Lives as long as this metadata, i.e. one step.
-    scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-    @property
-    def is_all_decode(self) -> bool:
-        return self.max_query_len == 1
+from ops.attention_metadata import AttentionMetadata, build_attention_metadata
+from ops.registry import get_op
 
 
 def attention(
@@ -52,41 +28,7 @@ def attention(
 ) -> torch.Tensor:
     """Store ``k``/``v`` ([T, Hkv, D]) into ``kv_cache`` at ``meta.slot_mapping``, then return
     causal attention of ``q`` ([T, Hq, D], Hq a multiple of Hkv) over each sequence's context: [T, Hq, D]."""
-    from ops.registry import get_op
-
     return get_op("attention")(q, k, v, kv_cache, meta, scale, sliding_window)
 
 
-def build_attention_metadata(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """Build ``AttentionMetadata`` from host lists: sequence ``b`` has ``query_lens[b]`` new tokens
-    ending its context of ``seq_lens[b]`` tokens, stored in blocks ``block_tables[b]`` (which must
-    cover ``seq_lens[b]`` tokens)."""
-    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
-        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-    starts = [0]
-    slots: list[int] = []
-    for q_len, s_len, blocks in zip(query_lens, seq_lens, block_tables):
-        if not 0 <= q_len <= s_len or len(blocks) * block_size < s_len:
-            raise ValueError(f"bad sequence: query_len={q_len}, seq_len={s_len}, {len(blocks)} blocks")
-        starts.append(starts[-1] + q_len)
-        for pos in range(s_len - q_len, s_len):
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-    width = max((len(b) for b in block_tables), default=0) or 1
-    padded = [list(b) + [0] * (width - len(b)) for b in block_tables]
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), width),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(seq_lens),
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-        block_size=block_size,
-    )
+__all__ = ["AttentionMetadata", "attention", "build_attention_metadata"]

@@ -7,7 +7,6 @@ op is looked up on that platform, so a backend's kernel libraries are only impor
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,11 @@ _loaded: set[str] = set()
 
 
 def _load_torch_ref() -> None:
-    importlib.import_module("ops.torch_ref").register_all()
+    from ops.torch_ref import reference_ops
+
+    for name, fn in reference_ops().items():
+        register_op(name, "cpu", fn)
+        register_op(name, REFERENCE, fn)
 
 
 def register_backend(platform_name: str, factory: Callable[[], None]) -> None:

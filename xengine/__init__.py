@@ -1,6 +1,6 @@
 """xllm engine layer. ``from xengine import LLM, SamplingParams``.
 
-Imports are lazy so torch-free modules (``xengine.messages``, ``xengine.text``) can be used by
+Imports are lazy so torch-free modules (``xengine.api.messages``, ``xengine.api.text``) can be used by
 the service without loading torch.
 """
 
@@ -13,7 +13,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 def __getattr__(name: str) -> Any:
     if name == "SamplingParams":
-        from xengine.messages import SamplingParams
+        from xengine.api.messages import SamplingParams
 
         return SamplingParams
     if name in ("LLM", "RequestOutput", "CompletionOutput"):

@@ -7,7 +7,7 @@ unreachable it retries with backoff; when its lease expired meanwhile it registe
 new lease and republishes its whole KV set. Registration is fenced: the instance key is created
 in a transaction and never taken over from another live incarnation of the same name.
 
-The store clients are the service's (``xservice.cluster.store``, torch-free), imported lazily.
+The store clients are ``xengine.api.cluster.store`` (torch-free), imported lazily.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class ClusterAgent:
         self,
         store_url: str,
         key_prefix: str,
-        record: Any,  # xservice.cluster.keys.InstanceRecord
+        record: Any,  # xengine.api.cluster.keys.InstanceRecord
         load_fn: Callable[[], Any],  # -> EngineStats
         lease_ttl_s: float = 3.0,
         heartbeat_interval_s: float = 0.5,
@@ -86,7 +86,7 @@ class ClusterAgent:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        from xservice.cluster.store import open_store
+        from xengine.api.cluster.store import open_store
 
         store = open_store(self.store_url)
         backoff = self.heartbeat_interval_s
@@ -122,7 +122,7 @@ class ClusterAgent:
         await self._publish_kv(store)
 
     async def _register(self, store: Any) -> None:
-        from xservice.cluster import keys
+        from xengine.api.cluster import keys
 
         self._lease = None
         lease = await store.grant_lease(self.lease_ttl_s)
@@ -142,7 +142,7 @@ class ClusterAgent:
         logger.info("registered %s (%s) lease %x", self.record.name, self.record.role, lease)
 
     async def _publish_load(self, store: Any) -> None:
-        from xservice.cluster import keys
+        from xengine.api.cluster import keys
 
         stats = self._load_fn()
         self._load_seq += 1
@@ -173,7 +173,7 @@ class ClusterAgent:
                 final[h] = True
 
     async def _publish_kv(self, store: Any) -> None:
-        from xservice.cluster import keys
+        from xengine.api.cluster import keys
 
         changes = self._drain_events()
         for h, present in changes.items():

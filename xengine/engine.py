@@ -12,11 +12,8 @@ import torch
 from memory.kv_cache_manager import KVCacheManager
 from memory.kv_layout import KVCacheSpec, PagedKVLayout
 from ops.platforms import resolve_platform, set_platform
-from xengine.beam.catalog import CatalogRegistry
-from xengine.config import EngineConfig
-from xengine.kv_transfer import KVTransferManager
-from xengine.loader import load_model
-from xengine.messages import (
+from xengine.api.config import EngineConfig
+from xengine.api.messages import (
     AddRequest,
     CatalogInfo,
     CompletionDelta,
@@ -25,6 +22,9 @@ from xengine.messages import (
     KVExportInfo,
     KVImportResult,
 )
+from xengine.beam.catalog import CatalogRegistry
+from xengine.kv_transfer import KVTransferManager
+from xengine.loader import load_model
 from xengine.models.info import read_model_info
 from xengine.request import PRIORITY_RANK, Request
 from xengine.runner.model_runner import ModelRunner

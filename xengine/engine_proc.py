@@ -28,8 +28,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from xengine.config import EngineConfig, from_dict
-from xengine.messages import (
+from xengine.api.config import EngineConfig, from_dict
+from xengine.api.messages import (
     AbortRequests,
     AddRequest,
     CompletionDelta,

@@ -32,10 +32,11 @@ from typing import Any
 import msgspec
 import zmq
 
+from xengine.api.cluster.keys import InstanceRecord
+from xengine.api.config import EngineConfig, from_dict
+from xengine.api.messages import AddRequest, CompletionDelta, EngineOutput, Hello, StepOutputs
 from xengine.cluster_agent import ClusterAgent
-from xengine.config import EngineConfig, from_dict
 from xengine.engine_proc import SEND_LINGER_MS, EngineProc, apply_num_threads, set_parent_death_signal
-from xengine.messages import AddRequest, CompletionDelta, EngineOutput, Hello, StepOutputs
 
 logger = logging.getLogger("xengine.engine_server")
 
@@ -141,10 +142,17 @@ def bind_sockets(ctx: zmq.Context, host: str, port: int = 0) -> tuple[zmq.Socket
 
 def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     from xengine.engine import Engine
-    from xservice.cluster.keys import InstanceRecord
 
     ctx = zmq.Context()
-    inp, out, input_addr, output_addr = bind_sockets(ctx, args.host, getattr(args, "port", 0) or 0)
+    try:
+        inp, out, input_addr, output_addr = bind_sockets(ctx, args.host, getattr(args, "port", 0) or 0)
+    except zmq.ZMQError as e:
+        ctx.term()
+        print(
+            f"xllm: error: cannot bind {args.host}:{args.port or 'free ports'} ({e}); pass another --port",
+            file=sys.stderr,
+        )
+        return 2
     agent = None
     try:
         apply_num_threads(config)

@@ -25,7 +25,7 @@ import torch
 from memory.kv_cache_manager import KVCacheManager
 from memory.kv_layout import KVCacheSpec
 from memory.transfer import KVRegion, KVTransferAgent
-from xengine.messages import KVExportInfo, KVImportResult
+from xengine.api.messages import KVExportInfo, KVImportResult
 
 DEFAULT_PIN_TIMEOUT_S = 60.0
 

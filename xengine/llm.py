@@ -16,11 +16,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from xengine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from xengine.api.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from xengine.api.messages import AddRequest, CatalogInfo, CompletionDelta, Priority, SamplingParams
+from xengine.api.text.output_processor import RequestOutputState
+from xengine.api.text.tokenizer import Tokenizer
 from xengine.engine import Engine
-from xengine.messages import AddRequest, CatalogInfo, CompletionDelta, Priority, SamplingParams
-from xengine.text.output_processor import RequestOutputState
-from xengine.text.tokenizer import Tokenizer
 
 PromptType = str | list[int]
 

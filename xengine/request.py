@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from xengine.messages import Priority, SamplingParams, TokenLogprob
+from xengine.api.messages import Priority, SamplingParams, TokenLogprob
 
 PRIORITY_RANK = {"online": 0, "offline": 1}  # lower runs first
 

@@ -20,7 +20,7 @@ from xservice.serving.body_limit import BodyLimitMiddleware
 from xservice.serving.context import ServingContext
 
 if TYPE_CHECKING:
-    from xengine.text.tokenizer import Tokenizer
+    from xengine.api.text.tokenizer import Tokenizer
     from xservice.engine_client import EngineClient
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # form fields and part headers around an uploaded file

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from xengine.config import (
+from xengine.api.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,

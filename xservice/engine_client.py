@@ -27,9 +27,9 @@ from typing import IO
 import zmq
 import zmq.asyncio
 
-import xengine.messages as _messages
-from xengine.config import EngineConfig
-from xengine.messages import (
+import xengine.api.messages as _messages
+from xengine.api.config import EngineConfig
+from xengine.api.messages import (
     AbortRequests,
     AddRequest,
     CatalogInfo,
@@ -185,7 +185,7 @@ class EngineClient:
         ]
         # A new session keeps the terminal's Ctrl-C away from the engine: the service shuts it down.
         self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env(), start_new_session=True
+            cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env(), start_new_session=True
         )
         assert self._proc.stderr is not None
         self._tee = _StderrTee(self._proc.stderr)
@@ -430,7 +430,7 @@ class EngineClient:
                 fut.set_exception(EngineDeadError(reason))
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     """Our environment, with this checkout first on PYTHONPATH so the engine runs the same code."""
     env = dict(os.environ)
     root = str(Path(_messages.__file__).resolve().parent.parent)

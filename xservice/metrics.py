@@ -17,7 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from xengine.messages import EngineStats
+from xengine.api.messages import EngineStats
 
 _LATENCY_BUCKETS = (
     0.001,

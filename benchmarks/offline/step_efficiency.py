@@ -34,7 +34,7 @@ def measure_eta(
     engine: Any, pool: list[int], batch_size: int, input_len: int, num_steps: int, seed: int
 ) -> dict:
     """η and host overhead for ``batch_size`` requests of ``input_len`` prompt tokens."""
-    from xengine.messages import AddRequest
+    from xengine.api.messages import AddRequest
 
     num_warmup = 4
     prompts = random_token_prompts(pool, batch_size, input_len, seed)

@@ -36,7 +36,7 @@ class EngineArgs:
 
 def greedy(max_tokens: int) -> Any:
     """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored)."""
-    from xengine.messages import SamplingParams
+    from xengine.api.messages import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

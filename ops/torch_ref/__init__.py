@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
 
-def register_all() -> None:
-    """Register every reference op for "cpu" and as the cross-platform fallback."""
-    from ops.registry import REFERENCE, register_op
+
+def reference_ops() -> dict[str, Callable[..., Any]]:
+    """Every reference op by name (``ops/registry.py`` registers them for "cpu" and as the fallback)."""
     from ops.torch_ref.activation import silu_and_mul
     from ops.torch_ref.attention import attention
     from ops.torch_ref.kv_store import store_kv
     from ops.torch_ref.norm import fused_add_rms_norm, rms_norm
     from ops.torch_ref.rope import rotary_embedding
 
-    ops = {
+    return {
         "attention": attention,
         "store_kv": store_kv,
         "rms_norm": rms_norm,
@@ -20,6 +22,3 @@ def register_all() -> None:
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
     }
-    for name, fn in ops.items():
-        register_op(name, "cpu", fn)
-        register_op(name, REFERENCE, fn)

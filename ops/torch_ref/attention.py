@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ops.attention import AttentionMetadata
+from ops.attention_metadata import AttentionMetadata
 from ops.torch_ref.kv_store import store_kv
 
 _SCRATCH_KEY = "torch_ref.attention"

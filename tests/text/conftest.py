@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from xengine.text.tokenizer import Tokenizer
+from xengine.api.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

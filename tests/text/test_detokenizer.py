@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from xengine.text.detokenizer import IncrementalDetokenizer
-from xengine.text.tokenizer import Tokenizer
+from xengine.api.text.detokenizer import IncrementalDetokenizer
+from xengine.api.text.tokenizer import Tokenizer
 
 
 def _stream(tok: Tokenizer, ids: list[int], rng: random.Random, skip: bool = True, prompt=None) -> list[str]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from xengine.messages import CompletionDelta, SamplingParams, TokenLogprob
-from xengine.text.output_processor import RequestOutputState
-from xengine.text.tokenizer import Tokenizer
+from xengine.api.messages import CompletionDelta, SamplingParams, TokenLogprob
+from xengine.api.text.output_processor import RequestOutputState
+from xengine.api.text.tokenizer import Tokenizer
 
 
 def _delta(ids: list[int], index: int = 0, **kw) -> CompletionDelta:

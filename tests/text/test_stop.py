@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from xengine.text.stop import StopStringMatcher
+from xengine.api.text.stop import StopStringMatcher
 
 
 def _run(stop: list[str], deltas: list[str], include: bool = False) -> tuple[str, str | None]:

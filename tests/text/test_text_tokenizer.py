@@ -1,4 +1,4 @@
-"""xengine.text.Tokenizer matches transformers.AutoTokenizer on the generated checkpoints."""
+"""xengine.api.text.Tokenizer matches transformers.AutoTokenizer on the generated checkpoints."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from xengine.text.tokenizer import Tokenizer
+from xengine.api.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -140,7 +140,7 @@ def test_template_errors_are_value_errors(tmp_path, tiny_qwen3) -> None:
 
 def test_text_layer_does_not_import_torch() -> None:
     code = (
-        "import sys; import xengine.text.output_processor, xengine.text.tokenizer; "
+        "import sys; import xengine.api.text.output_processor, xengine.api.text.tokenizer; "
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     root = str(__import__("pathlib").Path(__file__).resolve().parents[2])

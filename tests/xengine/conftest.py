@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from xengine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from xengine.api.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from xengine.api.messages import CompletionDelta
 from xengine.engine import Engine
-from xengine.messages import CompletionDelta
 
 ARCHS = ("qwen3", "qwen2", "llama")
 VOCAB_SIZE = 2048  # of the "tiny" checkpoints

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.xengine.conftest import random_prompts
+from xengine.api.messages import SamplingParams
 from xengine.llm import LLM, BeamSearchParams
-from xengine.messages import SamplingParams
 
 MAX_NEW = 10
 SETTINGS = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.xengine.conftest import assert_engine_idle, make_engine, random_prompts, run_to_completion
-from xengine.messages import AddRequest, SamplingParams
+from xengine.api.messages import AddRequest, SamplingParams
 
 BLOCK = 16
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.xengine.conftest import VOCAB_SIZE, make_engine, random_prompts, run_to_completion
+from xengine.api.messages import AddRequest, SamplingParams
 from xengine.llm import LLM
-from xengine.messages import AddRequest, SamplingParams
 
 MAX_MODEL_LEN = 128
 GOOD_PROMPT = random_prompts([12], seed=41)[0]

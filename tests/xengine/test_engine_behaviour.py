@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from tests.xengine.conftest import assert_engine_idle, make_engine, random_prompts, run_to_completion
+from xengine.api.messages import AddRequest, SamplingParams
 from xengine.llm import LLM
-from xengine.messages import AddRequest, SamplingParams
 from xengine.request import RequestStatus
 
 # ---------------------------------------------------------------------------- seeded sampling

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.xengine.conftest import ARCHS, random_prompts
+from xengine.api.messages import SamplingParams
 from xengine.llm import LLM
-from xengine.messages import SamplingParams
 
 MAX_TOKENS = 20
 BLOCK_SIZE = 16

@@ -13,7 +13,7 @@ import pytest
 
 from memory.transfer import KVRegion, block_ranges
 from tests.xengine.conftest import assert_engine_idle, make_engine, random_prompts, run_to_completion
-from xengine.messages import AddRequest, SamplingParams
+from xengine.api.messages import AddRequest, SamplingParams
 
 pytest.importorskip("mooncake.engine")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.xengine.conftest import random_prompts
+from xengine.api.messages import SamplingParams
 from xengine.llm import LLM
-from xengine.messages import SamplingParams
 
 ARCH = "qwen3"
 NUM = 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xengine.messages import SamplingParams
+from xengine.api.messages import SamplingParams
 from xengine.sampling.metadata import SamplingMetadata
 from xengine.sampling.sampler import Sampler
 

@@ -1,8 +1,8 @@
 """Scheduler logic in isolation: synthetic sampled tokens stand in for the model's output."""
 
 from memory.kv_cache_manager import KVCacheManager
-from xengine.config import SchedulerConfig
-from xengine.messages import SamplingParams
+from xengine.api.config import SchedulerConfig
+from xengine.api.messages import SamplingParams
 from xengine.request import Request
 from xengine.scheduler.plan import SampledToken, StepOutput
 from xengine.scheduler.scheduler import Scheduler

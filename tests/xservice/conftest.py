@@ -38,7 +38,7 @@ ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
 _LAUNCHER = """
 import asyncio, json, sys
 import uvicorn
-from xengine.text.tokenizer import Tokenizer
+from xengine.api.text.tokenizer import Tokenizer
 from xservice.app import build_app
 from xservice.config import load_config
 from xservice.engine_client import EngineClient
@@ -179,7 +179,7 @@ def http(server: ServerHandle) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir: Path):
-    from xengine.text.tokenizer import Tokenizer
+    from xengine.api.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from xengine.messages import SamplingParams
+from xengine.api.messages import SamplingParams
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "Once upon a time there was"]
 CONVERSATIONS = [

@@ -87,8 +87,8 @@ def test_port_in_use_exits_2(make_model_dir: Callable[..., Path]) -> None:
 def test_make_tiny_writes_a_loadable_folder(tmp_path: Path) -> None:
     from safetensors import safe_open
 
+    from xengine.api.text.tokenizer import Tokenizer
     from xengine.models.info import read_model_info
-    from xengine.text.tokenizer import Tokenizer
 
     out = tmp_path / "llama-tiny"
     assert (

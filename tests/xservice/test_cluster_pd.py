@@ -53,8 +53,8 @@ def cluster(model_dir: Path) -> Iterator[ClusterServer]:
 @pytest.fixture(scope="module")
 def expected(model_dir: Path) -> dict[str, str]:
     """Greedy texts of one colocated offline ``LLM`` with the instances' settings."""
+    from xengine.api.messages import SamplingParams
     from xengine.llm import LLM
-    from xengine.messages import SamplingParams
 
     llm = LLM(
         model=str(model_dir),

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from xengine.messages import AddRequest, SamplingParams
+from xengine.api.messages import AddRequest, SamplingParams
 from xservice.cluster.launchers import InstanceSpec
 from xservice.cluster.pool import InstancePool
 from xservice.cluster.registry import InstanceRegistry
-from xservice.cluster.store.bridge import StoreBridgeServer
+from xservice.cluster.store.bridge_server import StoreBridgeServer
 from xservice.cluster.store.embedded import EmbeddedStore
 from xservice.config import load_config
 from xservice.policies import make_policy

@@ -119,7 +119,7 @@ def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
 
 
 def _etcd(etcd: EtcdServer, op: Callable[[Any], Any]) -> Any:  # noqa: F811
-    from xservice.cluster.store.etcd import EtcdStore
+    from xengine.api.cluster.store.etcd import EtcdStore
 
     async def run() -> Any:
         store = EtcdStore("127.0.0.1", etcd.port)
@@ -140,7 +140,7 @@ def _keys(etcd: EtcdServer, kind: str) -> dict[str, bytes]:  # noqa: F811
 
 
 def _persisted_blocks(etcd: EtcdServer, name: str) -> int:  # noqa: F811
-    from xservice.cluster import keys
+    from xengine.api.cluster import keys
 
     snap = keys.decode(_keys(etcd, "kv").get(name, b""), keys.KVSnapshot)
     return len(snap.hashes) if snap is not None else 0

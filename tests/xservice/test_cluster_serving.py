@@ -108,7 +108,7 @@ def cluster(etcd: EtcdServer, model_dir: Path) -> Iterator[ClusterServer]:  # no
 
 
 def etcd_keys(etcd: EtcdServer, kind: str) -> dict[str, bytes]:  # noqa: F811
-    from xservice.cluster.store.etcd import EtcdStore
+    from xengine.api.cluster.store.etcd import EtcdStore
 
     async def read() -> dict[str, bytes]:
         store = EtcdStore("127.0.0.1", etcd.port)
@@ -148,8 +148,8 @@ def test_instances_register_with_roles_under_a_lease(cluster: ClusterServer, etc
 
 
 def test_stale_incarnation_reports_are_rejected(cluster: ClusterServer, etcd: EtcdServer) -> None:  # noqa: F811
-    from xservice.cluster import keys
-    from xservice.cluster.store.etcd import EtcdStore
+    from xengine.api.cluster import keys
+    from xengine.api.cluster.store.etcd import EtcdStore
 
     before = cluster.admin()["num_stale_rejected"]
     real = cluster.instances()["engine-0"]["incarnation"]

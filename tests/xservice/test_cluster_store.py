@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from xservice.cluster import keys
+from xengine.api.cluster import keys
+from xengine.api.cluster.store import BaseMetadataStore
 from xservice.cluster.kv_index import GlobalKVIndex, block_hash, prompt_block_hashes
 from xservice.cluster.registry import InstanceRegistry
-from xservice.cluster.store import BaseMetadataStore
 from xservice.cluster.store.embedded import EmbeddedStore
 
 ETCD_START_TIMEOUT_S = 30.0
@@ -84,7 +84,7 @@ def etcd() -> Iterator[EtcdServer]:
 
 
 def _stores(etcd: EtcdServer) -> list[BaseMetadataStore]:
-    from xservice.cluster.store.etcd import EtcdStore
+    from xengine.api.cluster.store.etcd import EtcdStore
 
     return [EmbeddedStore(), EtcdStore("127.0.0.1", etcd.port)]
 
@@ -210,9 +210,9 @@ def test_registry_rejects_stale_incarnations_and_drops_expired_instances() -> No
 
 
 def test_agent_registration_is_fenced_against_another_live_incarnation(etcd: EtcdServer) -> None:
+    from xengine.api.cluster.store.etcd import EtcdStore
+    from xengine.api.messages import EngineStats
     from xengine.cluster_agent import ClusterAgent, RegistrationConflictError
-    from xengine.messages import EngineStats
-    from xservice.cluster.store.etcd import EtcdStore
 
     async def main() -> None:
         store = EtcdStore("127.0.0.1", etcd.port)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from xengine.config import EngineConfig, from_dict
+from xengine.api.config import EngineConfig, from_dict
 from xservice.config import XllmConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from xengine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
-from xengine.messages import AddRequest, CompletionDelta, SamplingParams
+from xengine.api.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from xengine.api.messages import AddRequest, CompletionDelta, SamplingParams
 from xservice.engine_client import EngineClient, EngineDeadError, EngineStartupError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -229,7 +229,7 @@ def test_engine_exits_when_the_service_dies(model_dir: Path, tmp_path: Path) -> 
     script.write_text(
         textwrap.dedent(f"""
         import asyncio, json, sys, time
-        from xengine.config import EngineConfig, from_dict
+        from xengine.api.config import EngineConfig, from_dict
         from xservice.engine_client import EngineClient
 
         async def main():

@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-from xengine.messages import MAX_CATALOG_NAME_LEN, CatalogInfo
+from xengine.api.messages import MAX_CATALOG_NAME_LEN, CatalogInfo
 
 MAX_CATALOG_ITEMS = 200_000
 MAX_ITEM_LEN = 16

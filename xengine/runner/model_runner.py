@@ -9,7 +9,7 @@ import torch
 from graph.base import create_graph_runner
 from memory.kv_layout import BaseKVLayout
 from ops.platforms import Platform
-from xengine.messages import TokenLogprob
+from xengine.api.messages import TokenLogprob
 from xengine.request import Request
 from xengine.runner.input_batch import build_inputs
 from xengine.sampling.beam_search import BeamRows, beam_candidates

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xengine.messages import SamplingParams
+from xengine.api.messages import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows, and the limit of
 # sampling at temperature -> 0 is argmax anyway.

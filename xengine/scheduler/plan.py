@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from xengine.messages import TokenLogprob
+from xengine.api.messages import TokenLogprob
 from xengine.request import Request
 
 

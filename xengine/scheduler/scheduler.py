@@ -19,9 +19,9 @@ from __future__ import annotations
 import bisect
 
 from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
+from xengine.api.config import SchedulerConfig
 from xengine.beam.catalog import ItemCatalog
 from xengine.beam.group import BeamGroup
-from xengine.config import SchedulerConfig
 from xengine.request import PRIORITY_RANK, Request, RequestStatus
 from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
 from xengine.scheduler.stop import check_stop

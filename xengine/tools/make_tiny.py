@@ -15,8 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3", "qwen2", "llama")
-SIZES = ("tiny", "small")
+from xengine.api.models import ARCHS, SIZES, default_model_dir
 
 # Shapes per size. Tiny ties embeddings for the Qwen archs (like the small real Qwens) and unties
 # them for llama, so both loader paths are exercised; small is untied for every arch.
@@ -143,12 +142,6 @@ def _save_quietly(model: Any, out: Path, quiet: bool) -> None:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
-
-
-def default_model_dir() -> Path:
-    """Where the embedded default model (``xllm serve`` without ``--model``) lives."""
-    root = os.environ.get("XLLM_CACHE_DIR") or Path.home() / ".cache" / "xllm"
-    return Path(root) / "models" / "default-qwen3-small"
 
 
 def ensure_default_model(progress: bool = True) -> Path:

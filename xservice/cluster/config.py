@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xengine.config import _f
+from xengine.api.config import _f
 
 STORES = ("embedded", "etcd")
 LAUNCHERS = ("local", "ray", "external")

@@ -27,19 +27,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
-from xengine.messages import AddRequest, CompletionDelta, KVExportInfo
+from xengine.api.messages import AddRequest, CompletionDelta, KVExportInfo
+from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.engine_client import EngineDeadError
-from xservice.policies import PDPolicy
-
-if TYPE_CHECKING:
-    from xservice.cluster.pool import InstancePool
-    from xservice.cluster.remote_engine import RemoteEngineClient
+from xservice.policies import DECODE_ROLES, InstanceSnapshot, PDPolicy, RouteRequest
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +60,35 @@ class PDCounters:
     num_fallbacks: int = 0  # requests (or decode halves) that ran without a KV transfer
 
 
+class PDPool(Protocol):
+    """What PD dispatching needs of the instance pool (``xservice/cluster/pool.py``) that owns it."""
+
+    clients: dict[str, RemoteEngineClient]
+    migrate: bool
+
+    def snapshots(self) -> list[InstanceSnapshot]: ...
+
+    def route_request(self, prompt_token_ids: list[int]) -> RouteRequest: ...
+
+    def track(
+        self, req_id: str, client: RemoteEngineClient, sub_id: str, routed: bool = True
+    ) -> AbstractContextManager[None]: ...
+
+    def stream(
+        self,
+        req: AddRequest,
+        sub: AddRequest,
+        generated: list[int],
+        prefer: Sequence[Sequence[str]] = ...,
+        client: RemoteEngineClient | None = None,
+        num_cached_tokens: int | None = None,
+    ) -> AsyncIterator[CompletionDelta]: ...
+
+    def continuation(self, req: AddRequest, generated: list[int], tag: str) -> AddRequest | None: ...
+
+
 class PDDispatcher:
-    def __init__(self, pool: InstancePool, policy: PDPolicy) -> None:
+    def __init__(self, pool: PDPool, policy: PDPolicy) -> None:
         self.pool = pool
         self.policy = policy
         self.counters = PDCounters()
@@ -79,8 +104,6 @@ class PDDispatcher:
     # ------------------------------------------------------------------ the request
 
     async def generate(self, req: AddRequest) -> AsyncIterator[CompletionDelta]:
-        from xservice.cluster.pool import DECODE_ROLES
-
         pool, generated = self.pool, []
         self.counters.num_requests += 1
         prefill = await self._first_token(req)

@@ -29,19 +29,16 @@ from typing import Any
 
 import msgspec
 
-from xengine.messages import AddRequest, CompletionDelta, EngineStats
+from xengine.api.messages import AddRequest, CompletionDelta, EngineStats
 from xservice.cluster.kv_index import prompt_block_hashes
 from xservice.cluster.pd import PDDispatcher
 from xservice.cluster.registry import InstanceRegistry, InstanceState
 from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.engine_client import EngineDeadError
-from xservice.policies import BaseRoutingPolicy, InstanceSnapshot, PDPolicy, RouteRequest
+from xservice.policies import PLAIN_ROLES, BaseRoutingPolicy, InstanceSnapshot, PDPolicy, RouteRequest
 
 logger = logging.getLogger(__name__)
 
-# Role groups in order of preference: the first group with a healthy instance is routed to.
-PLAIN_ROLES: tuple[tuple[str, ...], ...] = (("mixed",), ("decode",), ("prefill",))
-DECODE_ROLES: tuple[tuple[str, ...], ...] = (("decode",), ("mixed",), ("prefill",))
 HANDSHAKE_ATTEMPTS = 60
 HANDSHAKE_TIMEOUT_S = 0.5
 

@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from xservice.cluster import keys
+from xengine.api.cluster import keys
+from xengine.api.cluster.store import BaseMetadataStore, StoreUnavailableError, WatchEvent
 from xservice.cluster.kv_index import GlobalKVIndex
-from xservice.cluster.store import BaseMetadataStore, StoreUnavailableError, WatchEvent
 
 logger = logging.getLogger(__name__)
 

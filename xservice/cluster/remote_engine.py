@@ -16,8 +16,8 @@ import asyncio
 import msgspec
 import zmq.asyncio
 
-from xengine.messages import EngineInfo, Hello
-from xservice.cluster.keys import InstanceRecord
+from xengine.api.cluster.keys import InstanceRecord
+from xengine.api.messages import EngineInfo, Hello
 from xservice.engine_client import WATCH_INTERVAL_S, EngineClient, EngineDeadError
 
 

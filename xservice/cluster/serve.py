@@ -1,6 +1,6 @@
 """``xllm serve`` in cluster mode: store, registry, launched instances and the pool behind the app.
 
-Called by ``xservice.cli.serve`` when the config lists ``cluster.instances`` (or sets
+Called by ``xservice.commands.serve`` when the config lists ``cluster.instances`` (or sets
 ``cluster.launcher: external``). The service opens the metadata store (etcd, or the embedded store
 served to its engines over loopback ZMQ), starts the registry, launches the instances, waits until
 each registered, then serves HTTP over an ``InstancePool``. A launched instance whose process exits
@@ -24,11 +24,11 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from xengine.api.cluster.store import BaseMetadataStore, StoreUnavailableError
 from xservice.cluster.config import ClusterConfig
 from xservice.cluster.launchers import BaseLauncher, InstanceSpec, make_launcher
 from xservice.cluster.pool import InstancePool
 from xservice.cluster.registry import InstanceRegistry
-from xservice.cluster.store import BaseMetadataStore, StoreUnavailableError
 from xservice.config import XllmConfig
 from xservice.policies import PDPolicy, make_policy
 
@@ -43,7 +43,7 @@ ServeHttp = Callable[[XllmConfig, socket.socket, Any, Any, Any], Awaitable[int]]
 async def open_service_store(cluster: ClusterConfig) -> AsyncIterator[tuple[BaseMetadataStore, str]]:
     """The service's store and the URL its engines use to reach it."""
     if cluster.metadata_store == "etcd":
-        from xservice.cluster.store.etcd import EtcdStore
+        from xengine.api.cluster.store.etcd import EtcdStore
 
         host, _, port = cluster.etcd_endpoint.rpartition(":")
         store = EtcdStore(host or "127.0.0.1", int(port))
@@ -52,7 +52,7 @@ async def open_service_store(cluster: ClusterConfig) -> AsyncIterator[tuple[Base
         finally:
             await store.close()
         return
-    from xservice.cluster.store.bridge import StoreBridgeServer
+    from xservice.cluster.store.bridge_server import StoreBridgeServer
     from xservice.cluster.store.embedded import EmbeddedStore
 
     store = EmbeddedStore()
@@ -103,9 +103,9 @@ async def serve_cluster(
             try:
                 await registry.start()
             except StoreUnavailableError as e:
-                from xservice.cli import CliError
-
-                raise CliError(f"{e}; start one (ci/etcd.sh start) or check cluster.etcd_endpoint") from e
+                raise StoreUnavailableError(
+                    f"{e}; start one (ci/etcd.sh start) or check cluster.etcd_endpoint"
+                ) from e
             if cl.external:
                 await _wait_for_external(cl, pool, registry)
                 return await serve_http(cfg, sock, pool, tokenizer, phases)

@@ -1,7 +1,7 @@
 """``xllm batch submit|status|list|cancel`` (against a server) and ``xllm run-batch`` (no server).
 
 Both read OpenAI batch input files (one ``{"custom_id", "method", "url", "body"}`` per line) and
-write OpenAI batch output lines. ``xservice.cli`` is imported lazily: it imports this module.
+write OpenAI batch output lines.
 """
 
 from __future__ import annotations
@@ -14,16 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from xservice.commands import common as cli
+
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 POLL_INTERVAL_S = 1.0
 FINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
-
-
-def _cli() -> Any:
-    from xservice import cli
-
-    return cli
 
 
 def infer_endpoint(path: Path) -> str:
@@ -44,7 +40,7 @@ def infer_endpoint(path: Path) -> str:
 def _input_file(name: str) -> Path:
     path = Path(name)
     if not path.is_file():
-        raise _cli().CliError(f"input file not found: {name}")
+        raise cli.CliError(f"input file not found: {name}")
     return path
 
 
@@ -80,7 +76,7 @@ def register_batch(subparsers: Any) -> None:
     listing.add_argument("--limit", type=int, default=20, help="most batches shown (default: %(default)s)")
     cancel = add("cancel", "cancel a batch", run_cancel)
     cancel.add_argument("batch_id")
-    p.set_defaults(run=lambda _args: (p.print_help(sys.stderr), _cli().EXIT_USAGE)[1])
+    p.set_defaults(run=lambda _args: (p.print_help(sys.stderr), cli.EXIT_USAGE)[1])
 
 
 def _http(args: argparse.Namespace) -> Any:
@@ -98,9 +94,9 @@ def _call(http: Any, method: str, path: str, **kw: Any) -> Any:
     try:
         resp = http.request(method, path, **kw)
     except httpx.HTTPError as e:
-        raise _cli().CliError(f"cannot reach {http.base_url} ({e}); start 'xllm serve' or pass --url") from e
+        raise cli.CliError(f"cannot reach {http.base_url} ({e}); start 'xllm serve' or pass --url") from e
     if resp.status_code != 200:
-        raise _cli().CliError(f"{method} {path} answered {resp.status_code}: {_error_message(resp.text)}")
+        raise cli.CliError(f"{method} {path} answered {resp.status_code}: {_error_message(resp.text)}")
     return resp
 
 
@@ -193,12 +189,11 @@ def register_run_batch(subparsers: Any) -> None:
         "--endpoint", default=None, help="/v1/chat/completions or /v1/completions (default: lines' url)"
     )
     p.add_argument("--config", metavar="FILE", help="YAML config file (sections: service, model, ...).")
-    _cli().add_config_flags(p)
+    cli.add_config_flags(p)
     p.set_defaults(run=run_run_batch)
 
 
 def run_run_batch(args: argparse.Namespace) -> int:
-    cli = _cli()
     cfg = cli.resolve_model(cli.load_cli_config(args))
     path = _input_file(args.input)
     endpoint = args.endpoint or infer_endpoint(path)
@@ -229,7 +224,6 @@ async def _run_file(cfg: Any, path: Path, endpoint: str) -> list[dict[str, Any]]
     from xservice.metrics import ServiceMetrics
     from xservice.serving.context import ServingContext
 
-    cli = _cli()
     with open(path, "rb") as f:
         lines = list(parse_lines(f, endpoint))
     tokenizer = cli.load_tokenizer(cfg.model.model)
@@ -262,5 +256,5 @@ async def _run_one(ctx: Any, endpoint: str, line: Any, slots: asyncio.Semaphore)
                 return await run_line(ctx, endpoint, line.custom_id, line.body)
             except RetryLater as exc:
                 if not ctx.engine_client.is_alive:
-                    raise _cli().CliError(f"the engine stopped: {exc}") from None
+                    raise cli.CliError(f"the engine stopped: {exc}") from None
                 await asyncio.sleep(0.5)

@@ -2,23 +2,26 @@
 
 ``xllm engine --config FILE --name NAME --role {mixed,prefill,decode} [--model DIR] [--port P]``
 
-Runs ``xengine/engine_server.py``'s server in this process, with no parent-death link: it binds
+Becomes (exec) ``python -m xengine.engine_server``, with no parent-death link: it binds
 its ZMQ sockets on ``cluster.engine_host`` (free ports, or ``--port`` and ``--port + 1``),
 registers under a lease in the etcd of ``cluster.etcd_endpoint`` / ``cluster.key_prefix`` and
 serves whichever service connects (``xllm serve`` with ``cluster.launcher: external``). When a
 new service connects (the previous one died or was restarted), the requests of the previous one
-are aborted. SIGTERM / Ctrl-C drains running requests and deregisters. ``xservice.cli`` is
-imported lazily: it imports this module.
+are aborted. SIGTERM / Ctrl-C drains running requests and deregisters.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import dataclasses
+import json
 import os
 import sys
 from typing import Any
+
+from xservice.commands.common import CliError, load_cli_config, resolve_model
+from xservice.engine_client import child_env
 
 ROLES = ("mixed", "prefill", "decode")
 STORE_CHECK_TIMEOUT_S = 5.0
@@ -44,8 +47,6 @@ def register_engine(subparsers: Any) -> None:
 
 
 def run_engine(args: argparse.Namespace) -> int:
-    from xservice.cli import CliError, load_cli_config, resolve_model
-
     cfg = resolve_model(load_cli_config(args))
     cl = cfg.cluster
     if not args.name or "/" in args.name:
@@ -58,45 +59,32 @@ def run_engine(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65535:
         raise CliError("--port must be in [0, 65534] (the output socket uses port + 1)")
     _check_store(cl.etcd_endpoint)
-    logging.basicConfig(
-        level=os.environ.get("XLLM_ENGINE_LOG_LEVEL", "INFO").upper(),
-        format=f"%(asctime)s xengine[{args.name}:{os.getpid()}] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    server_args = argparse.Namespace(
-        name=args.name,
-        role=args.role,
-        store=cl.store_url,
-        key_prefix=cl.key_prefix,
-        host=cl.engine_host,
-        port=args.port,
-        lease_ttl_s=cl.lease_ttl_s,
-        heartbeat_interval_s=cl.heartbeat_interval_s,
-        parent_pid=None,  # standalone: no parent-death link
-    )
-    import zmq
-
-    from xengine import engine_server
-
     print(
         f"xllm: engine {args.name} ({args.role}) for {cfg.model.model}, "
         f"registering in etcd://{cl.etcd_endpoint}{cl.key_prefix}",
         file=sys.stderr,
         flush=True,
     )
-    try:
-        return engine_server.serve(cfg.engine, server_args)
-    except zmq.ZMQError as e:
-        raise CliError(
-            f"cannot bind {cl.engine_host}:{args.port or 'free ports'} ({e}); pass another --port"
-        ) from e
+    # The engine runs torch: this process becomes it (exec), so the CLI itself never imports the engine.
+    server_args = [
+        "--config-json", json.dumps(dataclasses.asdict(cfg.engine)),
+        "--name", args.name,
+        "--role", args.role,
+        "--store", cl.store_url,
+        "--key-prefix", cl.key_prefix,
+        "--host", cl.engine_host,
+        "--port", str(args.port),
+        "--lease-ttl-s", str(cl.lease_ttl_s),
+        "--heartbeat-interval-s", str(cl.heartbeat_interval_s),
+    ]  # fmt: skip
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "xengine.engine_server", *server_args], child_env())
 
 
 def _check_store(endpoint: str) -> None:
     """Fail fast (instead of retrying forever) when etcd is not reachable at startup."""
-    from xservice.cli import CliError
-    from xservice.cluster.store import StoreUnavailableError
-    from xservice.cluster.store.etcd import EtcdStore
+    from xengine.api.cluster.store import StoreUnavailableError
+    from xengine.api.cluster.store.etcd import EtcdStore
 
     async def check() -> None:
         host, _, port = endpoint.rpartition(":")

@@ -2,6 +2,8 @@
 
 from xservice.policies.pd import PDPair, PDPolicy
 from xservice.policies.routing import (
+    DECODE_ROLES,
+    PLAIN_ROLES,
     POLICIES,
     BaseRoutingPolicy,
     CacheAwarePolicy,
@@ -13,6 +15,8 @@ from xservice.policies.routing import (
 )
 
 __all__ = [
+    "DECODE_ROLES",
+    "PLAIN_ROLES",
     "POLICIES",
     "BaseRoutingPolicy",
     "CacheAwarePolicy",

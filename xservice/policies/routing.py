@@ -18,6 +18,10 @@ import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+# Role groups in order of preference: the first group with a healthy instance is routed to.
+PLAIN_ROLES: tuple[tuple[str, ...], ...] = (("mixed",), ("decode",), ("prefill",))
+DECODE_ROLES: tuple[tuple[str, ...], ...] = (("decode",), ("mixed",), ("prefill",))
+
 
 @dataclass(frozen=True)
 class InstanceSnapshot:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from xengine.messages import CatalogInfo
+from xengine.api.messages import CatalogInfo
 from xservice.errors import EngineUnavailableError, NotFoundError, from_value_error
 from xservice.rec.protocol import CatalogObject
 

@@ -6,7 +6,7 @@ import time
 
 from fastapi import Request
 
-from xengine.messages import AddRequest, CompletionDelta, SamplingParams
+from xengine.api.messages import AddRequest, CompletionDelta, SamplingParams
 from xservice.engine_client import EngineDeadError
 from xservice.errors import EngineUnavailableError, InternalError, InvalidRequestError, from_value_error
 from xservice.rec.catalogs import CatalogDirectory, not_found

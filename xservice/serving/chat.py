@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from xengine.messages import MAX_LOGPROBS
+from xengine.api.messages import MAX_LOGPROBS
 from xservice.errors import InvalidRequestError
 from xservice.protocol import (
     ChatChoice,

@@ -10,8 +10,8 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from xengine.messages import CompletionDelta, SamplingParams
-from xengine.text.output_processor import RequestOutputState, SeqDelta
+from xengine.api.messages import CompletionDelta, SamplingParams
+from xengine.api.text.output_processor import RequestOutputState, SeqDelta
 from xservice.errors import InvalidRequestError, from_value_error
 from xservice.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, dump
 from xservice.serving.context import ServingContext, new_request_id

@@ -16,7 +16,7 @@ from xservice.errors import EngineUnavailableError, ModelNotFoundError, RateLimi
 from xservice.metrics import ServiceMetrics
 
 if TYPE_CHECKING:
-    from xengine.text.tokenizer import Tokenizer
+    from xengine.api.text.tokenizer import Tokenizer
     from xservice.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from xengine.messages import AddRequest, Priority, SamplingParams
-from xengine.text.output_processor import RequestOutputState, SeqDelta, SeqOutput
+from xengine.api.messages import AddRequest, Priority, SamplingParams
+from xengine.api.text.output_processor import RequestOutputState, SeqDelta, SeqOutput
 from xservice.engine_client import EngineDeadError
 from xservice.errors import APIError, EngineUnavailableError, InternalError, from_value_error
 from xservice.metrics import RequestTimer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xengine.messages import SamplingParams
+from xengine.api.messages import SamplingParams
 from xservice.errors import InvalidRequestError, from_value_error
 from xservice.protocol import SamplingRequest
 

@@ -12,7 +12,7 @@ import json
 import subprocess
 from dataclasses import dataclass
 
-from xengine.config import EngineConfig
+from xengine.api.config import EngineConfig
 
 
 @dataclass(frozen=True)

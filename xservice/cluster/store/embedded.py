@@ -13,7 +13,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 
-from xservice.cluster.store.base import BaseMetadataStore, WatchEvent
+from xengine.api.cluster.store.base import BaseMetadataStore, WatchEvent
 
 EXPIRY_CHECK_S = 0.1
 HISTORY_LEN = 4096

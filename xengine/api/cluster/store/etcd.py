@@ -8,7 +8,7 @@ from typing import Any
 import aetcd
 import aetcd.exceptions
 
-from xservice.cluster.store.base import BaseMetadataStore, StoreUnavailableError, WatchEvent
+from xengine.api.cluster.store.base import BaseMetadataStore, StoreUnavailableError, WatchEvent
 
 RPC_TIMEOUT_S = 2
 

@@ -1,8 +1,8 @@
-"""The embedded store over loopback ZMQ, so engine processes can register without etcd.
+"""The client side of a service's embedded store over loopback ZMQ (engines register without etcd).
 
-``StoreBridgeServer`` (in the service) answers ``StoreCall`` frames against an ``EmbeddedStore``;
 ``BridgeStoreClient`` (in an engine's cluster agent) implements the write side of
-``BaseMetadataStore`` with them. Watching stays in the service, next to the store.
+``BaseMetadataStore`` with ``StoreCall`` frames; the service answers them against its embedded store
+(``xservice/cluster/store/bridge_server.py``). Watching stays in the service, next to the store.
 Frames are msgspec msgpack (never pickle).
 """
 
@@ -15,7 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from xservice.cluster.store.base import BaseMetadataStore, StoreUnavailableError, WatchEvent
+from xengine.api.cluster.store.base import BaseMetadataStore, StoreUnavailableError, WatchEvent
 
 CALL_TIMEOUT_S = 2.0
 
@@ -33,54 +33,6 @@ class StoreReply(msgspec.Struct, kw_only=True):
     value: bytes | None = None
     number: int = 0
     error: str | None = None
-
-
-class StoreBridgeServer:
-    """Serves ``store`` on a ROUTER socket bound to ``addr`` (``tcp://127.0.0.1:0`` picks a port)."""
-
-    def __init__(self, store: BaseMetadataStore, addr: str = "tcp://127.0.0.1:0") -> None:
-        self._store = store
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(addr)
-        self.addr = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._task = asyncio.get_running_loop().create_task(self._serve())
-        self._decoder = msgspec.msgpack.Decoder(StoreCall)
-        self._encoder = msgspec.msgpack.Encoder()
-
-    async def _serve(self) -> None:
-        while True:
-            ident, _, frame = await self._sock.recv_multipart()
-            try:
-                reply = await self._answer(self._decoder.decode(frame))
-            except Exception as e:  # noqa: BLE001 - report to the caller
-                reply = StoreReply(ok=False, error=f"{type(e).__name__}: {e}")
-            await self._sock.send_multipart([ident, b"", self._encoder.encode(reply)])
-
-    async def _answer(self, call: StoreCall) -> StoreReply:
-        s = self._store
-        if call.op == "put":
-            return StoreReply(number=await s.put(call.key, call.value, call.lease))
-        if call.op == "create":
-            return StoreReply(ok=await s.create(call.key, call.value, call.lease))
-        if call.op == "get":
-            return StoreReply(value=await s.get(call.key))
-        if call.op == "delete":
-            return StoreReply(ok=await s.delete(call.key))
-        if call.op == "grant":
-            return StoreReply(number=await s.grant_lease(call.ttl_s))
-        if call.op == "keepalive":
-            return StoreReply(ok=await s.keepalive(call.lease or 0))
-        if call.op == "revoke":
-            await s.revoke(call.lease or 0)
-            return StoreReply()
-        return StoreReply(ok=False, error=f"unknown op {call.op!r}")
-
-    async def close(self) -> None:
-        self._task.cancel()
-        self._sock.close(linger=0)
-        self._ctx.term()
 
 
 class BridgeStoreClient(BaseMetadataStore):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xengine.messages import CompletionDelta, SamplingParams
-from xengine.text.detokenizer import IncrementalDetokenizer
-from xengine.text.stop import StopStringMatcher
-from xengine.text.tokenizer import Tokenizer
+from xengine.api.messages import CompletionDelta, SamplingParams
+from xengine.api.text.detokenizer import IncrementalDetokenizer
+from xengine.api.text.stop import StopStringMatcher
+from xengine.api.text.tokenizer import Tokenizer
 
 TopLogprobs = list[list[tuple[int, float]]]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xengine.text.tokenizer import Tokenizer
+from xengine.api.text.tokenizer import Tokenizer
 
 # Prompt tokens kept as left context, so decoders that treat the first token specially (e.g.
 # SentencePiece's leading space) see output tokens the way a full decode would.

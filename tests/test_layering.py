@@ -1,0 +1,149 @@
+"""The import rules of ``../shared/ARCHITECTURE.md`` ("who may import whom"), checked on the source.
+
+Every import counts, wherever it stands (module level, inside a function, under ``TYPE_CHECKING``):
+a reader follows all of them. Rules:
+- ``xservice`` imports nothing of ``xengine`` but ``xengine.api`` (the torch-free contract);
+- ``xengine.api`` imports nothing else of ``xengine``, and nothing of ``memory``, ``graph``, ``ops``;
+- nothing under ``xengine``, ``memory``, ``graph`` or ``ops`` imports ``xservice``;
+- ``memory`` and ``graph`` import only ``ops`` (and themselves); ``ops`` imports no other package;
+- no import cycle between files: each file sits above what it imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("xservice", "xengine", "memory", "graph", "ops")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            out[_module_name(path)] = path
+    return out
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The project module ``name`` refers to (a module, or the package holding an attribute)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor if is_pkg else anchor[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        for name in names:
+            target = _resolve(name, modules)
+            if target is not None and target != module:
+                out.add(target)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(m, p, modules) for m, p in modules.items()}
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in graph.items():
+        for dst in targets:
+            if _in(src, "xservice") and _in(dst, "xengine") and not _in(dst, "xengine.api"):
+                bad.append(f"{src} -> {dst}: the service may import only xengine.api")
+            if _in(src, "xengine.api") and (
+                (_in(dst, "xengine") and not _in(dst, "xengine.api"))
+                or any(_in(dst, p) for p in ("memory", "graph", "ops"))
+            ):
+                bad.append(f"{src} -> {dst}: xengine.api is the torch-free contract")
+            if not _in(src, "xservice") and _in(dst, "xservice"):
+                bad.append(f"{src} -> {dst}: a lower layer imports the service")
+            for pkg in ("memory", "graph"):
+                if _in(src, pkg) and not any(_in(dst, p) for p in (pkg, "ops")):
+                    bad.append(f"{src} -> {dst}: {pkg} may import only ops")
+            if _in(src, "ops") and not _in(dst, "ops"):
+                bad.append(f"{src} -> {dst}: ops imports no other package")
+    return sorted(bad)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), package __init__ edges
+    to their own submodules excluded (a package re-exporting its children is not a cycle)."""
+    edges = {
+        m: {d for d in ts if not (d.startswith(m + ".") and not graph.get(d, set()) & {m})} | set()
+        for m, ts in graph.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_layers_import_only_what_they_may() -> None:
+    assert _violations(_graph()) == []
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_checker_sees_a_violation_and_a_cycle() -> None:
+    graph = {"xservice.a": {"xengine.engine"}, "xengine.x": {"xengine.y"}, "xengine.y": {"xengine.x"}}
+    assert _violations(graph) == ["xservice.a -> xengine.engine: the service may import only xengine.api"]
+    assert _cycles(graph) == [["xengine.x", "xengine.y"]]

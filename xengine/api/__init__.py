@@ -1,0 +1,7 @@
+"""The engine's torch-free contract, shared with the service (the only part of ``xengine`` it imports).
+
+``messages`` (wire structs), ``config`` (engine config dataclasses), ``text/`` (tokenizer, chat
+template, incremental detokenizer, stop strings), ``cluster/`` (metadata-store key layout and the
+store clients an engine registers with) and ``models`` (the default model's location, make-tiny
+choices). Nothing here imports torch or anything else of ``xengine``.
+"""

@@ -1,0 +1,1 @@
+"""Cluster registration protocol: metadata-store key layout (``keys``) and store clients (``store``)."""

@@ -1,0 +1,35 @@
+"""``xllm model make-tiny``: seeded small checkpoints of real architectures (run in a child process,
+since building weights needs torch and the service never imports it)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from typing import Any
+
+from xengine.api.models import ARCHS, SIZES
+from xservice.commands.common import EXIT_USAGE
+
+
+def register_model(subparsers: Any) -> None:
+    p = subparsers.add_parser("model", help="model tools (make-tiny)", description="Model tools.")
+    tools = p.add_subparsers(title="model commands", metavar="COMMAND")
+    tiny = tools.add_parser(
+        "make-tiny",
+        help="write a small seeded-random checkpoint of a real architecture",
+        description="Write a small seeded-random checkpoint (safetensors + tokenizer) into --out.",
+    )
+    tiny.add_argument("--arch", choices=ARCHS, default="qwen3", help="model architecture")
+    tiny.add_argument("--size", choices=SIZES, default="tiny", help="tiny (~1M params) or small (~56M)")
+    tiny.add_argument("--out", required=True, help="output folder")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokenizer corpus")
+    tiny.add_argument("--quiet", action="store_true", help="no progress output")
+    tiny.set_defaults(run=run_make_tiny)
+    p.set_defaults(run=lambda _args: (p.print_help(sys.stderr), EXIT_USAGE)[1])
+
+
+def run_make_tiny(args: argparse.Namespace) -> int:
+    argv = ["--arch", args.arch, "--size", args.size, "--out", args.out, "--seed", str(args.seed)]
+    cmd = [sys.executable, "-m", "xengine.tools.make_tiny", *argv, *(["--quiet"] if args.quiet else [])]
+    return subprocess.run(cmd).returncode

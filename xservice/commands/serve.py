@@ -1,0 +1,134 @@
+"""``xllm serve``: the OpenAI API over one engine (single node) or a cluster of instances."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from xservice.commands.common import (
+    CliError,
+    add_config_flags,
+    bind_socket,
+    load_cli_config,
+    load_tokenizer,
+    resolve_model,
+)
+from xservice.config import XllmConfig
+
+ENGINE_WATCH_INTERVAL_S = 0.5
+
+
+def register_serve(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API",
+        description="Serve a local Hugging Face model folder (default: the embedded default model) over the "
+        "OpenAI API. Flags override the config file.",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config file (sections: service, model, ...).")
+    add_config_flags(p)
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    cfg = resolve_model(load_cli_config(args))
+    level = cfg.service.log_level.upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise CliError(
+            f"service.log_level must be debug, info, warning or error, got {cfg.service.log_level!r}"
+        )
+    logging.basicConfig(level=level, format="%(asctime)s xservice %(levelname)s %(name)s: %(message)s")
+    sock = bind_socket(cfg.service.host, cfg.service.port)
+    return asyncio.run(serve(cfg, sock))
+
+
+class _SignalPhases:
+    """SIGINT/SIGTERM handling around uvicorn (which handles them while it serves).
+
+    Before serving, a signal cancels startup; afterwards (uvicorn re-raises the signal it caught)
+    it only asks the server to stop, so the engine is still closed gracefully.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.server: Any = None
+        self.closing = False
+        self.saved = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.closing:
+            return
+        if self.server is not None:
+            self.server.should_exit = True
+        elif self.task is not None:
+            self.loop.call_soon_threadsafe(self.task.cancel)
+
+    def restore(self) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+
+
+async def serve(cfg: XllmConfig, sock: socket.socket) -> int:
+    """Start the engine, serve HTTP on ``sock`` until a signal, then stop both gracefully."""
+    from xservice.engine_client import EngineClient, EngineStartupError
+
+    phases = _SignalPhases()
+    client = None
+    try:
+        tokenizer = load_tokenizer(cfg.model.model)
+        if cfg.cluster.enabled:
+            from xengine.api.cluster.store import StoreUnavailableError
+            from xservice.cluster.serve import serve_cluster
+
+            try:
+                return await serve_cluster(cfg, sock, tokenizer, _serve_http, phases)
+            except StoreUnavailableError as e:
+                raise CliError(str(e)) from e
+        print(f"xllm: starting the engine for {cfg.model.model}", file=sys.stderr, flush=True)
+        try:
+            client = await EngineClient.start(cfg.engine, cfg.service.engine_startup_timeout_s)
+        except EngineStartupError as e:
+            raise CliError(f"the engine did not start: {str(e).splitlines()[0]} (see the log above)") from e
+        return await _serve_http(cfg, sock, client, tokenizer, phases)
+    except asyncio.CancelledError:
+        print("xllm: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        phases.closing = True
+        if client is not None:
+            await client.close()
+        phases.restore()
+        sock.close()
+
+
+async def _serve_http(cfg: XllmConfig, sock: socket.socket, client: Any, tokenizer: Any, phases: Any) -> int:
+    import uvicorn
+
+    from xservice.app import build_app
+
+    app = build_app(client, tokenizer, cfg)
+    config = uvicorn.Config(app, log_level=cfg.service.log_level, timeout_graceful_shutdown=10)
+    server = phases.server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        host, port = sock.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
+        print(f"xllm serving {client.info.model_name} at http://{host}:{port}/v1", flush=True)
+    # If the engine dies the service stays up: readiness fails and requests get 503 with
+    # Retry-After, so a supervisor or load balancer sees it instead of connection errors.
+    engine_died = False
+    while not serving.done():
+        await asyncio.wait([serving], timeout=ENGINE_WATCH_INTERVAL_S)
+        if not client.is_alive and not engine_died:
+            print("xllm: error: the engine process died; answering 503 until restarted", file=sys.stderr)
+            engine_died = True
+    await serving
+    return 1 if engine_died else 0
