@@ -54,6 +54,7 @@ def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: ar
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
+        kv_layout=args.kv_layout,
     )
     out: dict = {}
     llm = eng.make_llm(model_dir, enable_prefix_caching=True)
@@ -105,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="compute threads of every runner (torch intra-op; vLLM OpenMP bound to cores 0..n-1); "
         "0 keeps each runner's default. Oversubscribed cores make spin-waiting OpenMP threads crawl.",
+    )
+    p.add_argument(
+        "--kv-layout",
+        default="auto",
+        choices=["auto", "paged", "xtensor"],
+        help="xllm's KV layout (cache.kv_layout)",
     )
     p.add_argument("--seed", type=int, default=0)
     for name in ("xllm", "hf", "vllm", "eta", "prefix"):

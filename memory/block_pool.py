@@ -8,7 +8,7 @@ the prefix cache is told to forget a block when it is handed out again.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -39,13 +39,21 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    def allocate(self, num: int) -> list[int]:
-        """Take ``num`` blocks from the head of the free queue (evicting cached prefixes)."""
+    def allocate(self, num: int, prefer: Sequence[int | None] = ()) -> list[int]:
+        """Take ``num`` blocks from the head of the free queue (evicting cached prefixes).
+
+        ``prefer[i]`` names a block wanted as the ``i``-th one (xTensor: already mapped where it goes);
+        it is taken when it is free and holds no cached prefix, else the head of the queue is."""
         if num > len(self._free):
             raise MemoryError(f"asked for {num} KV blocks, {len(self._free)} free")
         out = []
-        for _ in range(num):
-            block_id, _ = self._free.popitem(last=False)
+        for i in range(num):
+            want = prefer[i] if i < len(prefer) else None
+            if want is not None and want in self._free and not self.cached[want]:
+                del self._free[want]
+                block_id = want
+            else:
+                block_id, _ = self._free.popitem(last=False)
             if self.cached[block_id]:
                 self.cached[block_id] = False
                 if self.on_evict is not None:

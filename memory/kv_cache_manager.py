@@ -8,6 +8,7 @@ so a virtually-contiguous layout (xTensor) plugs in without touching the schedul
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from memory.block_pool import BlockPool
 from memory.prefix_cache import BasePrefixCache, RadixPrefixCache
@@ -19,9 +20,30 @@ class ComputedPrefix:
     num_tokens: int
 
 
+class KVPlacement(Protocol):
+    """Where blocks land in memory, when that matters (xTensor: slot positions already mapped)."""
+
+    def preferred_blocks(self, seq_id: str, first: int, count: int) -> list[int | None]:
+        """The blocks a sequence would best get for its block positions ``first .. first + count - 1``."""
+
+    def released(self, seq_id: str) -> None:
+        """The sequence freed all its blocks."""
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        placement: KVPlacement | None = None,
+        lookahead_blocks: int = 0,
+    ) -> None:
+        """``lookahead_blocks``: give each sequence up to this many blocks beyond what it asked for when
+        the pool has them, so they can be prepared (mapped) before they are needed."""
         self.block_size = block_size
+        self.placement = placement
+        self.lookahead_blocks = lookahead_blocks
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache: BasePrefixCache | None = (
@@ -72,10 +94,18 @@ class KVCacheManager:
             self.prefix_cache.lock(new_prefix)
             table = list(new_prefix)
             self._num_cached_blocks[req_id] = len(new_prefix)
+        need = len(table) + max(num_new, 0)
+        if self.lookahead_blocks:  # up to lookahead_blocks past what is needed, if the pool has them
+            ahead = self.blocks_needed(num_total_tokens) + self.lookahead_blocks - need
+            num_new = max(num_new, 0) + max(0, min(ahead, self.pool.num_free_blocks - max(num_new, 0)))
         if num_new > 0:
-            table = table + self.pool.allocate(num_new)
+            table = table + self._allocate(req_id, len(table), num_new)
         self.block_tables[req_id] = table
         return True
+
+    def _allocate(self, seq_id: str, first: int, num: int) -> list[int]:
+        prefer = self.placement.preferred_blocks(seq_id, first, num) if self.placement is not None else ()
+        return self.pool.allocate(num, prefer)
 
     def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Insert the request's newly completed full blocks into the prefix cache."""
@@ -95,6 +125,8 @@ class KVCacheManager:
         self._num_cached_blocks.pop(req_id, None)
         if table:
             self.pool.free(list(reversed(table)))
+        if self.placement is not None:
+            self.placement.released(req_id)
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> bool:
         """Give ``child_id`` the parent's KV for its first ``num_tokens`` tokens.
@@ -110,7 +142,7 @@ class KVCacheManager:
         self.pool.touch(shared)
         child = list(shared)
         if partial:
-            dst = self.pool.allocate(1)[0]
+            dst = self._allocate(child_id, len(shared), 1)[0]
             self.pending_copies.append((table[-1], dst))
             child.append(dst)
         self.block_tables[child_id] = child

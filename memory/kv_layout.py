@@ -1,15 +1,16 @@
 """KV layouts: how KV tensors are laid out in memory, behind one interface.
 
 The scheduler and the KV cache manager deal in block ids only. A layout turns them into
-tensors the attention kernels read. ``PagedKVLayout`` is one tensor of pages per layer; an
-xTensor layout (virtually contiguous per request, physical pages mapped on demand) implements
-the same interface later.
+tensors the attention kernels read. ``PagedKVLayout`` is one tensor of pages per layer;
+``memory/xtensor`` (virtually contiguous per sequence, physical pages mapped on demand) keeps the
+same paged tensors for every block-level operation and adds per-sequence contiguous views.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +37,18 @@ class BaseKVLayout(ABC):
     @abstractmethod
     def copy_blocks(self, kv_caches: list[torch.Tensor], copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write forks)."""
+
+    def attention_caches(self, kv_caches: list[torch.Tensor]) -> list[Any]:
+        """What the model's attention layers get, one per layer (the paged tensors themselves here)."""
+        return kv_caches
+
+    def prepare(self, seqs: list[tuple[str, list[int], int]]) -> list[int] | None:
+        """Before a step: make ``(seq_id, block table, tokens covered)`` readable; returns per-sequence
+        slots for attention (None: the layout reads through block tables)."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - most layouts hold nothing to release
+        """Release the layout's memory (the tensors it returned are invalid afterwards)."""
 
 
 class PagedKVLayout(BaseKVLayout):

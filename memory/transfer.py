@@ -18,7 +18,9 @@ the session's) and the TCP transport's data socket (the one peers read memory th
 outside P2P mode). What can be set is the port range both are drawn from: ``MC_MIN_RPC_PORT`` /
 ``MC_MAX_RPC_PORT``, read once per process when ``mooncake.engine`` is loaded. ``port_range`` sets
 them (before that load) and checks the ports; ``listen_addrs`` reports where the engine listens and
-``strict_bind`` refuses an engine that listens beyond ``host``.
+``strict_bind`` refuses an engine that listens beyond ``host``. A process started with the
+``memory.bind_host`` shim preloaded (engine processes of PD roles re-execute themselves with it)
+has both wildcard binds rewritten to its host: ``host`` and ``[::ffff:host]`` for an IPv4 host.
 """
 
 from __future__ import annotations
@@ -146,16 +148,19 @@ def _proc_listeners() -> dict[int, tuple[str, int]] | None:
         return None
 
 
+def _unmapped(addr: str) -> str:
+    """``addr`` with a v4-mapped IPv6 address (``::ffff:a.b.c.d``) written as IPv4."""
+    ip = ipaddress.ip_address(addr)
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
+
+
 def _host_addrs(host: str) -> set[str]:
     try:
-        return {str(ipaddress.ip_address(host))}
+        return {_unmapped(host)}
     except ValueError:
         pass
     try:
-        return {
-            str(ipaddress.ip_address(a[4][0]))
-            for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-        }
+        return {_unmapped(a[4][0]) for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
     except OSError:
         return set()
 
@@ -230,14 +235,15 @@ class KVTransferAgent:
                 raise RuntimeError("cannot verify where the Mooncake transfer engine listens (no /proc)")
             return
         allowed = _host_addrs(host)
-        exposed = [(a, p) for a, p in self.listen_addrs if a not in allowed]
+        exposed = [(a, p) for a, p in self.listen_addrs if _unmapped(a) not in allowed]
         if not exposed:
             return
         msg = (
             f"Mooncake transfer engine for {host} listens on {exposed}, not only on {host}: it binds "
             "its handshake and TCP data sockets to the wildcard address, and any host that can reach "
-            "these ports can read and write the registered KV memory; restrict them at the network "
-            "level (port_range gives the ports)"
+            "these ports can read and write the registered KV memory; run the process with the "
+            "memory.bind_host shim (engine processes of PD roles do) or restrict these ports at the "
+            "network level (port_range gives the ports)"
         )
         if strict_bind:
             self._engine = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ops.attention_metadata import AttentionMetadata, build_attention_metadata
+from ops.attention_metadata import AttentionMetadata, ContiguousKV, build_attention_metadata
 from ops.registry import get_op
 
 
@@ -21,14 +21,18 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | ContiguousKV,
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Store ``k``/``v`` ([T, Hkv, D]) into ``kv_cache`` at ``meta.slot_mapping``, then return
-    causal attention of ``q`` ([T, Hq, D], Hq a multiple of Hkv) over each sequence's context: [T, Hq, D]."""
-    return get_op("attention")(q, k, v, kv_cache, meta, scale, sliding_window)
+    causal attention of ``q`` ([T, Hq, D], Hq a multiple of Hkv) over each sequence's context: [T, Hq, D].
+
+    ``kv_cache`` is the paged tensor (reads go through ``meta.block_tables``) or, with the xTensor
+    layout, a ``ContiguousKV`` (reads go straight to each sequence's slot, ``meta.kv_slots``)."""
+    name = "attention_contiguous" if isinstance(kv_cache, ContiguousKV) else "attention"
+    return get_op(name)(q, k, v, kv_cache, meta, scale, sliding_window)
 
 
-__all__ = ["AttentionMetadata", "attention", "build_attention_metadata"]
+__all__ = ["AttentionMetadata", "ContiguousKV", "attention", "build_attention_metadata"]

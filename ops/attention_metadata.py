@@ -12,6 +12,21 @@ import torch
 
 
 @dataclass
+class ContiguousKV:
+    """One layer's KV in the xTensor layout: the paged view every block-level op uses (``paged``:
+    ``[2, num_blocks, block_size, Hkv, D]``, the same bytes) and, per chunk of sequence slots, each
+    slot's K and V as one virtually contiguous range (``k_chunks[c]`` / ``v_chunks[c]``:
+    ``[slots_per_chunk, max_len, Hkv, D]``). Sequence slot ``s`` is row ``s % slots_per_chunk`` of chunk
+    ``s // slots_per_chunk``; positions past what the sequence holds read zeros or stale finite data
+    and are masked out. The chunk lists grow as the layout adds chunks (same objects)."""
+
+    paged: torch.Tensor
+    k_chunks: list[torch.Tensor]
+    v_chunks: list[torch.Tensor]
+    slots_per_chunk: int
+
+
+@dataclass
 class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [B + 1], cumulative query lengths, on device
     seq_lens: torch.Tensor  # int32 [B], context length after this step, on device
@@ -22,6 +37,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # xTensor: each sequence's slot (``ContiguousKV``); None with the paged layout
+    kv_slots: list[int] | None = None
     # Per-step values a backend derives once and reuses in every layer (gather indices, masks, buffers);
     # keyed by backend. Lives as long as this metadata, i.e. one step.
     scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)

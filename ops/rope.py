@@ -21,14 +21,16 @@ def build_cos_sin_cache(
     base: float,
     scaling: dict[str, Any] | None = None,
     device: torch.device | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Cos/sin cache covering every position a request may reach under ``scaling``.
 
     ``scaling`` is the HF ``rope_scaling`` / ``rope_parameters`` dict (``rope_type`` or legacy
     ``type``: default | linear | dynamic | llama3 | yarn); ``max_position`` is the config's
-    ``max_position_embeddings``."""
-    inv_freq, attention_factor = compute_inv_freq(rotary_dim, base, scaling, max_position)
-    length = cache_length(max_position, scaling)
+    ``max_position_embeddings``; ``max_len`` (the engine's max_model_len, which the caller checked
+    against ``rope_scaling.max_context_len``) extends the cache to cover it."""
+    inv_freq, attention_factor = compute_inv_freq(rotary_dim, base, scaling, max_position, max_len)
+    length = cache_length(max_position, scaling, max_len)
     positions = torch.arange(length, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     cache = torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1)

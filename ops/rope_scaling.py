@@ -1,8 +1,8 @@
 """RoPE inverse frequencies for the HF ``rope_scaling`` variants (matches ``transformers``' formulas).
 
-``dynamic`` (NTK) is computed once for the longest supported length (``max_position * factor``), as
-serving systems do; HF recomputes it per batch from the batch's longest sequence, so the two agree
-only for sequences at that length.
+``dynamic`` (NTK) is computed once for the longest supported length (``max_position * factor``, or
+the engine's longer ``max_len``), as serving systems do; HF recomputes it per batch from the batch's
+longest sequence, so the two agree only for sequences at that length.
 """
 
 from __future__ import annotations
@@ -29,21 +29,40 @@ def _base_inv_freq(dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
 
 
-def cache_length(max_position: int, scaling: dict[str, Any] | None) -> int:
-    """Positions covered by the cos/sin cache."""
+def max_context_len(max_position: int, scaling: dict[str, Any] | None) -> int | None:
+    """Longest sequence a variant supports; ``None``: any length.
+
+    Plain RoPE: ``max_position`` (``max_position_embeddings``). Variants that stretch positions
+    (linear, llama3, yarn): ``factor * original_max_position_embeddings`` (the original defaulting
+    to ``max_position``), or ``max_position`` when that is longer. Dynamic NTK rescales its base for
+    the longest sequence, so any length is supported (as in HF)."""
+    name = rope_type(scaling)
+    if name == "default":
+        return max_position
+    if name == "dynamic":
+        return None
+    original = scaling.get("original_max_position_embeddings") or max_position
+    return max(max_position, int(original * (scaling.get("factor") or 1.0)))
+
+
+def cache_length(max_position: int, scaling: dict[str, Any] | None, max_len: int | None = None) -> int:
+    """Positions covered by the cos/sin cache: at least ``max_len`` (the engine's max_model_len)."""
     name = rope_type(scaling)
     if name == "dynamic":
-        return int(max_position * scaling["factor"])
-    if name == "yarn":
+        length = int(max_position * scaling["factor"])
+    elif name == "yarn":
         original = scaling.get("original_max_position_embeddings") or max_position
-        return max(max_position, int(original * (scaling.get("factor") or 1.0)))
-    return max_position
+        length = max(max_position, int(original * (scaling.get("factor") or 1.0)))
+    else:
+        length = max_position
+    return max(length, max_len or 0)
 
 
 def compute_inv_freq(
-    dim: int, base: float, scaling: dict[str, Any] | None, max_position: int
+    dim: int, base: float, scaling: dict[str, Any] | None, max_position: int, max_len: int | None = None
 ) -> tuple[torch.Tensor, float]:
-    """Return ``(inv_freq [dim // 2] float32, attention_factor)`` for rotary dim ``dim``."""
+    """Return ``(inv_freq [dim // 2] float32, attention_factor)`` for rotary dim ``dim``; ``max_len``
+    (the engine's max_model_len) only matters to dynamic NTK, which is sized for the longest length."""
     name = rope_type(scaling)
     if name == "default":
         return _base_inv_freq(dim, base), 1.0
@@ -51,7 +70,7 @@ def compute_inv_freq(
         return _base_inv_freq(dim, base) / scaling["factor"], 1.0
     if name == "dynamic":
         factor = scaling["factor"]
-        max_len = max_position * factor
+        max_len = max(max_position * factor, max_len or 0)
         base = base * ((factor * max_len / max_position) - (factor - 1)) ** (dim / (dim - 2))
         return _base_inv_freq(dim, base), 1.0
     if name == "llama3":

@@ -36,3 +36,26 @@ def make_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pa
 def tiny_qwen3(make_model_dir: Callable[..., Path]) -> Path:
     """The tiny Qwen3 checkpoint (seed 0)."""
     return make_model_dir("qwen3", "tiny", 0)
+
+
+@pytest.fixture(scope="session")
+def make_config_variant(
+    make_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., Path]:
+    """Factory ``(name, changes, arch="qwen3") -> Path``: a copy of the tiny ``arch`` checkpoint whose
+    config.json has the top-level keys of ``changes`` replaced (e.g. another ``rope_parameters``)."""
+    import json
+    import shutil
+
+    cache: dict[tuple[str, str], Path] = {}
+
+    def _make(name: str, changes: dict, arch: str = "qwen3") -> Path:
+        if (arch, name) not in cache:
+            out = tmp_path_factory.mktemp(f"variant-{arch}-{name}") / "model"
+            shutil.copytree(make_model_dir(arch), out)
+            config = json.loads((out / "config.json").read_text())
+            (out / "config.json").write_text(json.dumps({**config, **changes}, indent=2))
+            cache[(arch, name)] = out
+        return cache[(arch, name)]
+
+    return _make

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from xengine.api.security import ClusterKey
+
 logger = logging.getLogger("xengine.cluster_agent")
 
 MAX_BACKOFF_S = 5.0
@@ -40,12 +42,14 @@ class ClusterAgent:
         load_fn: Callable[[], Any],  # -> EngineStats
         lease_ttl_s: float = 3.0,
         heartbeat_interval_s: float = 0.5,
+        key: ClusterKey | None = None,  # authenticates to a service's embedded store
     ) -> None:
         self.store_url = store_url
         self.key_prefix = key_prefix
         self.record = record
         self.lease_ttl_s = lease_ttl_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self._key = key
         self._load_fn = load_fn
         self._events: collections.deque[tuple[list[int], list[int]]] = collections.deque()
         self._hashes: set[int] = set()
@@ -88,7 +92,7 @@ class ClusterAgent:
     async def _main(self) -> None:
         from xengine.api.cluster.store import open_store
 
-        store = open_store(self.store_url)
+        store = open_store(self.store_url, self._key)
         backoff = self.heartbeat_interval_s
         failing = False
         try:

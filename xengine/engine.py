@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -9,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from memory.kv_cache_manager import KVCacheManager
-from memory.kv_layout import KVCacheSpec, PagedKVLayout
+from memory.xtensor import XTensorKVLayout
 from ops.platforms import resolve_platform, set_platform
 from xengine.api.config import EngineConfig
 from xengine.api.messages import (
@@ -21,17 +22,48 @@ from xengine.api.messages import (
     EngineStats,
     KVExportInfo,
     KVImportResult,
+    XTensorStatsMsg,
 )
 from xengine.beam.catalog import CatalogRegistry
+from xengine.kv_setup import build_kv
 from xengine.kv_transfer import KVTransferManager
 from xengine.loader import load_model
-from xengine.models.info import read_model_info
+from xengine.models.info import ModelInfo, read_hf_config, read_model_info
+from xengine.models.registry import get_model_class
 from xengine.request import PRIORITY_RANK, Request
 from xengine.runner.model_runner import ModelRunner
+from xengine.scheduler.plan import ScheduledSeq, SchedulePlan, StepOutput
 from xengine.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("xengine.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_DEFAULT_LEN = 8192
+# this many steps in a row whose forward failed for every request: the engine itself is broken
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
+class EngineBrokenError(RuntimeError):
+    """Step after step failed for every request: restart the engine rather than keep failing."""
+
+
+def check_max_model_len(max_model_len: int | None, model_dir: str, info: ModelInfo) -> None:
+    """``ValueError`` with the fix when ``max_model_len`` is past the positions the model supports
+    (``max_position_embeddings``, as extended by its ``rope_scaling``)."""
+    hf = read_hf_config(model_dir)
+    limit = get_model_class(info.architecture).max_context_len(hf)
+    if max_model_len is None or limit is None or max_model_len <= limit:
+        return
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type")) or "default"
+    source = f"max_position_embeddings={info.max_position_embeddings}"
+    source += "" if kind == "default" else f" with {kind} rope_scaling"
+    raise ValueError(
+        f"max_model_len {max_model_len} is longer than the {limit} positions this model supports "
+        f"({source}); lower --max-model-len (model.max_model_len) to {limit} or less, or use a checkpoint "
+        f"whose rope_scaling allows {max_model_len} positions (yarn, linear or llama3 with "
+        f"factor * original_max_position_embeddings >= {max_model_len}, or dynamic)"
+    )
 
 
 @dataclass
@@ -53,43 +85,37 @@ class Engine:
         set_platform(self.platform)
         self.platform.set_num_threads(config.device.num_threads)
         self.model_info = info = read_model_info(model_dir)
+        check_max_model_len(config.model.max_model_len, model_dir, info)  # before loading weights
         self.dtype = self._resolve_dtype(config.model.dtype, info.torch_dtype)
         device = self.platform.torch_device()
         self.model = load_model(model_dir, self.dtype, device)
-        spec = KVCacheSpec(
-            info.num_layers, info.num_kv_heads, info.head_dim, config.cache.block_size, self.dtype
-        )
         max_len = config.model.max_model_len or min(info.max_position_embeddings, _MAX_DEFAULT_LEN)
-        num_blocks = self._num_blocks(spec, max_len)
-        # one request always fits the pool; without chunked prefill it must also fit one step's
-        # budget (a preempted request recomputes prompt + output in one step)
-        self.max_model_len = min(max_len, num_blocks * spec.block_size)
-        self._len_limit = "the KV pool" if self.max_model_len < max_len else "the model"
-        if not config.scheduler.enable_chunked_prefill:
-            budget = config.scheduler.max_num_batched_tokens
-            if budget < self.max_model_len:
-                self.max_model_len, self._len_limit = (
-                    budget,
-                    "max_num_batched_tokens (chunked prefill is off)",
-                )
-        self.kv = KVCacheManager(num_blocks, spec.block_size, config.cache.enable_prefix_caching)
-        layout = PagedKVLayout()
-        kv_caches = layout.allocate(spec, num_blocks, device)
+        kv = self.kv_setup = build_kv(
+            config.cache, config.scheduler, info, self.dtype, self.platform, max_len
+        )
+        spec, kv_caches, num_blocks = kv.spec, kv.kv_caches, kv.manager.pool.num_blocks
+        self.max_model_len, self._len_limit = kv.max_model_len, kv.len_limit
+        self.model.set_max_model_len(self.max_model_len)
+        self.kv = kv.manager
         self.runner = ModelRunner(
             self.model,
             kv_caches,
-            layout,
+            kv.layout,
             self.platform,
             spec.block_size,
             info.eos_token_ids,
             config.model.seed,
+            max_model_len=self.max_model_len,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, info.eos_token_ids)
-        self.kv_transfer = KVTransferManager(self.kv, kv_caches, spec)  # PD: Mooncake agent on first use
+        self.kv_transfer = KVTransferManager(  # PD: Mooncake agent on first use
+            self.kv, kv_caches, spec, port_range=config.cache.transfer_ports()
+        )
         self.vocab_size = info.vocab_size
         self.catalogs = CatalogRegistry(info.vocab_size)
         self.last_step_timing: StepTiming | None = None
         self.num_steps = 0
+        self.num_failed_steps = 0  # consecutive steps whose forward failed for every request
         self.info = EngineInfo(
             model_name=config.model.served_model_name or Path(model_dir).resolve().name,
             vocab_size=info.vocab_size,
@@ -105,14 +131,6 @@ class Engine:
         name = requested if requested != "auto" else (checkpoint or "float32")
         dtype = _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
         return self.platform.default_dtype_for(dtype)
-
-    def _num_blocks(self, spec: KVCacheSpec, max_len: int) -> int:
-        cache = self.config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        by_memory = int(cache.kv_cache_memory_gb * (1 << 30)) // spec.bytes_per_block
-        worst_case = -(-max_len // spec.block_size) * self.config.scheduler.max_num_seqs
-        return max(1, min(by_memory, worst_case))
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: AddRequest) -> None:
@@ -207,7 +225,7 @@ class Engine:
             self.kv_transfer.release_admitted(self.kv.block_tables)
         forward_s = 0.0
         if not plan.is_empty:
-            out = self.runner.execute(plan)
+            plan, out = self._execute(plan)
             forward_s = out.forward_s
             self.scheduler.update(plan, out)
             self.num_steps += 1
@@ -220,6 +238,60 @@ class Engine:
             time.perf_counter() - t0, forward_s, len(plan.seqs), plan.num_batched_tokens
         )
         return deltas
+
+    def _execute(self, plan: SchedulePlan) -> tuple[SchedulePlan, StepOutput]:
+        """Run ``plan``. If the forward raises, run each request of it alone and fail (finish_reason
+        "error") those that raise again, so one bad request does not take its batch or the engine
+        down. Returns the part of ``plan`` that ran and its output, for ``scheduler.update``.
+        Raises ``EngineBrokenError`` after ``MAX_CONSECUTIVE_FAILED_STEPS`` steps that failed for
+        every request."""
+        try:
+            out = self.runner.execute(plan)
+        except Exception:  # noqa: BLE001 - isolated below; re-raised if the engine itself is broken
+            logger.exception("step failed for %d sequence(s); retrying each request alone", len(plan.seqs))
+            plan, out, error = self._execute_each_request(plan)
+            if plan.is_empty:
+                self.num_failed_steps += 1
+                if self.num_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                    raise EngineBrokenError(
+                        f"{self.num_failed_steps} steps in a row failed for every request; last error: {error}"
+                    ) from None
+                return plan, out
+        self.num_failed_steps = 0
+        return plan, out
+
+    def _execute_each_request(self, failed: SchedulePlan) -> tuple[SchedulePlan, StepOutput, str]:
+        """Re-run ``failed`` one request at a time (all sequences of a request step together).
+
+        Nothing of the failed attempt is kept: ``update`` was not called, so the scheduler still has
+        every sequence at its old ``num_computed_tokens``; a re-run rewrites the same KV slots. A
+        request that fails alone is ended through the scheduler, which frees its blocks; its KV
+        never reaches the prefix cache (only ``update`` inserts blocks). Returns the plan of the
+        requests that ran, their output and the last error."""
+        by_req: dict[str, list[ScheduledSeq]] = {}
+        for s in failed.seqs:
+            by_req.setdefault(s.req.req_id, []).append(s)
+        ran = SchedulePlan(block_tables=failed.block_tables, preempted_seq_ids=failed.preempted_seq_ids)
+        out, error = StepOutput(), ""
+        copies = failed.block_copies  # copy-on-write copies run once, with the first request
+        for req_id, seqs in by_req.items():
+            tables = {s.req.seq_id: failed.block_tables[s.req.seq_id] for s in seqs}
+            alone = SchedulePlan(seqs=seqs, block_tables=tables, block_copies=copies)
+            alone.num_batched_tokens = sum(s.num_new_tokens for s in seqs)
+            copies = []
+            try:
+                part = self.runner.execute(alone)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                error = f"{type(e).__name__}: {e}"
+                logger.error("request %s failed in the model: %s", req_id, error)
+                self.scheduler.fail_request(req_id, f"the engine failed while running this request: {error}")
+                continue
+            ran.seqs.extend(seqs)
+            out.sampled.update(part.sampled)
+            out.beam_candidates.update(part.beam_candidates)
+            out.forward_s += part.forward_s
+        ran.num_batched_tokens = sum(s.num_new_tokens for s in ran.seqs)
+        return ran, out, error
 
     def _collect_deltas(self) -> list[CompletionDelta]:
         deltas = []
@@ -239,6 +311,7 @@ class Engine:
                     num_cached_tokens=req.num_cached_tokens,
                     score=req.beam_score,
                     cumulative_logprob=req.cumulative_logprob,
+                    error=req.error,
                 )
             )
             req.new_token_ids, req.new_logprobs, req.new_top_logprobs = [], [], []
@@ -264,7 +337,15 @@ class Engine:
             num_computed_prompt_tokens=s.num_computed_prompt_tokens,
             num_kv_blocks_imported=self.kv_transfer.num_blocks_imported,
             num_kv_bytes_imported=self.kv_transfer.num_bytes_imported,
+            kv_layout=self.kv_setup.layout_name,
+            xtensor=self._xtensor_stats(),
         )
+
+    def _xtensor_stats(self) -> XTensorStatsMsg | None:
+        layout = self.kv_setup.layout
+        if not isinstance(layout, XTensorKVLayout):
+            return None
+        return XTensorStatsMsg(**dataclasses.asdict(layout.stats(self.kv.pool.ref_cnt)))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

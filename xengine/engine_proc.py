@@ -204,6 +204,8 @@ class EngineProc:
                 return UtilityResult(call_id=call.call_id, ok=bool(self._engine.reset_prefix_cache()))
             if call.method == "list_catalogs":
                 return UtilityResult(call_id=call.call_id, catalogs=self._engine.list_catalogs())
+            if call.method == "list_requests":  # the service audits for requests it waits on in vain
+                return UtilityResult(call_id=call.call_id, req_ids=list(self._num_unfinished))
         except Exception as e:  # noqa: BLE001 - a failed utility call is reported, not fatal
             logger.error("utility call %r failed:\n%s", call.method, traceback.format_exc())
             return UtilityResult(call_id=call.call_id, ok=False, error=f"{type(e).__name__}: {e}")

@@ -34,7 +34,8 @@ import zmq
 
 from xengine.api.cluster.keys import InstanceRecord
 from xengine.api.config import EngineConfig, from_dict
-from xengine.api.messages import AddRequest, CompletionDelta, EngineOutput, Hello, StepOutputs
+from xengine.api.messages import AddRequest, CompletionDelta, EngineOutput, EngineStats, Hello, StepOutputs
+from xengine.api.security import ENV_KEY, ClusterKey, ZapGuard, read_key_file, secure_server, take_env_key
 from xengine.cluster_agent import ClusterAgent
 from xengine.engine_proc import SEND_LINGER_MS, EngineProc, apply_num_threads, set_parent_death_signal
 
@@ -42,11 +43,13 @@ logger = logging.getLogger("xengine.engine_server")
 
 
 class _ObservedEngine:
-    """Wraps the engine to time first tokens and output tokens for the agent's load report."""
+    """Wraps the engine to time first tokens and output tokens for the agent's load report, and to
+    report refused handshakes in its stats."""
 
-    def __init__(self, engine: Any, agent: ClusterAgent) -> None:
+    def __init__(self, engine: Any, agent: ClusterAgent, guard: ZapGuard | None = None) -> None:
         self._engine = engine
         self._agent = agent
+        self._guard = guard
         self._started: dict[str, float] = {}
         self._first: dict[str, tuple[float, int]] = {}  # req_id -> (first token time, tokens since)
 
@@ -56,6 +59,12 @@ class _ObservedEngine:
     def add_request(self, req: AddRequest) -> None:
         self._engine.add_request(req)
         self._started[req.req_id] = time.monotonic()
+
+    def get_stats(self) -> EngineStats:
+        stats = self._engine.get_stats()
+        if self._guard is not None:
+            stats.num_auth_denied = self._guard.num_denied
+        return stats
 
     def step(self) -> list[CompletionDelta]:
         deltas = self._engine.step()
@@ -127,32 +136,66 @@ class ServedEngineProc(EngineProc):
             logger.warning("no service connected: dropped a %s frame", type(msg).__name__)
 
 
-def bind_sockets(ctx: zmq.Context, host: str, port: int = 0) -> tuple[zmq.Socket, zmq.Socket, str, str]:
-    """Input (PULL) on ``port``, output (PUSH) on ``port + 1``; free ports when ``port`` is 0."""
+def bind_sockets(
+    ctx: zmq.Context, host: str, port: int = 0, key: ClusterKey | None = None
+) -> tuple[zmq.Socket, zmq.Socket, str, str]:
+    """Input (PULL) on ``port``, output (PUSH) on ``port + 1``; free ports when ``port`` is 0.
+
+    With ``key`` both are CURVE servers that admit only clients holding the cluster key (the caller runs
+    the context's ``ZapGuard``)."""
     inp = ctx.socket(zmq.PULL)
     inp.setsockopt(zmq.RCVHWM, 0)
-    inp.bind(f"tcp://{host}:{port}")
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.SNDHWM, 0)
     out.setsockopt(zmq.LINGER, SEND_LINGER_MS)
+    for sock in (inp, out):
+        if key is not None:
+            secure_server(sock, key)
+    inp.bind(f"tcp://{host}:{port}")
     out.bind(f"tcp://{host}:{port + 1 if port else 0}")
     addrs = [s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in (inp, out)]
     return inp, out, addrs[0], addrs[1]
 
 
+def resolve_key(args: argparse.Namespace) -> ClusterKey | None:
+    """The cluster key from ``XLLM_CLUSTER_KEY`` or ``--auth-key-file`` (None with ``--no-auth``)."""
+    env_key = take_env_key()
+    if args.no_auth:
+        return None
+    if env_key is not None:
+        return env_key
+    if args.auth_key_file:
+        return read_key_file(args.auth_key_file)
+    raise ValueError(
+        f"no cluster key: set {ENV_KEY}, pass --auth-key-file FILE, or --no-auth on an isolated network"
+    )
+
+
 def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     from xengine.engine import Engine
 
-    ctx = zmq.Context()
     try:
-        inp, out, input_addr, output_addr = bind_sockets(ctx, args.host, getattr(args, "port", 0) or 0)
+        key = resolve_key(args)
+    except ValueError as e:
+        print(f"xllm: error: {e}", file=sys.stderr)
+        return 2
+    ctx = zmq.Context()
+    guard = ZapGuard(ctx, key) if key is not None else None
+    try:
+        inp, out, input_addr, output_addr = bind_sockets(ctx, args.host, args.port, key)
     except zmq.ZMQError as e:
+        if guard is not None:
+            guard.stop()
         ctx.term()
         print(
             f"xllm: error: cannot bind {args.host}:{args.port or 'free ports'} ({e}); pass another --port",
             file=sys.stderr,
         )
         return 2
+    if key is None:
+        logger.warning(
+            "engine plane authentication is OFF (--no-auth): any peer reaching %s can drive it", args.host
+        )
     agent = None
     try:
         apply_num_threads(config)
@@ -171,12 +214,18 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             started_at=time.time(),
         )
         agent = ClusterAgent(
-            args.store, args.key_prefix, record, engine.get_stats, args.lease_ttl_s, args.heartbeat_interval_s
+            args.store,
+            args.key_prefix,
+            record,
+            engine.get_stats,
+            args.lease_ttl_s,
+            args.heartbeat_interval_s,
+            key,
         )
         prefix_cache = getattr(getattr(engine, "kv", None), "prefix_cache", None)
         if prefix_cache is not None and hasattr(prefix_cache, "event_sink"):
             prefix_cache.event_sink = agent.on_kv_events
-        proc = ServedEngineProc(_ObservedEngine(engine, agent), inp, out, args.parent_pid)
+        proc = ServedEngineProc(_ObservedEngine(engine, agent, guard), inp, out, args.parent_pid)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: proc.begin_shutdown())
         agent.start()
@@ -190,6 +239,8 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             agent.stop()
         inp.close(linger=0)
         out.close()
+        if guard is not None:
+            guard.stop()
         ctx.term()
 
 
@@ -205,9 +256,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lease-ttl-s", type=float, default=3.0, help="Registration lease TTL.")
     p.add_argument("--heartbeat-interval-s", type=float, default=0.5, help="Heartbeat period.")
     p.add_argument(
+        "--auth-key-file",
+        default=None,
+        help=f"Cluster key file (mode 0600) authenticating the service (default: ${ENV_KEY}).",
+    )
+    p.add_argument(
+        "--no-auth", action="store_true", help="Accept unauthenticated peers (isolated networks only)."
+    )
+    p.add_argument(
         "--parent-pid", type=int, default=None, help="Exit when this process is no longer the parent."
     )
     return p.parse_args(argv)
+
+
+def confine_binds(args: argparse.Namespace, argv: list[str]) -> None:
+    """PD roles run a Mooncake transfer engine, whose listeners bind the wildcard address: re-execute
+    this process (same pid, same parent) with the ``memory.bind_host`` shim preloaded so they bind
+    ``--host``. Returns when there is nothing to do (other roles, already confined, wildcard host)."""
+    if args.role not in ("prefill", "decode"):
+        return
+    from memory.bind_host import exec_env
+    from xengine.api.paths import cache_dir
+
+    env = exec_env(args.host, os.environ, cache_dir())
+    if env is None:
+        return
+    logger.info(
+        "re-executing with LD_PRELOAD=%s so the KV transfer engine listens on %s only, not on every "
+        "interface", env["LD_PRELOAD"].split(":")[0], args.host,
+    )  # fmt: skip
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "xengine.engine_server", *argv], env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     config = from_dict(EngineConfig, json.loads(args.config_json))
     config.validate()
+    try:
+        confine_binds(args, sys.argv[1:] if argv is None else argv)
+    except (RuntimeError, ValueError) as e:
+        print(f"xllm: error: {e}", file=sys.stderr)
+        return 2
     return serve(config, args)
 
 

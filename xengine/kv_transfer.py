@@ -45,11 +45,13 @@ class KVTransferManager:
         spec: KVCacheSpec,
         host: str = "127.0.0.1",
         pin_timeout_s: float = DEFAULT_PIN_TIMEOUT_S,
+        port_range: tuple[int, int] | None = None,
     ) -> None:
         self.kv = kv
         self.kv_caches = kv_caches
         self.spec = spec
         self.host = host
+        self.port_range = port_range  # of the agent's two listeners (cache.kv_transfer_port_range)
         self.pin_timeout_s = pin_timeout_s
         self._agent: KVTransferAgent | None = None
         self._pins: dict[str, _Pin] = {}
@@ -59,7 +61,7 @@ class KVTransferManager:
     def start(self) -> KVTransferAgent:
         """Create the transfer agent (registers the KV memory) if it does not exist yet."""
         if self._agent is None:
-            self._agent = KVTransferAgent(self.kv_caches, self.host)
+            self._agent = KVTransferAgent(self.kv_caches, self.host, self.port_range)
         return self._agent
 
     @property

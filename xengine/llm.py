@@ -9,6 +9,7 @@ generated length ** length_penalty, as HF) and ``cumulative_logprob``. With ``ca
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from xengine.api.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from xengine.api.config import EngineConfig, from_dict
 from xengine.api.messages import AddRequest, CatalogInfo, CompletionDelta, Priority, SamplingParams
 from xengine.api.text.output_processor import RequestOutputState
 from xengine.api.text.tokenizer import Tokenizer
@@ -83,42 +84,14 @@ class RequestOutput:
 class LLM:
     """Runs an engine in this process. Keyword arguments map onto the engine config sections."""
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory_gb: float = 1.0,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_beam_width: int = 128,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        device: str | None = None,
-        num_threads: int | None = None,
-        config: EngineConfig | None = None,
-    ) -> None:
+    def __init__(self, model: str, *, config: EngineConfig | None = None, **fields: Any) -> None:
+        """``LLM(model, max_model_len=..., kv_layout=..., num_threads=...)``: every keyword is a field of
+        one of the engine config sections (``xengine/api/config.py``: model, cache, scheduler, device),
+        named as there; ``config`` gives a whole ``EngineConfig`` instead."""
         if config is None:
-            config = EngineConfig(
-                model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
-                cache=CacheConfig(
-                    block_size=block_size,
-                    num_blocks=num_blocks,
-                    kv_cache_memory_gb=kv_cache_memory_gb,
-                    enable_prefix_caching=enable_prefix_caching,
-                ),
-                scheduler=SchedulerConfig(
-                    max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    enable_chunked_prefill=enable_chunked_prefill,
-                    max_beam_width=max_beam_width,
-                ),
-                device=DeviceConfig(device=device, num_threads=num_threads),
-            )
+            config = engine_config(model, **fields)
+        elif fields:
+            raise TypeError(f"give either config= or engine fields, not both: {sorted(fields)}")
         self.engine = Engine(config)
         self.tokenizer = Tokenizer.from_dir(config.model.model)
         self._ids = itertools.count()
@@ -264,3 +237,19 @@ def _to_output(req_id: str, text: str | None, ids: list[int], state: RequestOutp
             )
         )
     return RequestOutput(req_id, text, ids, outputs, num_cached_tokens=state.num_cached_tokens)
+
+
+def engine_config(model: str, **fields: Any) -> EngineConfig:
+    """An ``EngineConfig`` for ``model`` with ``fields`` set by name in whichever section has them."""
+    sections: dict[str, dict[str, Any]] = {"model": {"model": str(model)}}
+    defaults = EngineConfig()
+    owners = {
+        f.name: sec.name
+        for sec in dataclasses.fields(EngineConfig)
+        for f in dataclasses.fields(getattr(defaults, sec.name))
+    }
+    for name, value in fields.items():
+        if name not in owners or name == "model":
+            raise TypeError(f"LLM() got an unknown engine field {name!r}; valid: {', '.join(sorted(owners))}")
+        sections.setdefault(owners[name], {})[name] = value
+    return from_dict(EngineConfig, sections)

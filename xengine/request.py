@@ -37,6 +37,7 @@ class Request:
     new_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why it failed (finish_reason "error")
     num_preemptions: int = 0
     admitted_once: bool = False
     # beam search results only (set on the per-sequence outputs of a finished beam group)

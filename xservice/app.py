@@ -5,6 +5,8 @@ Torch-free: importing this module must never import torch.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -40,13 +42,24 @@ ROUTERS = (
 )
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Batch runner up while serving; at shutdown, also stop the tokenizer workers."""
+    try:
+        async with batch_lifespan(app):
+            yield
+    finally:
+        app.state.ctx.close()
+
+
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: XllmConfig) -> FastAPI:
     """The HTTP app serving ``engine_client`` with ``tokenizer`` (the served model's).
 
     The app does not own the engine client: whoever created it closes it.
     """
-    app = FastAPI(title="xllm", docs_url=None, redoc_url=None, lifespan=batch_lifespan)
+    app = FastAPI(title="xllm", docs_url=None, redoc_url=None, lifespan=_lifespan)
     service_metrics = ServiceMetrics()
+    service_metrics.watch_engine(engine_client)
     app.state.ctx = ServingContext(
         engine_client=engine_client, tokenizer=tokenizer, config=config, metrics=service_metrics
     )

@@ -8,7 +8,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from xservice.errors import AuthenticationError, error_response
 
-OPEN_PATHS = frozenset({"/health", "/health/ready"})
+OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready"})
 
 
 def _bearer_token(scope: Scope) -> bytes:

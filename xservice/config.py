@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,19 +24,82 @@ from xengine.api.config import (
     _f,
     from_dict,
 )
+from xengine.api.paths import cache_dir
 from xservice.cluster.config import ClusterConfig
+from xservice.policies.restart import RestartPolicy
+
+ENV_API_KEY = "XLLM_API_KEY"
+
+
+def read_api_key_file(path: str) -> str:
+    """The API key in ``path``; refuses a missing or empty file and one group or others may access."""
+    where = Path(path).expanduser()
+    try:
+        mode = where.stat().st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ValueError(
+                f"API key file {str(where)!r} is accessible by group/others (mode {stat.S_IMODE(mode):o}); "
+                f"run: chmod 600 {where}"
+            )
+        key = where.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the API key file {str(where)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"API key file {str(where)!r} is not UTF-8 text") from None
+    if not key:
+        raise ValueError(f"API key file {str(where)!r} is empty")
+    return key
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
     host: str = _f("127.0.0.1", "Address to bind the HTTP server to (loopback by default).")
     port: int = _f(8000, "HTTP port.")
-    api_key: str | None = _f(None, "If set, every route but /health* requires 'Authorization: Bearer <key>'.")
+    api_key: str | None = field(
+        default=None,
+        repr=False,  # a secret: never in a printed config
+        metadata={
+            "help": "If set, every route but /health* requires 'Authorization: Bearer <key>'. A flag is "
+            f"visible in 'ps': prefer service.api_key_file or ${ENV_API_KEY} (used when neither is set)."
+        },
+    )
+    api_key_file: str = _f(
+        "",
+        "File holding the API key (surrounding whitespace ignored); its mode must deny group and others "
+        "(chmod 600). Not together with service.api_key.",
+    )
     max_body_bytes: int = _f(4 * 1024 * 1024, "Largest accepted request body; larger bodies get 413.")
     max_pending_requests: int = _f(512, "Requests in flight (running + waiting) before new ones get 429.")
     max_n: int = _f(16, "Largest 'n' accepted over HTTP.")
     engine_startup_timeout_s: float = _f(900.0, "How long to wait for the engine process to become ready.")
     log_level: str = _f("info", "Log level: debug, info, warning, error.")
+    engine_max_restarts: int = _f(
+        5,
+        "Engine restarts allowed within engine_restart_window_s when an engine process dies (single node and "
+        "launched cluster instances); one more death and the supervisor gives up (liveness then fails).",
+    )
+    engine_restart_window_s: float = _f(
+        300.0, "Window over which engine_max_restarts is counted, in seconds."
+    )
+    engine_restart_backoff_s: float = _f(
+        1.0, "Delay before the first restart; doubles with each recent restart (at most 30 s)."
+    )
+    engine_hang_timeout_s: float = _f(
+        120.0,
+        "An engine that answers no request audit for this long while requests are in flight is treated as "
+        "hung: its requests fail over and the supervisor restarts it.",
+    )
+
+    def with_api_key(self) -> ServiceConfig:
+        """This config with its API key resolved: ``api_key``, else ``api_key_file``, else ``$XLLM_API_KEY``."""
+        if self.api_key and self.api_key_file:
+            raise ValueError(
+                "give service.api_key (--api-key) or service.api_key_file (--api-key-file), not both"
+            )
+        if self.api_key:
+            return self
+        key = read_api_key_file(self.api_key_file) if self.api_key_file else os.environ.get(ENV_API_KEY, "")
+        return dataclasses.replace(self, api_key=key.strip() or None, api_key_file="")
 
     def validate(self) -> None:
         if not (0 <= self.port < 65536):
@@ -44,6 +108,24 @@ class ServiceConfig:
             raise ValueError("service.max_body_bytes must be >= 1024")
         if self.max_pending_requests < 1:
             raise ValueError("service.max_pending_requests must be >= 1")
+        if (
+            self.engine_max_restarts < 0
+            or self.engine_restart_window_s <= 0
+            or self.engine_restart_backoff_s < 0
+        ):
+            raise ValueError(
+                "service.engine_max_restarts must be >= 0, engine_restart_window_s > 0, engine_restart_backoff_s >= 0"
+            )
+        if self.engine_hang_timeout_s <= 0:
+            raise ValueError("service.engine_hang_timeout_s must be > 0")
+
+    def restart_policy(self) -> RestartPolicy:
+        """The supervisor's restart policy from these settings."""
+        return RestartPolicy(
+            max_restarts=self.engine_max_restarts,
+            window_s=self.engine_restart_window_s,
+            initial_backoff_s=self.engine_restart_backoff_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -62,7 +144,7 @@ class BatchConfig:
     def resolved_data_dir(self) -> Path:
         if self.data_dir:
             return Path(self.data_dir).expanduser()
-        return Path(os.environ.get("XLLM_CACHE_DIR") or Path.home() / ".cache" / "xllm") / "batch"
+        return cache_dir() / "batch"
 
     def validate(self) -> None:
         if self.max_file_bytes < 1024:
@@ -123,5 +205,6 @@ def load_config(path: str | Path | None, overrides: dict[str, dict[str, Any]] | 
         changes = {k: v for k, v in changes.items() if v is not None}
         if changes:
             cfg = dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **changes)})
+    cfg = dataclasses.replace(cfg, service=cfg.service.with_api_key())
     cfg.validate()
     return cfg

@@ -10,7 +10,6 @@ kept for startup error messages.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import itertools
 import json
@@ -19,15 +18,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
-from typing import IO
 
 import zmq
 import zmq.asyncio
 
-import xengine.api.messages as _messages
 from xengine.api.config import EngineConfig
 from xengine.api.messages import (
     AbortRequests,
@@ -52,41 +48,26 @@ from xengine.api.messages import (
     make_encoder,
     make_output_decoder,
 )
+from xengine.api.security import ClusterKey, secure_client
+from xservice.engine_process import StderrTee, child_env
+from xservice.stream_ledger import LOST, StreamLedger
 
-STDERR_TAIL_LINES = 40
 WATCH_INTERVAL_S = 0.2
+AUDIT_INTERVAL_S = 1.0  # how often the engine lists its requests while some are in flight
+HANG_TIMEOUT_S = 120.0  # an engine that answers no audit for this long is hung: the client marks it dead
 
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone; the request cannot complete."""
 
 
+class EngineRequestLostError(EngineDeadError):
+    """The engine is alive but stopped serving this request unasked (an abort nobody requested, or
+    an output stream lost); like a dead engine, the request can migrate or fail with an error."""
+
+
 class EngineStartupError(RuntimeError):
     """The engine process failed to become ready (the message carries its stderr tail)."""
-
-
-class _StderrTee:
-    """Copies the engine's stderr to ours, keeping the last lines for error messages."""
-
-    def __init__(self, pipe: IO[bytes]):
-        self._tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        self._thread = threading.Thread(target=self._pump, args=(pipe,), daemon=True, name="engine-stderr")
-        self._thread.start()
-
-    def _pump(self, pipe: IO[bytes]) -> None:
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
-            self._tail.append(line.rstrip("\n"))
-            try:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-            except (OSError, ValueError):
-                pass  # our stderr is closed; keep draining the pipe so the engine never blocks
-        pipe.close()
-
-    def tail(self, wait_s: float = 0.5) -> str:
-        self._thread.join(wait_s)
-        return "\n".join(self._tail)
 
 
 class EngineClient:
@@ -103,20 +84,29 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[CompletionDelta | EngineDeadError]] = {}
         self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
         self._call_ids = itertools.count(1)
+        self._ledger = StreamLedger()  # requests whose deltas are still due (see stream_ledger.py)
+        self._audit: tuple[float, asyncio.Future[UtilityResult]] | None = None  # (sent at, answer)
+        self._last_audit = 0.0
+        self.hang_timeout_s = HANG_TIMEOUT_S
         self._dead_reason: str | None = None
         self._closed = False
         self._pump_task: asyncio.Task[None] | None = None
         self._proc: subprocess.Popen[bytes]
-        self._tee: _StderrTee
+        self._tee: StderrTee
 
-    def _open_sockets(self, bind: bool) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
-        """PUSH to the engine's input address, PULL from its output address (bound or connected)."""
+    def _open_sockets(
+        self, bind: bool, key: ClusterKey | None = None
+    ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """PUSH to the engine's input address, PULL from its output address (bound or connected; with
+        ``key``, as CURVE clients of a remote engine)."""
         push = self._ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 0)
         push.setsockopt(zmq.LINGER, 0)
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.RCVHWM, 0)
         for sock, addr in ((push, self.input_addr), (pull, self.output_addr)):
+            if key is not None:
+                secure_client(sock, key)
             sock.bind(addr) if bind else sock.connect(addr)
         return push, pull
 
@@ -151,6 +141,7 @@ class EngineClient:
         if self._closed:
             return
         self._closed = True
+        self._ledger.aborting_all()  # we asked for the drain: its aborts are ours
         if self._proc.poll() is None:
             try:
                 self._send(Shutdown(drain_timeout_s))
@@ -188,7 +179,7 @@ class EngineClient:
             cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env(), start_new_session=True
         )
         assert self._proc.stderr is not None
-        self._tee = _StderrTee(self._proc.stderr)
+        self._tee = StderrTee(self._proc.stderr)
 
     async def _wait_ready(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -255,6 +246,7 @@ class EngineClient:
         finished: set[int] = set()
         complete = False
         try:
+            self._ledger.opened(req.req_id, req.params.n)
             self._send(req)
             while not complete:
                 item = await queue.get()
@@ -267,6 +259,7 @@ class EngineClient:
         finally:
             self._queues.pop(req.req_id, None)
             if not complete and self.is_alive:
+                self._ledger.aborting(req.req_id)
                 try:
                     self._send(AbortRequests([req.req_id]))
                 except EngineDeadError:
@@ -275,6 +268,8 @@ class EngineClient:
     async def abort(self, req_ids: list[str]) -> None:
         """Abort requests by id; unknown ids are ignored. Their streams end with an abort delta."""
         if req_ids and self.is_alive:
+            for req_id in req_ids:
+                self._ledger.aborting(req_id)
             self._send(AbortRequests(list(req_ids)))
 
     async def stats(self, timeout_s: float = 5.0) -> EngineStats:
@@ -345,6 +340,26 @@ class EngineClient:
         return self._dead_reason is None and self._proc.poll() is None
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving (None while it serves)."""
+        if self._dead_reason is None and self._proc.poll() is not None:
+            return f"engine process exited with code {self._proc.returncode}"
+        return self._dead_reason
+
+    @property
+    def health(self) -> str:
+        """ "ok" while the engine serves, else "failed" (nothing restarts a bare client)."""
+        return "ok" if self.is_alive else "failed"
+
+    def restart_counts(self) -> dict[str, int]:
+        """Restarts per instance (a bare client is never restarted)."""
+        return {}
+
+    def given_up(self) -> list[str]:
+        """Instances whose supervisor gave up restarting them."""
+        return []
+
+    @property
     def num_inflight(self) -> int:
         return len(self._queues)
 
@@ -382,21 +397,55 @@ class EngineClient:
             self._calls.pop(call_id, None)
 
     async def _pump(self) -> None:
-        """Route engine outputs until the process exits, then fail whatever is still waiting."""
+        """Route engine outputs and audit in-flight requests until the engine is gone, then fail
+        whatever is still waiting."""
         try:
-            while True:
+            while not await self._gone():
                 if await self._pull.poll(int(WATCH_INTERVAL_S * 1000)):
                     await self._recv_pending()
-                if self._proc.poll() is not None:
-                    while await self._pull.poll(50):  # frames sent just before the exit
-                        await self._recv_pending()
-                    reason = "the engine was shut down" if self._closed else "engine process died"
-                    self._mark_dead(f"{reason} (exit code {self._proc.returncode})")
-                    return
+                self._audit_tick()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a broken pump must not leave requests hanging
             self._mark_dead(f"engine client failed: {type(e).__name__}: {e}")
+
+    async def _gone(self) -> bool:
+        """True once the engine process exited (after routing the frames it sent just before)."""
+        if self._proc.poll() is None:
+            return False
+        while await self._pull.poll(50):
+            await self._recv_pending()
+        reason = "the engine was shut down" if self._closed else "engine process died"
+        self._mark_dead(f"{reason} (exit code {self._proc.returncode})")
+        return True
+
+    def _audit_tick(self) -> None:
+        """While requests are in flight, ask the engine now and then which it still runs; fail those
+        it dropped, and mark the engine dead when it stops answering altogether."""
+        now = time.monotonic()
+        if self._audit is not None:
+            if not self._audit[1].done() and now - self._audit[0] > self.hang_timeout_s:
+                self._mark_dead(f"the engine has not answered for {self.hang_timeout_s:.0f}s (hung)")
+            return
+        if not self._ledger or now - self._last_audit < AUDIT_INTERVAL_S or self._dead_reason is not None:
+            return
+        mark = self._ledger.mark()
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._audit = (now, fut)
+        fut.add_done_callback(lambda f: self._audited(call_id, mark, f))
+        self._send(UtilityCall(call_id, "list_requests"))
+
+    def _audited(self, call_id: int, mark: int, fut: asyncio.Future[UtilityResult]) -> None:
+        self._calls.pop(call_id, None)
+        self._audit, self._last_audit = None, time.monotonic()
+        if fut.cancelled() or fut.exception() is not None or fut.result().req_ids is None:
+            return
+        for req_id in self._ledger.lost(mark, fut.result().req_ids or []):
+            queue = self._queues.get(req_id)
+            if queue is not None:
+                queue.put_nowait(EngineRequestLostError(LOST))
 
     async def _recv_pending(self) -> None:
         while True:
@@ -409,9 +458,10 @@ class EngineClient:
     def _route(self, msg: object) -> None:
         if isinstance(msg, StepOutputs):
             for delta in msg.deltas:
+                failure = self._ledger.on_delta(delta)
                 queue = self._queues.get(delta.req_id)
                 if queue is not None:
-                    queue.put_nowait(delta)
+                    queue.put_nowait(delta if failure is None else EngineRequestLostError(failure))
         elif isinstance(msg, UtilityResult):
             fut = self._calls.get(msg.call_id)
             if fut is not None and not fut.done():
@@ -423,17 +473,9 @@ class EngineClient:
         if self._dead_reason is not None:
             return
         self._dead_reason = reason
+        self._ledger.clear()
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
-
-
-def child_env() -> dict[str, str]:
-    """Our environment, with this checkout first on PYTHONPATH so the engine runs the same code."""
-    env = dict(os.environ)
-    root = str(Path(_messages.__file__).resolve().parent.parent)
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in parts if p != root])
-    return env

@@ -104,7 +104,13 @@ def status_of(exc: APIError) -> tuple[int, str]:
 def error_body(exc: APIError) -> dict[str, Any]:
     """The OpenAI error object for ``exc`` (also used as an SSE error event)."""
     _, err_type = status_of(exc)
-    return {"error": {"message": exc.message, "type": err_type, "param": exc.param, "code": exc.code}}
+    message, param = _utf8_safe(exc.message), _utf8_safe(exc.param)
+    return {"error": {"message": message, "type": err_type, "param": param, "code": exc.code}}
+
+
+def _utf8_safe(text: str | None) -> str | None:
+    """``text`` with lone surrogates (echoed from bad input) escaped, so the body can be encoded."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(exc: APIError) -> JSONResponse:

@@ -7,6 +7,8 @@ refreshed from ``EngineStats`` when ``/metrics`` is scraped.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -16,6 +18,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from xengine.api.messages import EngineStats
 
@@ -81,6 +84,18 @@ class ServiceMetrics:
         self.num_preemptions = Gauge(
             "xllm_num_preemptions", "Preemptions since the engine started.", registry=r
         )
+        self.xtensor_pages = Gauge(
+            "xllm_kv_xtensor_pages",
+            "xTensor KV pages by state (free, allocated, mapped, reusable).",
+            ["state"],
+            registry=r,
+        )
+        self.xtensor_map_calls = Gauge(
+            "xllm_kv_xtensor_map_calls",
+            "xTensor page map / unmap operations since the engine started.",
+            ["op"],
+            registry=r,
+        )
         self.success = Counter(
             "xllm_request_success_total",
             "Finished sequences by finish reason.",
@@ -95,6 +110,10 @@ class ServiceMetrics:
         )
         self.generation_tokens = Counter("xllm_generation_tokens_total", "Generated tokens.", registry=r)
 
+    def watch_engine(self, client: Any) -> None:
+        """Export ``client``'s health and supervisor counters (read at each scrape)."""
+        self.registry.register(_EngineHealthCollector(client))
+
     def record_error(self, status: int) -> None:
         self.errors.labels(code=str(status)).inc()
 
@@ -105,11 +124,47 @@ class ServiceMetrics:
         self.kv_usage.set(stats.kv_usage)
         self.kv_free_blocks.set(stats.num_free_blocks)
         self.num_preemptions.set(stats.num_preemptions)
+        if stats.xtensor is not None:
+            xt = stats.xtensor
+            for state in ("free", "allocated", "mapped", "reusable"):
+                self.xtensor_pages.labels(state=state).set(getattr(xt, f"num_{state}"))
+            self.xtensor_map_calls.labels(op="map").set(xt.num_maps)
+            self.xtensor_map_calls.labels(op="unmap").set(xt.num_unmaps)
         queries = stats.prefix_cache_queries
         self.prefix_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineHealthCollector:
+    """``xllm_engine_restarts_total{instance}``, ``xllm_engine_restart_gave_up{instance}`` and
+    ``xllm_engine_available``, from the engine client (a supervised engine or the instance pool)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        restarts = CounterMetricFamily(
+            "xllm_engine_restarts", "Engine processes restarted by the supervisor.", labels=["instance"]
+        )
+        for name, count in sorted(self._client.restart_counts().items()):
+            restarts.add_metric([name], count)
+        yield restarts
+        gave_up = GaugeMetricFamily(
+            "xllm_engine_restart_gave_up",
+            "1 for an instance whose restart budget is spent (the supervisor gave up on it).",
+            labels=["instance"],
+        )
+        for name in self._client.given_up():
+            gave_up.add_metric([name], 1.0)
+        yield gave_up
+        available = GaugeMetricFamily("xllm_engine_available", "1 when an engine can serve requests, else 0.")
+        available.add_metric([], 1.0 if self._client.is_alive else 0.0)
+        yield available
 
 
 class RequestTimer:

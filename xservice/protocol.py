@@ -12,8 +12,10 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from xservice.request_model import RequestModel
 
-class _Request(BaseModel):
+
+class _Request(RequestModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 

@@ -17,6 +17,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_blocks: int | None = None
     num_threads: int | None = None
+    kv_layout: str = "auto"
 
     def make_llm(self, model_dir: str, **overrides: Any) -> Any:
         """Build ``xengine.llm.LLM`` on ``model_dir`` in float32 with these arguments."""
@@ -30,6 +31,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             num_blocks=self.num_blocks,
             num_threads=self.num_threads,
+            kv_layout=self.kv_layout,
         )
         return LLM(model=model_dir, **(kwargs | overrides))
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ops.platforms.vmm import BaseVMM
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -17,6 +19,7 @@ class Capabilities:
     supports_graphs: bool  # capture/replay of whole forward passes (CUDA graphs, ACLGraph)
     supports_vmm: bool  # map physical pages into a reserved virtual range (xTensor)
     dist_backend: str  # torch.distributed backend: gloo | nccl | hccl
+    default_kv_layout: str = "paged"  # what cache.kv_layout "auto" picks: paged | xtensor
 
 
 class Platform(ABC):
@@ -61,6 +64,10 @@ class Platform(ABC):
         """Intra-op threads for an engine process that shares the host with the HTTP service
         (``None``: keep torch's default)."""
         return None
+
+    def vmm(self) -> BaseVMM:
+        """This device's virtual memory management calls (xTensor); only where ``supports_vmm``."""
+        raise NotImplementedError(f"{self.name} has no VMM support; use the paged KV layout")
 
     def empty_cache(self) -> None:
         """Release cached, unused device memory back to the driver (no-op where there is none)."""

@@ -8,6 +8,7 @@ import resource
 import torch
 
 from ops.platforms.base import Capabilities, Platform
+from ops.platforms.vmm import BaseVMM
 
 
 class CpuPlatform(Platform):
@@ -32,6 +33,11 @@ class CpuPlatform(Platform):
 
     def synchronize(self) -> None:
         """CPU ops are synchronous."""
+
+    def vmm(self) -> BaseVMM:
+        from ops.platforms.cpu_vmm import CpuVMM
+
+        return CpuVMM()
 
     def serving_num_threads(self) -> int | None:
         """All cores but one: the service process needs a core, and OpenMP threads that outnumber

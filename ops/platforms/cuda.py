@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ops.platforms.base import Capabilities, Platform
+from ops.platforms.vmm import BaseVMM
 
 
 class CudaPlatform(Platform):
@@ -50,3 +51,8 @@ class CudaPlatform(Platform):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def vmm(self) -> BaseVMM:
+        from ops.platforms.cuda_vmm import CudaVMM
+
+        return CudaVMM(torch.cuda.current_device())

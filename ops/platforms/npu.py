@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ops.platforms.base import Capabilities, Platform
+from ops.platforms.vmm import BaseVMM
 
 
 def _torch_npu() -> Any:
@@ -61,3 +62,8 @@ class NpuPlatform(Platform):
 
     def empty_cache(self) -> None:
         _torch_npu().npu.empty_cache()
+
+    def vmm(self) -> BaseVMM:
+        from ops.platforms.npu_vmm import NpuVMM
+
+        return NpuVMM(_torch_npu().npu.current_device())

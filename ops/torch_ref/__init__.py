@@ -10,12 +10,14 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     """Every reference op by name (``ops/registry.py`` registers them for "cpu" and as the fallback)."""
     from ops.torch_ref.activation import silu_and_mul
     from ops.torch_ref.attention import attention
+    from ops.torch_ref.attention_contiguous import attention_contiguous
     from ops.torch_ref.kv_store import store_kv
     from ops.torch_ref.norm import fused_add_rms_norm, rms_norm
     from ops.torch_ref.rope import rotary_embedding
 
     return {
         "attention": attention,
+        "attention_contiguous": attention_contiguous,
         "store_kv": store_kv,
         "rms_norm": rms_norm,
         "fused_add_rms_norm": fused_add_rms_norm,

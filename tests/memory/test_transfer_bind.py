@@ -6,8 +6,10 @@ registers a KV tensor holding a known pattern and a "client" that reads blocks o
 reports its agent's ``listen_addrs`` and ``ss -ltnp`` for its own pid.
 
 Mooncake (0.3.13) binds its handshake listener to ``0.0.0.0`` and its TCP data listener to ``[::]``
-whatever host it is given, with no option to change it: the loopback-only check is an expected
-failure (strict, so it reports once a Mooncake release binds to the host).
+whatever host it is given, with no option to change it; so the server and client children run with
+the ``memory.bind_host`` shim preloaded for 127.0.0.1 (``confined_env``, what a PD engine process
+re-executes itself with), which moves both listeners onto loopback (``127.0.0.1`` and
+``[::ffff:127.0.0.1]``); the "strict" child runs without it and sees the wildcard binds refused.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from memory.bind_host import confined_env
 from memory.transfer import check_port_range
+from xengine.api.config import CacheConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT_RANGE = (23100, 23299)
-LOOPBACK = {"127.0.0.1", "::1"}
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 needs_mooncake = pytest.mark.skipif(
     importlib.util.find_spec("mooncake") is None, reason="Mooncake transfer engine not installed"
@@ -58,7 +62,7 @@ def emit(**kw):
 
 if role == "server":
     caches = kv_caches(True)
-    agent = KVTransferAgent(caches, port_range=port_range)
+    agent = KVTransferAgent(caches, port_range=port_range, strict_bind=True)
     r = agent.region
     emit(session=r.session, layer_addrs=r.layer_addrs, num_blocks=r.num_blocks, block_bytes=r.block_bytes,
          listen_addrs=agent.listen_addrs, ss=ss())
@@ -66,7 +70,7 @@ if role == "server":
 elif role == "client":
     peer = KVRegion(**json.loads(sys.stdin.readline()))
     caches = kv_caches(False)
-    agent = KVTransferAgent(caches, port_range=port_range)
+    agent = KVTransferAgent(caches, port_range=port_range, strict_bind=True)
     pairs = [(1, 0), (2, 1), (5, 6)]
     stats = agent.read_blocks(peer, pairs)
     ok = all(
@@ -92,8 +96,10 @@ elif role == "strict":
 """
 
 
-def _spawn(role: str) -> subprocess.Popen:
+def _spawn(role: str, confined: bool = True) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MC_")}
+    if confined:
+        env = confined_env("127.0.0.1", env)
     return subprocess.Popen(
         [sys.executable, "-c", _CHILD, role, json.dumps(PORT_RANGE)],
         cwd=ROOT,
@@ -182,34 +188,44 @@ def test_both_listeners_reported_and_within_port_range(pair) -> None:
 
 
 @needs_mooncake
-@pytest.mark.xfail(
-    strict=True,
-    reason="Mooncake binds its handshake (0.0.0.0) and TCP data ([::]) listeners to the wildcard address",
-)
 def test_nothing_listens_outside_loopback(pair) -> None:
+    lo, hi = PORT_RANGE
     for res in pair:
         listening = res["ss"] if res["ss"] is not None else [_ss_form(a, p) for a, p in res["listen_addrs"]]
-        assert listening and all(_host(a) in LOOPBACK for a in listening), listening
+        assert len(listening) == 2 and all(_host(a) in LOOPBACK for a in listening), listening
+        assert all(lo <= _port(a) <= hi for a in listening), listening
 
 
 @needs_mooncake
 def test_strict_bind_and_process_wide_port_range() -> None:
-    proc = _spawn("strict")
+    proc = _spawn("strict", confined=False)
     try:
         res = _result(proc)
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
-    # Refused (and closed) while Mooncake listens beyond the host; accepted once it does not.
-    if res["raised"] is not None:
-        assert "listens on" in res["raised"]
+    # Without the shim Mooncake listens on the wildcard address: refused (and closed). With it (the
+    # pair fixture's children), strict_bind accepts.
+    assert res["raised"] is not None and "listens on" in res["raised"]
     # The range is fixed when Mooncake loads: another one in the same process is refused.
     assert res["other_range"] is not None and "read once per process" in res["other_range"]
     assert res["left"] == [] and res["ss"] in (None, [])
 
 
-@pytest.mark.parametrize("bad", [(40000, 40099), (24000, 24000), (17000, 15000), (80, 2000), (30000, 33000)])
+BAD_RANGES = [(40000, 40099), (24000, 24000), (17000, 15000), (80, 2000), (30000, 33000), (60000, 61000)]
+
+
+@pytest.mark.parametrize("bad", BAD_RANGES)
 def test_port_range_rejects_what_mooncake_would_ignore(bad) -> None:
     with pytest.raises(ValueError, match="port_range"):
         check_port_range(bad)
     assert check_port_range(PORT_RANGE) == PORT_RANGE
+
+
+@pytest.mark.parametrize("text", [f"{lo}-{hi}" for lo, hi in BAD_RANGES] + ["20000", "a-b", "1-2-3", "-5-10"])
+def test_cache_config_port_range_has_the_same_rules(text: str) -> None:
+    with pytest.raises(ValueError, match="cache.kv_transfer_port_range"):
+        CacheConfig(kv_transfer_port_range=text).validate()
+    assert CacheConfig(kv_transfer_port_range="{}-{}".format(*PORT_RANGE)).transfer_ports() == PORT_RANGE
+    assert CacheConfig(kv_transfer_port_range=" 61000-65535 ").transfer_ports() == (61000, 65535)
+    assert CacheConfig().transfer_ports() is None

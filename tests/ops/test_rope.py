@@ -9,7 +9,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from ops.rope import build_cos_sin_cache, rotary_embedding
-from ops.rope_scaling import compute_inv_freq
+from ops.rope_scaling import compute_inv_freq, max_context_len
 
 HEAD_DIM, MAX_POS = 32, 128
 VARIANTS = {
@@ -96,3 +96,44 @@ def test_partial_rotary_leaves_tail_untouched_and_keeps_dtype() -> None:
 def test_unknown_rope_type_is_rejected() -> None:
     with pytest.raises(ValueError, match="longrope"):
         build_cos_sin_cache(8, 16, 10000.0, {"rope_type": "longrope"})
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("default", MAX_POS),
+        ("linear", 4 * MAX_POS),
+        ("llama3", 8 * 32),
+        ("yarn", MAX_POS),
+        ("yarn_mscale", MAX_POS),
+    ],
+)
+def test_max_context_len(name: str, expected: int) -> None:
+    assert max_context_len(MAX_POS, VARIANTS[name]) == expected
+
+
+def test_dynamic_ntk_supports_any_length() -> None:
+    assert max_context_len(MAX_POS, {"rope_type": "dynamic", "factor": 2.0}) is None
+
+
+@pytest.mark.parametrize("name", ["default", "linear", "yarn"])
+def test_cache_covers_max_len_and_matches_hf_past_max_position(name: str) -> None:
+    scaling = VARIANTS[name]
+    max_len = max(max_context_len(MAX_POS, scaling), 3 * MAX_POS)  # an engine's long max_model_len
+    cache = build_cos_sin_cache(HEAD_DIM, MAX_POS, 10000.0, scaling, max_len=max_len)
+    assert cache.shape == (max_len, HEAD_DIM)
+    positions = torch.tensor([0, MAX_POS - 1, MAX_POS, max_len - 1])
+    q = torch.randn(len(positions), 2, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    q_out, _ = rotary_embedding(positions, q, q.clone(), cache)
+    cos, sin = LlamaRotaryEmbedding(_hf_config(scaling))(q, positions[None])
+    hf_q, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(q_out, hf_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_dynamic_ntk_sized_for_a_longer_max_len_matches_hf_there() -> None:
+    scaling = {"rope_type": "dynamic", "factor": 2.0}
+    ours, _ = compute_inv_freq(HEAD_DIM, 10000.0, scaling, MAX_POS, max_len=5 * MAX_POS)
+    ref, _ = ROPE_INIT_FUNCTIONS["dynamic"](_hf_config(scaling), seq_len=5 * MAX_POS)
+    torch.testing.assert_close(ours, ref)
+    cache = build_cos_sin_cache(HEAD_DIM, MAX_POS, 10000.0, scaling, max_len=5 * MAX_POS)
+    assert cache.shape == (5 * MAX_POS, HEAD_DIM)

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from xengine.api.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from xengine.api.messages import CompletionDelta
 from xengine.engine import Engine
+from xengine.llm import engine_config
 
 ARCHS = ("qwen3", "qwen2", "llama")
 VOCAB_SIZE = 2048  # of the "tiny" checkpoints
@@ -80,14 +80,8 @@ def random_prompts(lengths: list[int], seed: int, prefix: list[int] | None = Non
 
 
 def make_engine(model_dir: Path, **kw: Any) -> Engine:
-    """An ``Engine`` with the ``LLM`` keyword names: block_size, num_blocks, enable_prefix_caching,
-    max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_model_len, dtype."""
-    cache = {k: kw.pop(k) for k in ("block_size", "num_blocks", "enable_prefix_caching") if k in kw}
-    sched = {
-        k: kw.pop(k) for k in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill") if k in kw
-    }
-    model = ModelConfig(model=str(model_dir), **kw)
-    return Engine(EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched)))
+    """An ``Engine`` with the ``LLM`` keyword names (any engine config field: block_size, kv_layout, ...)."""
+    return Engine(engine_config(str(model_dir), **kw))
 
 
 def run_to_completion(engine: Engine, max_steps: int = 100_000) -> list[CompletionDelta]:
@@ -112,3 +106,8 @@ def assert_engine_idle(engine: Engine, free_blocks_at_start: int) -> None:
     assert engine.kv.num_free_blocks == free_blocks_at_start
     assert all(c == 0 for c in engine.kv.pool.ref_cnt)
     assert engine.runner.generators == {}
+    xt = engine.get_stats().xtensor
+    if xt is not None:  # every page free or reusable (mapped in a released slot); no slot in use
+        assert xt.num_allocated == 0 and xt.num_mapped == 0, xt
+        assert xt.num_free + xt.num_reusable == xt.num_pages
+        assert engine.kv_setup.layout.slots.slot_of == {}

@@ -26,9 +26,14 @@ SETTINGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_qwen3: Path) -> LLM:
-    return LLM(str(tiny_qwen3), num_threads=1, block_size=4, num_blocks=512, max_model_len=128)
+@pytest.fixture(scope="module", params=["paged", "xtensor"])
+def llm(tiny_qwen3: Path, request: pytest.FixtureRequest) -> LLM:
+    # xTensor pages must fill 4 KiB: 16-token blocks there (4 in the paged layout)
+    block_size = 16 if request.param == "xtensor" else 4
+    return LLM(
+        str(tiny_qwen3), num_threads=1, block_size=block_size, num_blocks=2048 // block_size, max_model_len=128,
+        kv_layout=request.param,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -102,8 +102,9 @@ def test_n_sequences_share_prompt_blocks(make_model_dir, prefix_caching):
     assert_engine_idle(engine, free_at_start)
 
 
-def test_n_greedy_sequences_equal_the_greedy_output(make_model_dir, hf_oracle):
-    engine = make_engine(make_model_dir("qwen3"), block_size=BLOCK_SIZE, num_blocks=64)
+@pytest.mark.parametrize("layout", ["paged", "xtensor"])
+def test_n_greedy_sequences_equal_the_greedy_output(make_model_dir, hf_oracle, layout):
+    engine = make_engine(make_model_dir("qwen3"), block_size=BLOCK_SIZE, num_blocks=64, kv_layout=layout)
     free_at_start = engine.kv.num_free_blocks
     prompt = random_prompts([PROMPT_LEN], seed=12)[0]
     params = SamplingParams(n=4, temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -114,12 +115,13 @@ def test_n_greedy_sequences_equal_the_greedy_output(make_model_dir, hf_oracle):
     assert_engine_idle(engine, free_at_start)
 
 
-def test_n_sequences_survive_preemption(make_model_dir):
+@pytest.mark.parametrize("layout", ["paged", "xtensor"])
+def test_n_sequences_survive_preemption(make_model_dir, layout):
     """Seeded n=3 requests in a 30-block pool (preempted, forks recomputed) sample exactly what they
-    sample in a roomy pool; greedy n=4 sequences all equal the greedy output."""
+    sample in a roomy pool (of the other layout too); greedy n=4 sequences all equal the greedy output."""
     model_dir = str(make_model_dir("qwen3"))
-    roomy = LLM(model_dir, max_num_batched_tokens=64)
-    tight = LLM(model_dir, max_num_batched_tokens=64, num_blocks=30)
+    roomy = LLM(model_dir, max_num_batched_tokens=64, block_size=16, num_blocks=1024, kv_layout="paged")
+    tight = LLM(model_dir, max_num_batched_tokens=64, block_size=16, num_blocks=30, kv_layout=layout)
     prompts = random_prompts([100, 150, 30, 200, 5, 120], seed=13)
     params = [SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=20, ignore_eos=True) for i in range(6)]
     expected = _tokens(roomy.generate(prompts, params, use_tqdm=False))
@@ -173,12 +175,20 @@ def _collect(deltas) -> dict[str, dict[int, list[int]]]:
 # ---------------------------------------------------------------------------- abort churn
 
 
-def test_ten_thousand_requests_with_aborts_leak_nothing(make_model_dir):
+@pytest.mark.parametrize("layout", ["paged", "xtensor"])
+def test_ten_thousand_requests_with_aborts_leak_nothing(make_model_dir, layout):
     """10k short requests, a random 20% aborted while waiting or running: the pool, the scheduler
-    and the runner end exactly where they started. Block size 4 and a small id range make prompts
+    and the runner (and the xTensor pages and slots) end exactly where they started. Small blocks
+    (4 tokens; 16 with xTensor, whose page must fill a 4 KiB page) and a small id range make prompts
     share cached blocks, so aborts also race the prefix cache."""
+    block_size = 16 if layout == "xtensor" else 4
     engine = make_engine(
-        make_model_dir("qwen3"), block_size=4, num_blocks=400, max_num_seqs=256, max_num_batched_tokens=1024
+        make_model_dir("qwen3"),
+        block_size=block_size,
+        num_blocks=1600 // block_size,
+        max_num_seqs=256,
+        max_num_batched_tokens=1024,
+        kv_layout=layout,
     )
     free_at_start = engine.kv.num_free_blocks
     rng = random.Random(0)
@@ -200,7 +210,7 @@ def test_ten_thousand_requests_with_aborts_leak_nothing(make_model_dir):
             for _ in range(wave):
                 req_id = f"q{next_id}"
                 next_id += 1
-                engine.add_request(_short_request(rng, req_id))
+                engine.add_request(_short_request(rng, req_id, 2 * block_size))
                 if rng.random() < 0.1:
                     abort_at.setdefault(step + rng.choice([0, 1, 2, 3, 5, 8, 13]), []).append(req_id)
                 elif rng.random() < 0.1 / 0.9:
@@ -228,8 +238,10 @@ def test_ten_thousand_requests_with_aborts_leak_nothing(make_model_dir):
     assert_engine_idle(engine, free_at_start)
 
 
-def _short_request(rng: random.Random, req_id: str) -> AddRequest:
-    prompt = [rng.randrange(3, 40) for _ in range(rng.randint(1, 8))]
+def _short_request(rng: random.Random, req_id: str, max_prompt_len: int = 8) -> AddRequest:
+    prompt = [rng.randrange(3, 40) for _ in range(rng.randint(1, max_prompt_len))]
+    if rng.random() < 0.3:  # a shared head whole blocks of which the prefix cache finds
+        prompt = list(range(3, 3 + max_prompt_len)) + prompt
     greedy = rng.random() < 0.5
     params = SamplingParams(
         temperature=0.0 if greedy else 1.0,

@@ -27,13 +27,22 @@ def _generate(engine, req_id: str, prompt: list[int], max_tokens: int) -> list[i
     return [t for d in run_to_completion(engine) for t in d.new_token_ids]
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_qwen3: Path):
-    prefill = make_engine(tiny_qwen3, **SETTINGS)
+# (prefill layout, decode layout): each layout on both sides, and across (the paged view of xTensor
+# memory is byte-for-byte the paged layout, so blocks move between them unchanged)
+LAYOUTS = [("paged", "paged"), ("xtensor", "xtensor"), ("paged", "xtensor")]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=["-".join(p) for p in LAYOUTS])
+def engines(tiny_qwen3: Path, request: pytest.FixtureRequest):
+    prefill_layout, decode_layout = request.param
+    prefill = make_engine(tiny_qwen3, kv_layout=prefill_layout, **SETTINGS)
     decode = make_engine(
-        tiny_qwen3, num_blocks=64, **{k: v for k, v in SETTINGS.items() if k != "num_blocks"}
+        tiny_qwen3,
+        num_blocks=64,
+        kv_layout=decode_layout,
+        **{k: v for k, v in SETTINGS.items() if k != "num_blocks"},
     )
-    colocated = make_engine(tiny_qwen3, **SETTINGS)
+    colocated = make_engine(tiny_qwen3, kv_layout="paged", **SETTINGS)
     return prefill, decode, colocated
 
 

@@ -1,6 +1,6 @@
 """Real HTTP servers for the API tests: a service process (uvicorn + ``build_app``) with its engine process.
 
-``start_server`` launches ``python -c _LAUNCHER`` (a real ``EngineClient`` + ``build_app`` under
+``start_server`` launches ``python -c _LAUNCHER`` (a real ``SupervisedEngine`` + ``build_app`` under
 uvicorn) on a free loopback port and waits for ``/health/ready``; ``ServerHandle.stop`` shuts it down
 (SIGTERM, then SIGKILL) so no process outlives its fixture.
 """
@@ -41,11 +41,14 @@ import uvicorn
 from xengine.api.text.tokenizer import Tokenizer
 from xservice.app import build_app
 from xservice.config import load_config
-from xservice.engine_client import EngineClient
+from xservice.supervisor import SupervisedEngine
 
 async def main(overrides):
     cfg = load_config(None, overrides)
-    client = await EngineClient.start(cfg.engine, cfg.service.engine_startup_timeout_s)
+    svc = cfg.service
+    client = await SupervisedEngine.start(
+        cfg.engine, svc.restart_policy(), svc.engine_startup_timeout_s, svc.engine_hang_timeout_s
+    )
     try:
         app = build_app(client, Tokenizer.from_dir(cfg.model.model), cfg)
         uv = uvicorn.Config(app, host=cfg.service.host, port=cfg.service.port, log_level="warning")
@@ -122,15 +125,19 @@ def _wait_ready(handle: ServerHandle) -> None:
 
 
 def start_server(
-    model_dir: Path, service: dict[str, Any] | None = None, via_cli: bool = True
+    model_dir: Path,
+    service: dict[str, Any] | None = None,
+    via_cli: bool = True,
+    engine: dict[str, dict[str, Any]] | None = None,
 ) -> ServerHandle:
-    """Start a service on a free port with ``ENGINE_SETTINGS`` and ``service`` overrides.
+    """Start a service on a free port with ``ENGINE_SETTINGS`` (per section updated by ``engine``)
+    and ``service`` overrides.
 
     ``via_cli``: run ``python -m xservice serve --config FILE`` (the product); otherwise a bare
     launcher around ``build_app`` that keeps serving (503s) after its engine died.
     """
     port = free_port()
-    overrides = {k: dict(v) for k, v in ENGINE_SETTINGS.items()}
+    overrides = {k: {**v, **(engine or {}).get(k, {})} for k, v in ENGINE_SETTINGS.items()}
     overrides["model"]["model"] = str(model_dir)
     overrides["service"] = {"host": "127.0.0.1", "port": port, "log_level": "warning", **(service or {})}
     env = dict(os.environ)

@@ -9,9 +9,22 @@ from xservice.app import build_app
 from xservice.config import ServiceConfig, XllmConfig
 
 
+class _ServingStandIn:
+    """Stands in for the engine client's health view only; no route these tests call generates."""
+
+    is_alive = True
+    health = "ok"
+
+    def restart_counts(self) -> dict[str, int]:
+        return {}
+
+    def given_up(self) -> list[str]:
+        return []
+
+
 def _app(**service):
     # No engine behind these apps: only routes that never reach it are called (and one that does, for 500).
-    return build_app(None, None, XllmConfig(service=ServiceConfig(**service)))
+    return build_app(_ServingStandIn(), None, XllmConfig(service=ServiceConfig(**service)))
 
 
 def test_each_app_owns_its_metrics_registry() -> None:
@@ -27,6 +40,7 @@ def test_each_app_owns_its_metrics_registry() -> None:
 def test_health_is_open_and_other_routes_need_the_key() -> None:
     with TestClient(_app(api_key="secret")) as client:
         assert client.get("/health").status_code == 200
+        assert client.get("/health/live").json() == {"status": "ok"}
         resp = client.get("/v1/models")
         assert resp.status_code == 401
         assert resp.json()["error"]["code"] == "invalid_api_key"

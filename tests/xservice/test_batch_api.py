@@ -353,3 +353,125 @@ def test_cli_submit_and_run_batch(batch_server: Any, model_dir: Path, tmp_path: 
         else:
             assert record["response"]["status_code"] == 200
             assert comparable(record["response"]["body"]) == comparable(other["response"]["body"])
+
+
+# ---------------------------------------------------------------------- input validation, downloads
+
+
+def upload_raw(server: Any, data: bytes, disposition: bytes = b'filename="in.jsonl"') -> dict[str, Any]:
+    """POST /v1/files with a hand-written multipart body (``disposition``: the file part's name params)."""
+    body = (
+        b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b'--b\r\nContent-Disposition: form-data; name="file"; '
+        + disposition
+        + b"\r\n\r\n"
+        + data
+        + b"\r\n--b--\r\n"
+    )
+    with server.client() as http:
+        resp = http.post(
+            "/v1/files", content=body, headers={"Content-Type": "multipart/form-data; boundary=b"}
+        )
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def create_batch(client: openai.OpenAI, file_id: str, endpoint: str = "/v1/completions") -> Any:
+    return client.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window="24h")
+
+
+def test_binary_input_file_fails_validation(client: openai.OpenAI, batch_server: Any) -> None:
+    png = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01" + bytes(range(256))
+    file = upload_raw(batch_server, png)
+    batch = wait_batch(client, create_batch(client, file["id"]).id)
+    assert batch.status == "failed" and batch.failed_at is not None, batch
+    assert batch.output_file_id is None and batch.error_file_id is None and batch.in_progress_at is None
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        0,
+        0,
+        0,
+    )
+    assert batch.errors.object == "list"
+    [error] = batch.errors.data
+    assert (error.code, error.line, error.param) == ("invalid_file_format", 1, "input_file_id")
+    assert "JSONL" in error.message
+
+
+def test_text_that_is_not_jsonl_fails_validation(client: openai.OpenAI, batch_server: Any) -> None:
+    rows = [f"id,prompt\n{i},hello {i}\n" for i in range(8)]  # 16 lines of CSV, one blank line
+    file = upload_raw(batch_server, "".join(rows).encode() + b"\n[1, 2]\n")
+    batch = wait_batch(client, create_batch(client, file["id"]).id)
+    assert batch.status == "failed", batch
+    assert batch.request_counts.total == 0
+    data = batch.errors.data
+    assert len(data) == 10  # the first ones, not one per line
+    assert {e.code for e in data} == {"invalid_json_line"}
+    assert [e.line for e in data] == list(range(1, 11))
+    assert all(e.message for e in data)
+
+
+def test_unsafe_values_in_lines_fail_those_lines(client: openai.OpenAI, batch_server: Any) -> None:
+    good = json.dumps(completion_line("ok", "Hello", max_tokens=2))
+    big = good.replace('"ok"', '"big"').replace('"max_tokens": 2', f'"max_tokens": {2**64}')
+    lone = good.replace('"ok"', '"lone"').replace('"Hello"', '"\\ud800"')
+    bad_id = good.replace('"ok"', '"\\udfff"')
+    file = upload_raw(batch_server, "\n".join([good, big, lone, bad_id]).encode())
+    batch = wait_batch(client, create_batch(client, file["id"]).id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 3)
+    errors = read_file(client, batch.error_file_id)
+    by_id = {r["custom_id"]: r for r in errors}
+    assert by_id["big"]["response"]["status_code"] == 400
+    assert by_id["big"]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert by_id["lone"]["response"]["body"]["error"]["param"] == "prompt"
+    assert by_id[None]["error"]["code"] == "invalid_custom_id"
+
+
+@pytest.mark.parametrize(
+    "disposition,header",
+    [
+        (
+            b"filename*=UTF-8''..%2F..%2Fetc%2Fevil%0D%0ASet-Cookie%3A%20x%3D%22y%22.jsonl",
+            'attachment; filename="evilSet-Cookie: x=y.jsonl"',
+        ),
+        (
+            'filename="../r\u00e9sum\u00e9\t\\"q\\".jsonl"'.encode(),
+            "attachment; filename=\"r_sum_q.jsonl\"; filename*=UTF-8''r%C3%A9sum%C3%A9q.jsonl",
+        ),
+        (b'filename="..\\\\.."', 'attachment; filename="file"'),
+    ],
+    ids=["crlf-quotes-path", "non-ascii", "only-dots"],
+)
+def test_download_name_is_sanitised(batch_server: Any, disposition: bytes, header: str) -> None:
+    file = upload_raw(batch_server, b'{"custom_id": "a"}\n', disposition)
+    with batch_server.client() as http:
+        resp = http.get(f"/v1/files/{file['id']}/content")
+    assert resp.status_code == 200 and resp.content == b'{"custom_id": "a"}\n'
+    assert resp.headers["content-disposition"] == header
+    assert resp.headers.get("set-cookie") is None
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/v1/files/%ED%A0%80",
+        "/v1/batches/%00%0D%0A",
+        "/v1/files/%ED%A0%80/content",
+        "/v1/batches?after=%ED%A0%80",
+    ],
+)
+def test_odd_path_and_query_params_are_not_server_errors(batch_server: Any, url: str) -> None:
+    """Invalid UTF-8 in the URL decodes to U+FFFD (never a lone surrogate): a 404 or an empty page."""
+    with batch_server.client() as http:
+        resp = http.get(url)
+    assert resp.status_code in (200, 404), resp.text
+    assert resp.json()
+
+
+def test_run_batch_refuses_a_binary_file(model_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\x00\x01\x02 not text\n")
+    cmd = [sys.executable, "-m", "xservice", "run-batch", "-i", str(path), "-o", str(tmp_path / "out.jsonl")]
+    out = subprocess.run(cmd + ["--model", str(model_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "not UTF-8 text" in out.stderr and "Traceback" not in out.stderr

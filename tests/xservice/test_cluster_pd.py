@@ -1,7 +1,8 @@
 """PD disaggregation end to end: ``xllm serve`` with 2 prefill + 2 decode real engine instances, the
 prompt KV moving over a real Mooncake transfer engine (TCP, loopback), the embedded metadata store.
 
-In file order: a batch through PD equals one colocated engine (and KV really moved); a follow-up
+In file order: a batch through PD equals one colocated engine (and KV really moved); every socket
+of the cluster listens on loopback only, the KV transfer ports inside ``kv_transfer_port_range``; a follow-up
 sharing a prefix transfers fewer blocks (decode-side prefix hit); ``kill -9`` of a decode instance
 mid-stream (migration); ``kill -9`` of a prefill instance holding requests (re-dispatch); with no
 prefill instance left requests run whole on the decode instance. Greedy outputs always equal the
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 import gc
 import os
+import re
+import shutil
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +36,9 @@ BATCH = [f"Prompt {i}: " + SENTENCE * (i % 4 + 1) for i in range(6)] + [
 ]
 SHARED = "You are a careful assistant who answers briefly. " * 7
 STREAMS = [f"Stream {i}: once upon a time in a land far away there lived a" for i in range(4)]
-BATCH_TOKENS, STREAM_TOKENS = 24, 48
+BATCH_TOKENS, STREAM_TOKENS = 24, 160  # streams long enough to be mid-flight when an instance is killed
+KV_PORTS = (23400, 23499)  # cache.kv_transfer_port_range
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +51,8 @@ def cluster(model_dir: Path) -> Iterator[ClusterServer]:
             "lease_ttl_s": 3.0,
             "heartbeat_interval_s": 0.5,
         },
+        {"engine_max_restarts": 0},  # these tests take instances away one by one: no relaunch
+        engine={"cache": {"kv_transfer_port_range": "{}-{}".format(*KV_PORTS)}},
     )
     yield server
     server.stop()
@@ -110,6 +118,59 @@ def test_pd_batch_is_token_identical_to_a_colocated_engine(cluster: ClusterServe
     assert all(routed[n] > 0 for n in routed)  # both prefill and both decode instances served
 
 
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _process_tree(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            children.setdefault(_ppid(int(entry)), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def _listeners(pids: set[int]) -> dict[int, list[tuple[str, int]]]:
+    """``ss -ltnp``: ``{pid: [(address, port)]}`` of the TCP listeners of ``pids``."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found: dict[int, list[tuple[str, int]]] = {}
+    for line in out.splitlines():
+        host, _, port = line.split()[3].rpartition(":")
+        for pid in {int(p) for p in re.findall(r"pid=(\d+),", line)} & pids:
+            found.setdefault(pid, []).append((host.strip("[]"), int(port)))
+    return found
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (Debian iproute2)")
+def test_the_cluster_listens_on_loopback_only(cluster: ClusterServer) -> None:
+    service = cluster.proc.pid
+    engines = {i["pid"]: i for i in cluster.instances().values()}
+    assert len(engines) == 4
+    tree = _process_tree(service)  # the service, its engines and any helper process
+    assert set(engines) <= tree
+    listening = _listeners(tree)
+    assert service in listening
+    for pid, addrs in listening.items():
+        assert all(host in LOOPBACK for host, _ in addrs), (pid, addrs)  # nothing on 0.0.0.0 / [::]
+    lo, hi = KV_PORTS
+    for pid, inst in engines.items():
+        assert _ppid(pid) == service  # re-executed with the bind-host shim: same pid, same parent
+        with open(f"/proc/{pid}/maps") as f:
+            assert "/bind_host-" in f.read(), inst["name"]
+        ports = {p for _, p in listening[pid]}
+        kv_ports = {p for p in ports if lo <= p <= hi}  # the KV transfer engine's handshake + data
+        assert len(kv_ports) == 2, (inst["name"], listening[pid])
+        assert int(inst["address"].rsplit(":", 1)[1]) in ports - kv_ports  # ZMQ input
+
+
 def test_decode_side_prefix_hit_transfers_fewer_blocks(cluster: ClusterServer, expected) -> None:
     client = cluster.openai()
     before = _kv_imported(cluster)
@@ -163,9 +224,13 @@ def test_kill_9_of_a_decode_instance_mid_stream_migrates(cluster: ClusterServer,
 
     def kill(chunks: list[list[str]]) -> None:
         wait_until(lambda: all(len(c) >= 3 for c in chunks), 60, "streams to start")
-        decodes = [i for i in cluster.instances().values() if i["role"] == "decode"]
-        victim.update(max(decodes, key=lambda i: i["num_inflight"]))
-        assert victim["num_inflight"] > 0
+
+        def busiest_decode() -> dict[str, Any] | None:
+            decodes = [i for i in cluster.instances().values() if i["role"] == "decode"]
+            busiest = max(decodes, key=lambda i: i["num_inflight"])
+            return busiest if busiest["num_inflight"] > 0 else None
+
+        victim.update(wait_until(busiest_decode, 30, "a decode instance with streams in flight"))
         os.kill(victim["pid"], signal.SIGKILL)
 
     texts = _run_streams_killing(cluster, kill)

@@ -8,6 +8,7 @@ in file order: registration, stale incarnations, cache-aware routing, an etcd re
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -39,11 +40,17 @@ PROMPTS = [f"Story {i}: once upon a time in a land far away there lived a" for i
 
 
 class ClusterServer:
-    def __init__(self, model_dir: Path, cluster: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        cluster: dict[str, Any],
+        service: dict[str, Any] | None = None,
+        engine: dict[str, dict[str, Any]] | None = None,  # per-section overrides of ENGINE
+    ) -> None:
         self.port = _free_port()
-        cfg = {k: dict(v) for k, v in ENGINE.items()}
+        cfg = {k: {**v, **(engine or {}).get(k, {})} for k, v in ENGINE.items()}
         cfg["model"]["model"] = str(model_dir)
-        cfg["service"] = {"host": "127.0.0.1", "port": self.port, "log_level": "warning"}
+        cfg["service"] = {"host": "127.0.0.1", "port": self.port, "log_level": "warning", **(service or {})}
         cfg["cluster"] = cluster
         fd, log_name = tempfile.mkstemp(prefix="xllm-cluster-test-", suffix=".log")
         self.log_path = Path(log_name)
@@ -248,10 +255,18 @@ def test_kill_9_mid_stream_migrates_requests_without_losing_or_repeating_tokens(
         assert "".join(faulty[str(i)]) == "".join(baseline[str(i)]), f"stream {i} differs"
     assert cluster.admin()["num_migrations"] >= 1
 
-    # the dead engine's lease expires: its registration disappears within TTL + one heartbeat
+    # the dead incarnation's lease expires within TTL + one heartbeat; the supervisor relaunches the
+    # instance under its name, with a new incarnation, and it serves again
+    def registered_incarnation() -> str | None:
+        raw = etcd_keys(etcd, "instances").get(victim["name"])
+        return json.loads(raw)["incarnation"] if raw else None
+
     wait_until(
-        lambda: victim["name"] not in etcd_keys(etcd, "instances"), TTL_S + HEARTBEAT_S + 2.0, "lease expiry"
+        lambda: registered_incarnation() != victim["incarnation"], TTL_S + HEARTBEAT_S + 2.0, "lease expiry"
     )
     assert time.monotonic() - killed_at < TTL_S + HEARTBEAT_S + 2.0
-    assert victim["name"] not in cluster.instances()
+    wait_until(lambda: cluster.instances().get(victim["name"], {}).get("healthy"), 120, "the relaunch")
+    assert cluster.instances()[victim["name"]]["incarnation"] != victim["incarnation"]
+    metrics = cluster.http.get("/metrics").text
+    assert f'xllm_engine_restarts_total{{instance="{victim["name"]}"}} 1.0' in metrics
     assert complete(client, "after the failure").choices[0].finish_reason == "length"

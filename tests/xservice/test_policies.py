@@ -76,3 +76,27 @@ def test_pd_pairs_the_least_loaded_prefill_with_the_decode_holding_the_prompt() 
     assert policy.select(held, snaps) == PDPair("p1", "d1")  # 2 * 1.0 - 1 beats 0 - 0
     assert policy.select(held, snaps[2:]) == PDPair(None, "d1")  # no prefill: the caller runs it plain
     assert policy.select(held, snaps[:2]) == PDPair("p1", None)
+
+
+# ---------------------------------------------------------------------- restart policy
+
+
+def test_restart_backoff_doubles_with_recent_restarts_and_caps() -> None:
+    from xservice.policies import RestartPolicy
+
+    p = RestartPolicy(max_restarts=10, window_s=100.0, initial_backoff_s=1.0, max_backoff_s=5.0)
+    assert p.delay([], 0.0) == 1.0
+    assert p.delay([1.0], 2.0) == 2.0
+    assert p.delay([1.0, 2.0], 3.0) == 4.0
+    assert p.delay([1.0, 2.0, 3.0], 4.0) == 5.0  # capped
+    assert p.delay([1.0, 2.0, 3.0], 150.0) == 1.0  # old restarts left the window
+
+
+def test_restart_policy_gives_up_past_its_budget_in_the_window() -> None:
+    from xservice.policies import RestartPolicy
+
+    p = RestartPolicy(max_restarts=2, window_s=60.0)
+    assert p.delay([10.0], 20.0) is not None
+    assert p.delay([10.0, 15.0], 20.0) is None
+    assert p.delay([10.0, 15.0], 80.0) is not None  # the first fell out of the window
+    assert RestartPolicy(max_restarts=0).delay([], 0.0) is None  # restarts off

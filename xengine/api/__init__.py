@@ -2,6 +2,6 @@
 
 ``messages`` (wire structs), ``config`` (engine config dataclasses), ``text/`` (tokenizer, chat
 template, incremental detokenizer, stop strings), ``cluster/`` (metadata-store key layout and the
-store clients an engine registers with) and ``models`` (the default model's location, make-tiny
-choices). Nothing here imports torch or anything else of ``xengine``.
+store clients an engine registers with), ``security`` (CURVE authentication of the internal ZMQ
+planes), ``paths`` (default locations) and ``models`` (make-tiny choices). Nothing here imports torch or anything else of ``xengine``.
 """

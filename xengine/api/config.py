@@ -26,7 +26,9 @@ class ModelConfig:
         "Weights/activation dtype: auto (config torch_dtype, float32 on CPU if fp16), float32, bfloat16.",
     )
     max_model_len: int | None = _f(
-        None, "Maximum prompt + output tokens per request (default: from config.json, capped at 8192)."
+        None,
+        "Maximum prompt + output tokens per request (default: from config.json, capped at 8192); at "
+        "most max_position_embeddings, or as far as the checkpoint's rope_scaling extends it.",
     )
     seed: int = _f(0, "Seed for unseeded sampling.")
 
@@ -37,20 +39,62 @@ class ModelConfig:
             raise ValueError("model.max_model_len must be >= 2")
 
 
+KV_LAYOUTS = ("auto", "paged", "xtensor")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = _f(16, "Tokens per KV block.")
+    block_size: int | None = _f(
+        None,
+        "Tokens per KV block (the prefix-cache and transfer unit; an xTensor page). Default: 16 with the "
+        "paged layout; with xtensor the smallest power of two >= 16 whose page is a multiple of the OS "
+        "page and whose mappings fit vm.max_map_count.",
+    )
+    kv_layout: str = _f(
+        "auto",
+        "KV memory layout: 'paged' (block tables; attention gathers each sequence's context), 'xtensor' "
+        "(each sequence's KV virtually contiguous, physical pages mapped on demand; attention reads it in "
+        "place) or 'auto' (the platform's default: xtensor where it supports VMM and measured faster).",
+    )
     num_blocks: int | None = _f(None, "KV blocks in the pool (default: derived from kv_cache_memory_gb).")
     kv_cache_memory_gb: float = _f(1.0, "Memory for the KV pool when num_blocks is not set, in GiB.")
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes (radix tree).")
+    kv_transfer_port_range: str = _f(
+        "",
+        "MIN-MAX: TCP ports of each PD instance's KV transfer engine (two per instance: handshake and "
+        "data, both bound to the instance's host), e.g. 20000-20100; outside 32768-60999 (ephemeral "
+        "ports). Empty: Mooncake's default 15000-17000.",
+    )
 
     def validate(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+        if self.block_size is not None and self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError("cache.block_size must be a power of two in [1, 128]")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(
+                f"cache.kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}"
+            )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("cache.num_blocks must be >= 1")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("cache.kv_cache_memory_gb must be > 0")
+        self.transfer_ports()
+
+    def transfer_ports(self) -> tuple[int, int] | None:
+        """``kv_transfer_port_range`` as ``(first, last)``; None when empty. The rules are
+        ``memory.transfer.check_port_range``'s (what Mooncake accepts; it ignores other ranges)."""
+        text = self.kv_transfer_port_range.strip()
+        if not text:
+            return None
+        lo_s, sep, hi_s = text.partition("-")
+        if sep and lo_s.strip().isdigit() and hi_s.strip().isdigit():
+            lo, hi = int(lo_s), int(hi_s)
+            if 1024 <= lo < hi <= 65535 and (hi < 32768 or lo > 60999):
+                return lo, hi
+        raise ValueError(
+            f"cache.kv_transfer_port_range must be MIN-MAX with 1024 <= MIN < MAX <= 65535 (two ports "
+            f"per instance), not overlapping the ephemeral ports 32768-60999, e.g. 20000-20100; "
+            f"got {self.kv_transfer_port_range!r}"
+        )
 
 
 @dataclass(frozen=True)

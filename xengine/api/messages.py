@@ -195,7 +195,7 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 
 class UtilityCall(msgspec.Struct, tag="call"):
-    """``method``: "stats" | "ping" | "reset_prefix_cache" | "list_catalogs"."""
+    """``method``: "stats" | "ping" | "reset_prefix_cache" | "list_catalogs" | "list_requests"."""
 
     call_id: int
     method: str
@@ -258,6 +258,23 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # PD disaggregation (decode side): KV blocks pulled from prefill instances, and their bytes
     num_kv_blocks_imported: int = 0
     num_kv_bytes_imported: int = 0
+    num_auth_denied: int = 0  # cluster mode: peers refused for lacking the cluster key
+    # KV memory layout; with xTensor, its pages by state (xLLM §4.3) and map/unmap calls so far
+    kv_layout: str = "paged"
+    xtensor: XTensorStatsMsg | None = None
+
+
+class XTensorStatsMsg(msgspec.Struct, kw_only=True):
+    num_pages: int = 0
+    num_free: int = 0
+    num_allocated: int = 0
+    num_mapped: int = 0
+    num_reusable: int = 0
+    num_maps: int = 0  # page mappings made (a page: one block of every layer's K and V)
+    num_unmaps: int = 0
+    num_live_mappings: int = 0
+    num_slots: int = 0
+    map_seconds: float = 0.0
 
 
 class EngineInfo(msgspec.Struct, kw_only=True):
@@ -290,6 +307,7 @@ class UtilityResult(msgspec.Struct, tag="result", kw_only=True):
     catalogs: list[CatalogInfo] | None = None
     kv_export: KVExportInfo | None = None
     kv_import: KVImportResult | None = None
+    req_ids: list[str] | None = None  # "list_requests": the requests the engine still runs
     ok: bool = True
     error: str | None = None
 

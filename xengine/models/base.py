@@ -20,6 +20,16 @@ class BaseCausalLM(nn.Module, ABC):
     def from_hf_config(cls, hf_config: dict[str, Any]) -> BaseCausalLM:
         """Build the (uninitialised) model from a HF ``config.json`` dict."""
 
+    @classmethod
+    def max_context_len(cls, hf_config: dict[str, Any]) -> int | None:
+        """Longest sequence (prompt + output) the model's position encoding supports, read from a HF
+        ``config.json`` dict without building the model; ``None``: any length."""
+        return int(hf_config.get("max_position_embeddings", 2048))
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Size position tables for sequences of up to ``max_model_len`` tokens (at most
+        ``max_context_len``); models without such tables need nothing."""
+
     @abstractmethod
     def forward(
         self,

@@ -11,6 +11,7 @@ from torch import nn
 
 from ops.activation import silu_and_mul
 from ops.attention import AttentionMetadata, attention
+from ops.rope_scaling import max_context_len
 from xengine.layers.linear import MergedLinear, make_weights_input_major
 from xengine.layers.norm import RMSNorm
 from xengine.layers.rotary import RotaryEmbedding
@@ -127,6 +128,14 @@ class DecoderForCausalLM(BaseCausalLM):
     @classmethod
     def from_hf_config(cls, hf_config: dict[str, Any]) -> DecoderForCausalLM:
         return cls(cls.config_from_hf(hf_config))
+
+    @classmethod
+    def max_context_len(cls, hf_config: dict[str, Any]) -> int | None:
+        cfg = cls.config_from_hf(hf_config)
+        return max_context_len(cfg.max_position_embeddings, cfg.rope_scaling)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        self.model.rotary.set_max_len(max_model_len)
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config ties them."""

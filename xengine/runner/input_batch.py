@@ -19,7 +19,10 @@ class ModelInputs:
     num_tokens: int
 
 
-def build_inputs(plan: SchedulePlan, block_size: int, device: torch.device) -> ModelInputs:
+def build_inputs(
+    plan: SchedulePlan, block_size: int, device: torch.device, kv_slots: list[int] | None = None
+) -> ModelInputs:
+    """Flat inputs for ``plan``; ``kv_slots``: each sequence's xTensor slot (None: paged layout)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -61,6 +64,7 @@ def build_inputs(plan: SchedulePlan, block_size: int, device: torch.device) -> M
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         block_size=block_size,
+        kv_slots=kv_slots,
     )
     return ModelInputs(
         input_ids=_t(input_ids, torch.int64),

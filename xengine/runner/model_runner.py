@@ -30,26 +30,36 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: list[int],
         default_seed: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.layout = layout
+        self.attn_caches = layout.attention_caches(kv_caches)  # what attention reads (xTensor: slots)
         self.platform = platform
         self.device = platform.torch_device()
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len  # positions the model's tables cover (None: unchecked)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.graph = create_graph_runner(platform.name, self._forward)
         torch.manual_seed(default_seed)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.attn_caches, meta)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> StepOutput:
+        self._check_positions(plan)
         self.layout.copy_blocks(self.kv_caches, plan.block_copies)
-        inputs = build_inputs(plan, self.block_size, self.device)
+        kv_slots = self.layout.prepare(
+            [
+                (s.req.seq_id, plan.block_tables[s.req.seq_id], s.req.num_computed_tokens + s.num_new_tokens)
+                for s in plan.seqs
+            ]
+        )
+        inputs = build_inputs(plan, self.block_size, self.device, kv_slots)
         t0 = time.perf_counter()
         hidden = self.graph.run(
             inputs.num_tokens, inputs.meta.is_all_decode, inputs.input_ids, inputs.positions, inputs.meta
@@ -63,6 +73,19 @@ class ModelRunner:
         if logits is not None:
             self._sample(plan, logits, out)
         return out
+
+    def _check_positions(self, plan: SchedulePlan) -> None:
+        """Refuse a plan that reaches past ``max_model_len``: on a device, an out-of-range index
+        into the RoPE table is not an error but garbage (or a dead context)."""
+        if self.max_model_len is None:
+            return
+        for s in plan.seqs:
+            end = s.req.num_computed_tokens + s.num_new_tokens
+            if end > self.max_model_len:
+                raise IndexError(
+                    f"sequence {s.req.seq_id!r} reaches position {end - 1}, past the "
+                    f"{self.max_model_len} positions the model was set up for (max_model_len)"
+                )
 
     def _sample(self, plan: SchedulePlan, logits: torch.Tensor, out: StepOutput) -> None:
         rows: list[tuple[Request, int]] = []  # (sequence, sample index within it)

@@ -66,13 +66,24 @@ class Scheduler:
 
     def abort(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
-            if req_id in self.beam_groups:
-                self._finish_beam_group(self.beam_groups[req_id], "abort")
-                continue
-            for seq_id in list(self.groups.get(req_id, [])):
-                req = self.seqs.get(seq_id)
-                if req is not None and not req.is_finished:
-                    self._finish(req, "abort")
+            self._end_request(req_id, "abort")
+
+    def fail_request(self, req_id: str, error: str) -> None:
+        """End every sequence of ``req_id`` with finish_reason "error" and ``error`` (e.g. its
+        forward raised); its blocks are freed, nothing of it enters the prefix cache."""
+        self._end_request(req_id, "error")
+        for seq in self.updated.values():
+            if seq.req_id == req_id and seq.finish_reason == "error":
+                seq.error = error
+
+    def _end_request(self, req_id: str, finish_reason: str) -> None:
+        if req_id in self.beam_groups:
+            self._finish_beam_group(self.beam_groups[req_id], finish_reason)
+            return
+        for seq_id in list(self.groups.get(req_id, [])):
+            req = self.seqs.get(seq_id)
+            if req is not None and not req.is_finished:
+                self._finish(req, finish_reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from xengine.api.models import ARCHS, SIZES, default_model_dir
+from xengine.api.models import ARCHS, SIZES
+from xengine.api.paths import default_model_dir
 
 # Shapes per size. Tiny ties embeddings for the Qwen archs (like the small real Qwens) and unties
 # them for llama, so both loader paths are exercised; small is untied for every arch.

@@ -27,6 +27,7 @@ from xservice.errors import (
     status_of,
 )
 from xservice.protocol import ChatCompletionRequest, CompletionRequest
+from xservice.request_model import find_unsafe_value
 from xservice.serving.chat import create_chat_completion
 from xservice.serving.completions import create_completion
 from xservice.serving.context import ServingContext, new_request_id
@@ -37,6 +38,9 @@ ENDPOINTS: dict[str, tuple[type[BaseModel], Any]] = {
     "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
     "/v1/completions": (CompletionRequest, create_completion),
 }
+
+
+MAX_FILE_ERRORS = 10  # entries in a failed batch's ``errors``
 
 
 class RetryLater(Exception):
@@ -80,19 +84,55 @@ def api_error_record(custom_id: str, exc: APIError) -> dict[str, Any]:
 # ---------------------------------------------------------------------- parsing
 
 
+class InputFileError(Exception):
+    """The input file as a whole is not JSONL: the batch fails with ``errors`` (OpenAI's entries)."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        super().__init__(errors[0]["message"])
+        self.errors = errors
+
+
+def _file_error(code: str, message: str, line: int) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": "input_file_id", "line": line}
+
+
 def parse_lines(raw_lines: Iterable[bytes], endpoint: str) -> Iterator[IngestedLine]:
     """Number the non-blank lines of an input file and check each one's envelope.
 
     A line that cannot run (not JSON, no ``custom_id``, a duplicate ``custom_id``, a ``url`` other
     than ``endpoint``, a ``method`` other than POST, no ``body`` object) carries its error record.
+    Raises ``InputFileError`` for a file that is not JSONL at all: a line that is not UTF-8 text
+    (a binary file), or no line that is a JSON object.
     """
     seen: set[str] = set()
     line_no = 0
-    for raw in raw_lines:
+    num_objects = 0
+    json_errors: list[dict[str, Any]] = []
+    for number, raw in enumerate(raw_lines, start=1):
+        if b"\0" in raw or not _is_utf8(raw):
+            message = (
+                f"Line {number} is not UTF-8 text; the input file must be JSONL (one JSON object per line)."
+            )
+            raise InputFileError([_file_error("invalid_file_format", message, number)])
         if not raw.strip():
             continue
-        yield _parse_line(raw, line_no, endpoint, seen)
+        line = _parse_line(raw, line_no, endpoint, seen)
+        if line.result is None or line.result["error"]["code"] != "invalid_json_line":
+            num_objects += 1  # the file is JSONL: its bad lines fail one by one
+        elif len(json_errors) < MAX_FILE_ERRORS:
+            json_errors.append(_file_error("invalid_json_line", line.result["error"]["message"], number))
+        yield line
         line_no += 1
+    if num_objects == 0 and json_errors:
+        raise InputFileError(json_errors)
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _parse_line(raw: bytes, line_no: int, endpoint: str, seen: set[str]) -> IngestedLine:
@@ -109,6 +149,8 @@ def _parse_line(raw: bytes, line_no: int, endpoint: str, seen: set[str]) -> Inge
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return bad("missing_custom_id", "'custom_id' must be a non-empty string.")
+    if find_unsafe_value(custom_id) is not None:  # a lone surrogate: not storable as text
+        return bad("invalid_custom_id", "'custom_id' must be valid Unicode text.")
     if custom_id in seen:
         return bad("duplicate_custom_id", f"'custom_id' {custom_id!r} appears more than once.", custom_id)
     seen.add(custom_id)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from email.message import Message
-from email.parser import BytesHeaderParser
+from email.parser import HeaderParser
+from email.utils import collapse_rfc2231_value
 
 from xservice.errors import InvalidRequestError
 
@@ -45,13 +46,18 @@ def parse_form(body: bytes, content_type: str) -> dict[str, FormField]:
         head, sep, data = part.removeprefix(b"\r\n").partition(b"\r\n\r\n")
         if not sep:
             raise InvalidRequestError("Malformed multipart body.", code="invalid_body")
-        headers = BytesHeaderParser().parsebytes(head + b"\r\n\r\n")
+        try:  # part headers are UTF-8 (RFC 7578), e.g. a non-ASCII filename
+            headers = HeaderParser().parsestr(head.decode("utf-8") + "\r\n\r\n")
+        except UnicodeDecodeError:
+            raise InvalidRequestError("Multipart part headers must be UTF-8.", code="invalid_body") from None
         name = headers.get_param("name", header="content-disposition")
         if not isinstance(name, str):
             continue
-        filename = headers.get_param("filename", header="content-disposition")
-        fields.setdefault(
-            name,
-            FormField(name, data.removesuffix(b"\r\n"), filename if isinstance(filename, str) else None),
-        )
+        filename = _filename(headers.get_param("filename", header="content-disposition"))
+        fields.setdefault(name, FormField(name, data.removesuffix(b"\r\n"), filename))
     return fields
+
+
+def _filename(value: str | tuple[str, str, str] | None) -> str | None:
+    """A part's filename as text (an RFC 2231 ``filename*=`` value decoded)."""
+    return collapse_rfc2231_value(value) if isinstance(value, tuple) else value

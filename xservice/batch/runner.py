@@ -13,7 +13,14 @@ import asyncio
 import logging
 from pathlib import Path
 
-from xservice.batch.lines import RetryLater, error_record, is_error_record, parse_lines, run_line
+from xservice.batch.lines import (
+    InputFileError,
+    RetryLater,
+    error_record,
+    is_error_record,
+    parse_lines,
+    run_line,
+)
 from xservice.batch.store import BatchStore, PendingLine, now
 from xservice.serving.context import ServingContext
 
@@ -88,6 +95,10 @@ class BatchRunner:
             num_lines = await asyncio.to_thread(self._ingest, batch_id, path, endpoint)
         except OSError as e:
             self.store.fail_batch(batch_id, "invalid_file", f"Cannot read input file {input_file_id}: {e}")
+            return
+        except InputFileError as e:
+            self.store.reset_lines(batch_id)  # a failed batch ran no request
+            self.store.fail_batch(batch_id, errors=e.errors)
             return
         if num_lines == 0:
             self.store.fail_batch(batch_id, "empty_file", f"Input file {input_file_id} has no lines.")

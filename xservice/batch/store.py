@@ -264,12 +264,16 @@ class BatchStore:
         with self._tx() as db:
             return db.execute(f"UPDATE batches SET status = ?{stamp} WHERE {where}", args).rowcount > 0
 
-    def fail_batch(self, batch_id: str, code: str, message: str) -> None:
-        errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
+    def fail_batch(
+        self, batch_id: str, code: str = "", message: str = "", errors: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Move to ``failed`` with one error (``code``, ``message``) or OpenAI error entries ``errors``."""
+        data = errors or [{"code": code, "message": message, "param": None, "line": None}]
+        errors_obj = {"object": "list", "data": data}
         with self._tx() as db:
             db.execute(
                 "UPDATE batches SET status = 'failed', failed_at = ?, errors = ? WHERE id = ?",
-                (now(), json.dumps(errors), batch_id),
+                (now(), json.dumps(errors_obj), batch_id),
             )
 
     # ------------------------------------------------------------------ lines

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xengine.api.config import _f
+from xengine.api.paths import default_cluster_key_file
+from xengine.api.security import ClusterKey, load_or_create_key_file
 
 STORES = ("embedded", "etcd")
 LAUNCHERS = ("local", "ray", "external")
@@ -40,6 +42,26 @@ class ClusterConfig:
     migrate_on_failure: bool = _f(True, "Re-run in-flight requests of a dead instance on a healthy one.")
     engine_host: str = _f("127.0.0.1", "Address instances bind their ZMQ sockets to (loopback by default).")
     instance_startup_timeout_s: float = _f(600.0, "How long to wait for every instance to register.")
+    auth: bool = _f(
+        True,
+        "Authenticate the internal planes (engine ZMQ sockets, embedded-store bridge) with ZMQ CURVE and a "
+        "per-cluster key (docs/security.md); turn off only on an isolated network.",
+    )
+    auth_key_file: str = _f(
+        "",
+        "Cluster key file (mode 0600). Empty: launched instances get an ephemeral key from the service; with "
+        "launcher 'external' and for 'xllm engine' it is $XLLM_CACHE_DIR/cluster.key (~/.cache/xllm/cluster.key), "
+        "created on first use.",
+    )
+
+    def cluster_key(self) -> ClusterKey | None:
+        """The key that authenticates this cluster's planes (None when ``auth`` is off); reads or creates the
+        key file when one applies, else makes an ephemeral key."""
+        if not self.auth:
+            return None
+        if self.auth_key_file or self.external:
+            return load_or_create_key_file(self.auth_key_file or default_cluster_key_file())
+        return ClusterKey.generate()
 
     @property
     def enabled(self) -> bool:

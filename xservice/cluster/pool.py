@@ -29,12 +29,14 @@ from typing import Any
 
 import msgspec
 
-from xengine.api.messages import AddRequest, CompletionDelta, EngineStats
+from xengine.api.messages import AddRequest, CompletionDelta, EngineStats, XTensorStatsMsg
+from xengine.api.security import ClusterKey
 from xservice.cluster.kv_index import prompt_block_hashes
 from xservice.cluster.pd import PDDispatcher
 from xservice.cluster.registry import InstanceRegistry, InstanceState
 from xservice.cluster.remote_engine import RemoteEngineClient
-from xservice.engine_client import EngineDeadError
+from xservice.cluster.supervisor import InstanceSupervisor
+from xservice.engine_client import HANG_TIMEOUT_S, EngineDeadError
 from xservice.policies import PLAIN_ROLES, BaseRoutingPolicy, InstanceSnapshot, PDPolicy, RouteRequest
 
 logger = logging.getLogger(__name__)
@@ -50,12 +52,16 @@ class InstancePool:
         policy: BaseRoutingPolicy,
         migrate: bool = True,
         pd_policy: PDPolicy | None = None,
+        key: ClusterKey | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.migrate = migrate
         self.pd = PDDispatcher(self, pd_policy or PDPolicy())
         self.service_id = uuid.uuid4().hex  # sent to every instance in a Hello (see engine_server)
+        self.key = key  # the cluster key every instance authenticates us with (None: auth off)
+        self.supervisor: InstanceSupervisor | None = None  # relaunches launched instances (serve.py)
+        self.hang_timeout_s = HANG_TIMEOUT_S
         self.clients: dict[str, RemoteEngineClient] = {}  # connected and answering
         self._pending: dict[str, RemoteEngineClient] = {}  # connected, handshake in progress
         self.num_routed: dict[str, int] = {}
@@ -84,7 +90,8 @@ class InstancePool:
             pending = self._pending.get(rec.name)
             if pending is not None and pending.incarnation == rec.incarnation:
                 return
-            client = self._pending[rec.name] = RemoteEngineClient.connect(rec, self.service_id)
+            client = self._pending[rec.name] = RemoteEngineClient.connect(rec, self.service_id, self.key)
+            client.hang_timeout_s = self.hang_timeout_s
             asyncio.get_running_loop().create_task(self._handshake(client))
 
     async def _handshake(self, client: RemoteEngineClient) -> None:
@@ -305,12 +312,11 @@ class InstancePool:
         stats = [r for r in results if isinstance(r, EngineStats)]
         if not stats:
             raise EngineDeadError(f"no engine instance answered: {results[0]!r}")
-        total = EngineStats()
-        for s in stats:
-            for f in s.__struct_fields__:
-                if f != "kv_usage":
-                    setattr(total, f, getattr(total, f) + getattr(s, f))
+        total = _sum_structs(stats, EngineStats())
         total.kv_usage = sum(s.kv_usage for s in stats) / len(stats)
+        total.kv_layout = stats[0].kv_layout
+        xts = [s.xtensor for s in stats if s.xtensor is not None]
+        total.xtensor = _sum_structs(xts, XTensorStatsMsg()) if xts else None
         return total
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
@@ -324,6 +330,24 @@ class InstancePool:
     @property
     def is_alive(self) -> bool:
         return not self._closed and any(c.is_alive for c in self.clients.values())
+
+    @property
+    def health(self) -> str:
+        """ "ok" (an instance can serve), "restarting" (none can, but one is being relaunched or is
+        registered and connecting) or "failed"."""
+        if self.is_alive:
+            return "ok"
+        sup = self.supervisor
+        pending = bool(self._pending) or (sup is not None and bool(sup.restarting))
+        if self._closed or not pending and sup is not None and set(sup.gave_up) >= set(sup.specs):
+            return "failed"
+        return "restarting"
+
+    def restart_counts(self) -> dict[str, int]:
+        return dict(self.supervisor.num_restarts) if self.supervisor is not None else {}
+
+    def given_up(self) -> list[str]:
+        return sorted(self.supervisor.gave_up) if self.supervisor is not None else []
 
     @property
     def num_inflight(self) -> int:
@@ -357,6 +381,7 @@ class InstancePool:
                     "incarnation": rec.incarnation,
                     "pid": rec.pid,
                     "address": rec.input_addr,
+                    "output_address": rec.output_addr,
                     "load": msgspec.to_builtins(state.load) if state.load else None,
                     "heartbeat_age_s": round(time.monotonic() - state.last_heartbeat, 3),
                     "num_kv_blocks_indexed": self.registry.kv_index.num_blocks(name),
@@ -378,3 +403,12 @@ class InstancePool:
             "num_stale_rejected": self.registry.num_stale_rejected,
             "pd": dataclasses.asdict(self.pd.counters),
         }
+
+
+def _sum_structs(items: Sequence[Any], total: Any) -> Any:
+    """``total`` with every numeric field set to its sum over ``items`` (other fields untouched)."""
+    for f in total.__struct_fields__:
+        values = [getattr(i, f) for i in items]
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            setattr(total, f, sum(values))
+    return total

@@ -18,20 +18,25 @@ import zmq.asyncio
 
 from xengine.api.cluster.keys import InstanceRecord
 from xengine.api.messages import EngineInfo, Hello
-from xservice.engine_client import WATCH_INTERVAL_S, EngineClient, EngineDeadError
+from xengine.api.security import ClusterKey
+from xservice.engine_client import EngineClient, EngineDeadError
 
 
 class RemoteEngineClient(EngineClient):
-    def __init__(self, record: InstanceRecord) -> None:
+    def __init__(self, record: InstanceRecord, key: ClusterKey | None = None) -> None:
         self.record = record
+        self._key = key
         super().__init__(ipc_dir="")
         self.info = msgspec.convert(record.info, EngineInfo)
 
     @classmethod
-    def connect(cls, record: InstanceRecord, service_id: str | None = None) -> RemoteEngineClient:
+    def connect(
+        cls, record: InstanceRecord, service_id: str | None = None, key: ClusterKey | None = None
+    ) -> RemoteEngineClient:
         """Connect to the instance (non-blocking; ZMQ reconnects by itself) and start routing outputs;
-        with ``service_id``, say hello first (queued until the connection is up)."""
-        client = cls(record)
+        with ``service_id``, say hello first (queued until the connection is up); with ``key``,
+        authenticate with the cluster key (CURVE)."""
+        client = cls(record, key)
         if service_id is not None:
             client._send(Hello(service_id=service_id))
         client._pump_task = asyncio.get_running_loop().create_task(
@@ -40,7 +45,7 @@ class RemoteEngineClient(EngineClient):
         return client
 
     def _open_sockets(self, bind: bool) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
-        return super()._open_sockets(bind=False)
+        return super()._open_sockets(bind=False, key=self._key)
 
     @property
     def input_addr(self) -> str:
@@ -65,6 +70,10 @@ class RemoteEngineClient(EngineClient):
     @property
     def pid(self) -> int:
         return self.record.pid
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
 
     def mark_dead(self, reason: str) -> None:
         """The instance is gone: fail every in-flight request and call now."""
@@ -92,12 +101,5 @@ class RemoteEngineClient(EngineClient):
         self._pull.close(linger=0)
         self._ctx.term()
 
-    async def _pump(self) -> None:
-        try:
-            while self._dead_reason is None:
-                if await self._pull.poll(int(WATCH_INTERVAL_S * 1000)):
-                    await self._recv_pending()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a broken pump must not leave requests hanging
-            self._mark_dead(f"engine client failed: {type(e).__name__}: {e}")
+    async def _gone(self) -> bool:
+        return self._dead_reason is not None

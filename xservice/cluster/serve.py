@@ -4,7 +4,9 @@ Called by ``xservice.commands.serve`` when the config lists ``cluster.instances`
 ``cluster.launcher: external``). The service opens the metadata store (etcd, or the embedded store
 served to its engines over loopback ZMQ), starts the registry, launches the instances, waits until
 each registered, then serves HTTP over an ``InstancePool``. A launched instance whose process exits
-is failed over at once (its lease would expire later anyway).
+is failed over at once (its lease would expire later anyway) and relaunched by the
+``InstanceSupervisor`` with backoff. Engines and the embedded store's bridge authenticate the
+service with the cluster key (ZMQ CURVE; ``docs/security.md``).
 
 With ``launcher: external`` (attach mode) it launches nothing: the instances are standalone
 ``xllm engine`` processes that registered in etcd and outlive the service. The registry's first
@@ -25,10 +27,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from xengine.api.cluster.store import BaseMetadataStore, StoreUnavailableError
+from xengine.api.security import ClusterKey
 from xservice.cluster.config import ClusterConfig
 from xservice.cluster.launchers import BaseLauncher, InstanceSpec, make_launcher
 from xservice.cluster.pool import InstancePool
 from xservice.cluster.registry import InstanceRegistry
+from xservice.cluster.supervisor import InstanceSupervisor
 from xservice.config import XllmConfig
 from xservice.policies import PDPolicy, make_policy
 
@@ -40,8 +44,11 @@ ServeHttp = Callable[[XllmConfig, socket.socket, Any, Any, Any], Awaitable[int]]
 
 
 @contextlib.asynccontextmanager
-async def open_service_store(cluster: ClusterConfig) -> AsyncIterator[tuple[BaseMetadataStore, str]]:
-    """The service's store and the URL its engines use to reach it."""
+async def open_service_store(
+    cluster: ClusterConfig, key: ClusterKey | None = None
+) -> AsyncIterator[tuple[BaseMetadataStore, str]]:
+    """The service's store and the URL its engines use to reach it (an embedded store's bridge admits
+    only holders of ``key`` when given)."""
     if cluster.metadata_store == "etcd":
         from xengine.api.cluster.store.etcd import EtcdStore
 
@@ -56,7 +63,7 @@ async def open_service_store(cluster: ClusterConfig) -> AsyncIterator[tuple[Base
     from xservice.cluster.store.embedded import EmbeddedStore
 
     store = EmbeddedStore()
-    bridge = StoreBridgeServer(store, f"tcp://{cluster.engine_host}:0")
+    bridge = StoreBridgeServer(store, f"tcp://{cluster.engine_host}:0", key)
     try:
         yield store, f"embedded+{bridge.addr}"
     finally:
@@ -64,39 +71,21 @@ async def open_service_store(cluster: ClusterConfig) -> AsyncIterator[tuple[Base
         await store.close()
 
 
-async def watch_exits(launcher: BaseLauncher, pool: InstancePool) -> None:
-    """Fail over an instance as soon as its launched process exits."""
-    reported: set[str] = set()
-    while True:
-        for name, handle in list(launcher.handles.items()):
-            code = await asyncio.to_thread(handle.exit_code) if not _is_local(handle) else handle.exit_code()
-            if code is not None and name not in reported:
-                reported.add(name)
-                print(f"xllm: instance {name} exited with code {code}", file=sys.stderr, flush=True)
-                pool.mark_dead(name, f"process exited with code {code}")
-            elif code is None:
-                reported.discard(name)
-        await asyncio.sleep(
-            EXIT_WATCH_INTERVAL_S if all(_is_local(h) for h in launcher.handles.values()) else 1.0
-        )
-
-
-def _is_local(handle: Any) -> bool:
-    return hasattr(handle, "proc")
-
-
 async def serve_cluster(
     cfg: XllmConfig, sock: socket.socket, tokenizer: Any, serve_http: ServeHttp, phases: Any
 ) -> int:
     cl = cfg.cluster
-    async with open_service_store(cl) as (store, engine_store_url):
+    key = cl.cluster_key()
+    async with open_service_store(cl, key) as (store, engine_store_url):
         registry = InstanceRegistry(store, cl.key_prefix, cl.lease_ttl_s, cl.heartbeat_interval_s)
         pool = InstancePool(
             registry,
             make_policy(cl.routing_policy, cl.cache_match_weight),
             cl.migrate_on_failure,
             PDPolicy(cl.cache_match_weight),
+            key,
         )
+        pool.hang_timeout_s = cfg.service.engine_hang_timeout_s
         launcher: BaseLauncher | None = None
         watcher: asyncio.Task | None = None
         try:
@@ -110,20 +99,33 @@ async def serve_cluster(
                 await _wait_for_external(cl, pool, registry)
                 return await serve_http(cfg, sock, pool, tokenizer, phases)
             launcher = await asyncio.to_thread(make_launcher, cl.launcher)
-            specs = cl.instance_specs()
-            for name, role in specs:
-                spec = InstanceSpec(
-                    name, role, cfg.engine, engine_store_url, cl.key_prefix, cl.engine_host, cl.lease_ttl_s,
+            specs = {
+                name: InstanceSpec(
+                    name,
+                    role,
+                    cfg.engine,
+                    engine_store_url,
+                    cl.key_prefix,
+                    cl.engine_host,
+                    cl.lease_ttl_s,
                     cl.heartbeat_interval_s,
+                    key,
                 )  # fmt: skip
+                for name, role in cl.instance_specs()
+            }
+            for spec in specs.values():
                 await asyncio.to_thread(launcher.launch, spec)
             print(f"xllm: launched {len(specs)} instance(s) with the {cl.launcher} launcher", file=sys.stderr)
-            watcher = asyncio.get_running_loop().create_task(watch_exits(launcher, pool))
-            await pool.wait_for([n for n, _ in specs], cl.instance_startup_timeout_s)
+            pool.supervisor = InstanceSupervisor(
+                launcher, specs, cfg.service.restart_policy(), pool.mark_dead
+            )
+            watcher = asyncio.get_running_loop().create_task(pool.supervisor.run())
+            await pool.wait_for(list(specs), cl.instance_startup_timeout_s)
             return await serve_http(cfg, sock, pool, tokenizer, phases)
         finally:
             if watcher is not None:
                 watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
             await pool.close()
             if launcher is not None:
                 await asyncio.to_thread(launcher.stop_all)

@@ -219,13 +219,16 @@ def run_run_batch(args: argparse.Namespace) -> int:
 async def _run_file(cfg: Any, path: Path, endpoint: str) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    from xservice.batch.lines import parse_lines
+    from xservice.batch.lines import InputFileError, parse_lines
     from xservice.engine_client import EngineClient, EngineStartupError
     from xservice.metrics import ServiceMetrics
     from xservice.serving.context import ServingContext
 
-    with open(path, "rb") as f:
-        lines = list(parse_lines(f, endpoint))
+    try:
+        with open(path, "rb") as f:
+            lines = list(parse_lines(f, endpoint))
+    except InputFileError as e:
+        raise cli.CliError(f"{path}: {e}") from None
     tokenizer = cli.load_tokenizer(cfg.model.model)
     print(f"xllm: starting the engine for {cfg.model.model}", file=sys.stderr, flush=True)
     try:

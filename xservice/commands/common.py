@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from xengine.api.config import replace_section
-from xengine.api.models import default_model_dir
+from xengine.api.paths import default_model_dir
 from xservice.config import XllmConfig, load_config
 
 EXIT_USAGE = 2

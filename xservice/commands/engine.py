@@ -20,8 +20,10 @@ import os
 import sys
 from typing import Any
 
+from xengine.api.paths import default_cluster_key_file
+from xengine.api.security import load_or_create_key_file
 from xservice.commands.common import CliError, load_cli_config, resolve_model
-from xservice.engine_client import child_env
+from xservice.engine_process import child_env
 
 ROLES = ("mixed", "prefill", "decode")
 STORE_CHECK_TIMEOUT_S = 5.0
@@ -77,6 +79,15 @@ def run_engine(args: argparse.Namespace) -> int:
         "--lease-ttl-s", str(cl.lease_ttl_s),
         "--heartbeat-interval-s", str(cl.heartbeat_interval_s),
     ]  # fmt: skip
+    if cl.auth:  # the key file the attaching service reads too (created here on first use)
+        key_file = cl.auth_key_file or str(default_cluster_key_file())
+        try:
+            load_or_create_key_file(key_file)
+        except (OSError, ValueError) as e:
+            raise CliError(f"cluster key: {e}") from e
+        server_args += ["--auth-key-file", key_file]
+    else:
+        server_args.append("--no-auth")
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", "xengine.engine_server", *server_args], child_env())
 

@@ -20,8 +20,6 @@ from xservice.commands.common import (
 )
 from xservice.config import XllmConfig
 
-ENGINE_WATCH_INTERVAL_S = 0.5
-
 
 def register_serve(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -76,7 +74,8 @@ class _SignalPhases:
 
 async def serve(cfg: XllmConfig, sock: socket.socket) -> int:
     """Start the engine, serve HTTP on ``sock`` until a signal, then stop both gracefully."""
-    from xservice.engine_client import EngineClient, EngineStartupError
+    from xservice.engine_client import EngineStartupError
+    from xservice.supervisor import SupervisedEngine
 
     phases = _SignalPhases()
     client = None
@@ -84,15 +83,19 @@ async def serve(cfg: XllmConfig, sock: socket.socket) -> int:
         tokenizer = load_tokenizer(cfg.model.model)
         if cfg.cluster.enabled:
             from xengine.api.cluster.store import StoreUnavailableError
+            from xengine.api.security import ClusterKeyError
             from xservice.cluster.serve import serve_cluster
 
             try:
                 return await serve_cluster(cfg, sock, tokenizer, _serve_http, phases)
-            except StoreUnavailableError as e:
+            except (StoreUnavailableError, ClusterKeyError) as e:
                 raise CliError(str(e)) from e
         print(f"xllm: starting the engine for {cfg.model.model}", file=sys.stderr, flush=True)
         try:
-            client = await EngineClient.start(cfg.engine, cfg.service.engine_startup_timeout_s)
+            svc = cfg.service
+            client = await SupervisedEngine.start(
+                cfg.engine, svc.restart_policy(), svc.engine_startup_timeout_s, svc.engine_hang_timeout_s
+            )
         except EngineStartupError as e:
             raise CliError(f"the engine did not start: {str(e).splitlines()[0]} (see the log above)") from e
         return await _serve_http(cfg, sock, client, tokenizer, phases)
@@ -122,13 +125,7 @@ async def _serve_http(cfg: XllmConfig, sock: socket.socket, client: Any, tokeniz
         host, port = sock.getsockname()[:2]
         host = f"[{host}]" if ":" in host else host
         print(f"xllm serving {client.info.model_name} at http://{host}:{port}/v1", flush=True)
-    # If the engine dies the service stays up: readiness fails and requests get 503 with
-    # Retry-After, so a supervisor or load balancer sees it instead of connection errors.
-    engine_died = False
-    while not serving.done():
-        await asyncio.wait([serving], timeout=ENGINE_WATCH_INTERVAL_S)
-        if not client.is_alive and not engine_died:
-            print("xllm: error: the engine process died; answering 503 until restarted", file=sys.stderr)
-            engine_died = True
+    # A dead engine is restarted by its supervisor; meanwhile requests get 503 with Retry-After and
+    # /health fails. Should the supervisor give up, /health/live fails too and the exit code is 1.
     await serving
-    return 1 if engine_died else 0
+    return 1 if client.health == "failed" else 0

@@ -1,6 +1,7 @@
-"""Pure, I/O-free service policies over snapshots: routing and PD pairing."""
+"""Pure, I/O-free service policies over snapshots: routing, PD pairing, engine restarts."""
 
 from xservice.policies.pd import PDPair, PDPolicy
+from xservice.policies.restart import RestartPolicy
 from xservice.policies.routing import (
     DECODE_ROLES,
     PLAIN_ROLES,
@@ -24,6 +25,7 @@ __all__ = [
     "LeastLoadPolicy",
     "PDPair",
     "PDPolicy",
+    "RestartPolicy",
     "RoundRobinPolicy",
     "RouteRequest",
     "make_policy",

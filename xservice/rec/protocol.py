@@ -7,8 +7,10 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from xservice.request_model import RequestModel
 
-class _Request(BaseModel):
+
+class _Request(RequestModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 

@@ -46,7 +46,7 @@ async def rec_generate(
     top_k, num_items = _check_widths(body, ctx.config.scheduler.max_beam_width)
     if isinstance(body.prompt, list) and not body.prompt:
         raise InvalidRequestError("The prompt must not be empty.", param="prompt")
-    ((_, prompt_ids),) = completion_prompts(ctx.tokenizer, body.prompt, ctx.vocab_size)
+    ((_, prompt_ids),) = await completion_prompts(ctx, body.prompt)
     ctx.check_engine()
     info = await directory.get(ctx.engine_client, body.catalog)
     if len(prompt_ids) + info.item_len > ctx.max_model_len:

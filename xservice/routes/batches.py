@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from xservice.batch.lines import ENDPOINTS
 from xservice.batch.service import BatchService, found_or_404, get_batch_service, list_page
 from xservice.errors import InvalidRequestError, NotFoundError
+from xservice.request_model import RequestModel
 
 router = APIRouter()
 
@@ -17,7 +18,7 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_METADATA_KEYS = 16
 
 
-class CreateBatchRequest(BaseModel):
+class CreateBatchRequest(RequestModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     input_file_id: str

@@ -5,14 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from xservice.protocol import ChatCompletionRequest
+from xservice.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
 from xservice.serving.chat import create_chat_completion
 from xservice.serving.context import ServingContext, get_ctx
+from xservice.serving.sse_schema import stream_responses
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=stream_responses(ChatCompletionResponse, ChatCompletionChunk))
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, ctx: ServingContext = Depends(get_ctx)
 ) -> Response:

@@ -5,14 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from xservice.protocol import CompletionRequest
+from xservice.protocol import CompletionRequest, CompletionResponse
 from xservice.serving.completions import create_completion
 from xservice.serving.context import ServingContext, get_ctx
+from xservice.serving.sse_schema import stream_responses
 
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=stream_responses(CompletionResponse, CompletionResponse))
 async def completions(
     body: CompletionRequest, request: Request, ctx: ServingContext = Depends(get_ctx)
 ) -> Response:

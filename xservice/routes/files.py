@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import unicodedata
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse
@@ -15,9 +18,23 @@ from xservice.errors import InvalidRequestError, NotFoundError, RequestTooLargeE
 router = APIRouter()
 
 PURPOSES = ("batch",)
+# The form is parsed by hand (no python-multipart), so its schema is declared here for /openapi.json.
+UPLOAD_FORM = {
+    "type": "object",
+    "required": ["file", "purpose"],
+    "properties": {
+        "file": {"type": "string", "format": "binary", "description": "The JSONL file."},
+        "purpose": {"type": "string", "enum": list(PURPOSES)},
+    },
+}
 
 
-@router.post("/v1/files")
+@router.post(
+    "/v1/files",
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": UPLOAD_FORM}}}
+    },
+)
 async def create_file(request: Request, batch: BatchService = Depends(get_batch_service)) -> dict[str, Any]:
     form = parse_form(await request.body(), request.headers.get("content-type", ""))
     upload = form.get("file")
@@ -61,6 +78,23 @@ async def delete_file(file_id: str, batch: BatchService = Depends(get_batch_serv
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, batch: BatchService = Depends(get_batch_service)) -> FileResponse:
     obj = _file(batch, file_id)
+    disposition = content_disposition(obj["filename"])
     return FileResponse(
-        batch.store.file_path(file_id), media_type="application/jsonl", filename=obj["filename"]
+        batch.store.file_path(file_id),
+        media_type="application/jsonl",
+        headers={"Content-Disposition": disposition},
     )
+
+
+def content_disposition(filename: str) -> str:
+    """An ``attachment`` header for a user-chosen name: no path, quotes or control characters.
+
+    Non-ASCII names go in RFC 6266 ``filename*=UTF-8''...`` with an ASCII ``filename=`` fallback.
+    """
+    name = re.split(r"[/\\]", filename)[-1]
+    name = "".join(ch for ch in name if ch != '"' and unicodedata.category(ch) not in ("Cc", "Cf", "Cs"))
+    name = name.strip(" .") or "file"
+    fallback = "".join(ch if ch.isascii() else "_" for ch in name)
+    if fallback == name:
+        return f'attachment; filename="{name}"'
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(name, safe='')}"

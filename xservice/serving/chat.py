@@ -52,8 +52,10 @@ def _num_logprobs(body: ChatCompletionRequest) -> int | None:
     return top or 0
 
 
-def _generation(ctx: ServingContext, body: ChatCompletionRequest, req_id: str, arrival: float) -> Generation:
-    prompt_ids = chat_prompt_ids(ctx.tokenizer, body.messages, body.add_generation_prompt)
+async def _generation(
+    ctx: ServingContext, body: ChatCompletionRequest, req_id: str, arrival: float
+) -> Generation:
+    prompt_ids = await chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
     requested, param = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, param = body.max_tokens, "max_tokens"
@@ -78,7 +80,7 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     check_n(body.n, ctx.config.service.max_n)
     req_id = new_request_id("chatcmpl")
-    gen = _generation(ctx, body, req_id, arrival)
+    gen = await _generation(ctx, body, req_id, arrival)
     ticket = ctx.admit()
     if body.stream:
         return sse_response(_stream(ctx, body, gen), ticket, ctx.metrics)

@@ -46,9 +46,19 @@ class _ScoredOutputState(RequestOutputState):
         return super().process(delta)
 
 
+BEAM_ONLY_FIELDS = frozenset({"beam_width", "num_return_sequences", "length_penalty", "early_stopping"})
+
+
 def _resolve_beam_fields(body: CompletionRequest, max_beam_width: int) -> CompletionRequest:
     """Check the beam-search extras; ``num_return_sequences`` becomes ``n``."""
     if not body.use_beam_search:
+        defaults = {name: type(body).model_fields[name].default for name in BEAM_ONLY_FIELDS}
+        given = sorted(n for n in BEAM_ONLY_FIELDS & body.model_fields_set if getattr(body, n) != defaults[n])
+        if given:  # never silently ignored: they mean something only with beam search
+            raise InvalidRequestError(
+                f"'{given[0]}' applies only to beam search; set \"use_beam_search\": true or drop it.",
+                param=given[0],
+            )
         return body
     nrs = body.num_return_sequences
     if nrs is not None:
@@ -104,15 +114,11 @@ def _check_fields(body: CompletionRequest) -> None:
         raise InvalidRequestError("'suffix' is not supported by this model.", param="suffix")
 
 
-def _generations(
+async def _generations(
     ctx: ServingContext, body: CompletionRequest, req_id: str, arrival: float
 ) -> tuple[list[Generation], list[str]]:
     """One ``Generation`` per prompt, plus each prompt's text (for ``echo``)."""
-    prompts = completion_prompts(ctx.tokenizer, body.prompt, ctx.vocab_size)
-    if len(prompts) > MAX_PROMPTS:
-        raise InvalidRequestError(
-            f"At most {MAX_PROMPTS} prompts per request, got {len(prompts)}.", param="prompt"
-        )
+    prompts = await completion_prompts(ctx, body.prompt, max_prompts=MAX_PROMPTS)
     gens, texts = [], []
     for i, (text, ids) in enumerate(prompts):
         max_tokens = resolve_max_tokens(
@@ -133,7 +139,7 @@ def _generations(
             gen.state = _ScoredOutputState(gen.req_id, ctx.tokenizer, params, ids)
         gens.append(gen)
         if body.echo and text is None:
-            text = ctx.tokenizer.decode(ids, skip_special_tokens=False)
+            text = await ctx.text.decode(ids, skip_special_tokens=False)
         texts.append(text or "")
     return gens, texts
 
@@ -154,7 +160,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     check_n(body.n, ctx.config.service.max_n)
     _check_fields(body)
     req_id = new_request_id("cmpl")
-    gens, prompt_texts = _generations(ctx, body, req_id, arrival)
+    gens, prompt_texts = await _generations(ctx, body, req_id, arrival)
     ticket = ctx.admit()
     if body.stream:
         return sse_response(_stream(ctx, body, req_id, gens, prompt_texts), ticket, ctx.metrics)

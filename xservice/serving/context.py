@@ -14,6 +14,7 @@ from fastapi import Request
 from xservice.config import XllmConfig
 from xservice.errors import EngineUnavailableError, ModelNotFoundError, RateLimitError
 from xservice.metrics import ServiceMetrics
+from xservice.serving.text_workers import TextWorkers
 
 if TYPE_CHECKING:
     from xengine.api.text.tokenizer import Tokenizer
@@ -45,6 +46,14 @@ class ServingContext:
     metrics: ServiceMetrics
     num_inflight: int = 0
     _background: set[asyncio.Task] = field(default_factory=set)
+    text: TextWorkers = field(init=False)  # tokenizer work off the event loop; ``close()`` stops it
+
+    def __post_init__(self) -> None:
+        self.text = TextWorkers(self.tokenizer)
+
+    def close(self) -> None:
+        """Release what the context owns (the tokenizer workers); the engine client is not owned."""
+        self.text.close()
 
     @property
     def model_name(self) -> str:

@@ -19,6 +19,12 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from xengine.api.text.length_bound import max_token_chars
+
+# Decodes of at least this many ids go through ``decode_batch``, which releases the GIL (``decode``
+# holds it); below it ``decode`` is a little cheaper (the per-token incremental detokenizer).
+_GIL_FREE_DECODE_MIN_IDS = 1024
+
 
 def _token_content(value: Any) -> str | None:
     """A special token entry of tokenizer_config.json: a string, an AddedToken dict or null."""
@@ -75,6 +81,8 @@ class Tokenizer:
         add_bos_token: bool = False,
     ) -> None:
         self._tok = backend
+        # tokenizers >= 0.21; ``encode_batch`` also releases the GIL but is slower
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self.chat_template = chat_template
         self.special_tokens: dict[str, str | None] = dict(special_tokens or {})
         self.add_bos_token = add_bos_token
@@ -116,8 +124,12 @@ class Tokenizer:
         return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; with ``add_special_tokens`` the post-processor (and BOS) apply."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; with ``add_special_tokens`` the post-processor (and BOS) apply.
+
+        Releases the GIL while it tokenizes (``encode_batch_fast``; ``encode`` holds it and also
+        computes offsets), so a large text encoded on a worker thread does not stall other threads.
+        """
+        ids = self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]
@@ -125,7 +137,17 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid or incomplete UTF-8 byte sequences become U+FFFD."""
+        if len(ids) >= _GIL_FREE_DECODE_MIN_IDS:
+            return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of input text one token can cover; None when the tokenizer gives no such bound.
+
+        A text longer than ``n * max_token_chars`` characters has more than ``n`` tokens.
+        """
+        return max_token_chars(self._tok)
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         """Vocabulary strings of ``ids`` (byte-level symbols for BPE), None for unknown ids."""

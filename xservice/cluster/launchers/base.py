@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import dataclass
 
 from xengine.api.config import EngineConfig
+from xengine.api.security import ClusterKey, env_with_key
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class InstanceSpec:
     host: str = "127.0.0.1"
     lease_ttl_s: float = 3.0
     heartbeat_interval_s: float = 0.5
+    key: ClusterKey | None = None  # handed to the engine in its environment; None: --no-auth
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        """The engine process's environment: ``base`` plus the cluster key."""
+        return env_with_key(base, self.key)
 
     def command_args(self, parent_pid: int | None) -> list[str]:
         """Arguments after ``python -m xengine.engine_server``."""
@@ -38,6 +44,7 @@ class InstanceSpec:
             "--lease-ttl-s", str(self.lease_ttl_s),
             "--heartbeat-interval-s", str(self.heartbeat_interval_s),
         ]  # fmt: skip
+        args += ["--no-auth"] if self.key is None else []
         return args + (["--parent-pid", str(parent_pid)] if parent_pid is not None else [])
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec, stop_process
-from xservice.engine_client import child_env
+from xservice.engine_process import child_env
 
 
 class LocalHandle(InstanceHandle):
@@ -36,6 +36,8 @@ class LocalLauncher(BaseLauncher):
     def launch(self, spec: InstanceSpec) -> LocalHandle:
         cmd = [sys.executable, "-m", "xengine.engine_server", *spec.command_args(os.getpid())]
         # Own session: the terminal's Ctrl-C goes to the service, which stops the engines.
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=child_env(), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, env=spec.env(child_env()), start_new_session=True
+        )
         handle = self.handles[spec.name] = LocalHandle(spec.name, proc)
         return handle

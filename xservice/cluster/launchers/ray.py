@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec, stop_process
-from xservice.engine_client import child_env
+from xservice.engine_process import child_env
 
 RAY_CALL_TIMEOUT_S = 30.0
 
@@ -84,7 +84,7 @@ class RayLauncher(BaseLauncher):
         self._actor_cls = ray.remote(num_cpus=0)(EngineHost)
 
     def launch(self, spec: InstanceSpec) -> RayHandle:
-        actor = self._actor_cls.remote(spec.command_args(None), child_env())
+        actor = self._actor_cls.remote(spec.command_args(None), spec.env(child_env()))
         handle = self.handles[spec.name] = RayHandle(spec.name, actor)
         return handle
 

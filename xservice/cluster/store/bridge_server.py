@@ -14,16 +14,23 @@ import zmq.asyncio
 
 from xengine.api.cluster.store.base import BaseMetadataStore
 from xengine.api.cluster.store.bridge import StoreCall, StoreReply
+from xengine.api.security import ClusterKey, ZapGuard, secure_server
 
 
 class StoreBridgeServer:
-    """Serves ``store`` on a ROUTER socket bound to ``addr`` (``tcp://127.0.0.1:0`` picks a port)."""
+    """Serves ``store`` on a ROUTER socket bound to ``addr`` (``tcp://127.0.0.1:0`` picks a port); with
+    ``key``, only clients holding the cluster key get through the CURVE handshake."""
 
-    def __init__(self, store: BaseMetadataStore, addr: str = "tcp://127.0.0.1:0") -> None:
+    def __init__(
+        self, store: BaseMetadataStore, addr: str = "tcp://127.0.0.1:0", key: ClusterKey | None = None
+    ) -> None:
         self._store = store
         self._ctx = zmq.asyncio.Context()
+        self._guard = ZapGuard(self._ctx, key) if key is not None else None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if key is not None:
+            secure_server(self._sock, key)
         self._sock.bind(addr)
         self.addr = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._task = asyncio.get_running_loop().create_task(self._serve())
@@ -61,4 +68,6 @@ class StoreBridgeServer:
     async def close(self) -> None:
         self._task.cancel()
         self._sock.close(linger=0)
+        if self._guard is not None:
+            self._guard.stop()
         self._ctx.term()

@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from xengine.api.cluster.store.base import BaseMetadataStore, StoreUnavailableError, WatchEvent
+from xengine.api.security import ClusterKey, secure_client
 
 CALL_TIMEOUT_S = 2.0
 
@@ -38,8 +39,9 @@ class StoreReply(msgspec.Struct, kw_only=True):
 class BridgeStoreClient(BaseMetadataStore):
     """Client of a ``StoreBridgeServer`` (no watch, no prefix reads: those stay in the service)."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, key: ClusterKey | None = None) -> None:
         self._addr = addr
+        self._key = key
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._lock = asyncio.Lock()
@@ -51,6 +53,8 @@ class BridgeStoreClient(BaseMetadataStore):
             if self._sock is None:
                 self._sock = self._ctx.socket(zmq.REQ)
                 self._sock.setsockopt(zmq.LINGER, 0)
+                if self._key is not None:
+                    secure_client(self._sock, self._key)
                 self._sock.connect(self._addr)
             await self._sock.send(self._encoder.encode(call))
             if not await self._sock.poll(int(CALL_TIMEOUT_S * 1000)):

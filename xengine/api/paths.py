@@ -1,0 +1,21 @@
+"""Where xllm keeps its files by default: ``$XLLM_CACHE_DIR``, else ``~/.cache/xllm`` (torch-free)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """The root of xllm's cached files (default model, batch store, cluster key)."""
+    return Path(os.environ.get("XLLM_CACHE_DIR") or Path.home() / ".cache" / "xllm")
+
+
+def default_model_dir() -> Path:
+    """Where the embedded default model (``xllm serve`` without ``--model``) lives."""
+    return cache_dir() / "models" / "default-qwen3-small"
+
+
+def default_cluster_key_file() -> Path:
+    """The cluster key shared by ``xllm engine`` and ``xllm serve`` in attach mode (mode 0600)."""
+    return cache_dir() / "cluster.key"

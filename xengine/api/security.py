@@ -1,0 +1,168 @@
+"""Authentication of the internal ZMQ planes: ZMQ CURVE with one per-cluster key.
+
+Threat model (``docs/security.md``): anything that can reach an engine's ZMQ ports or the embedded
+store's bridge port — another local user, a process of another uid, a host on the network when
+``cluster.engine_host`` is not loopback — is untrusted. Processes of the serving user (who can read
+the key file, or ptrace the service) and root are trusted.
+
+Every engine binds its command (PULL) and output (PUSH) sockets as CURVE servers, the service's
+embedded-store bridge its ROUTER socket likewise, and each runs a ZAP handler that admits only
+clients proving possession of the cluster's secret key (CURVE authenticates the client's public key,
+and only the cluster key's public half is allowed). A peer without the key never completes the
+handshake: it can neither send a frame nor receive one (so it cannot take a share of a PUSH
+socket's output either). Traffic is encrypted too.
+
+The key is a CURVE secret key (z85). Its public half is derived from it and never needs to be
+published. It comes from, in order: ``XLLM_CLUSTER_KEY`` (how the service hands an ephemeral key
+to the engines it launches), or a key file of mode 0600 (``cluster.auth_key_file``; shared by
+``xllm engine`` and ``xllm serve`` in attach mode, created on first use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+ENV_KEY = "XLLM_CLUSTER_KEY"
+_HEADER = "xllm-cluster-key-v1"
+
+
+class ClusterKeyError(ValueError):
+    """The cluster key is missing, malformed or not private; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ClusterKey:
+    """A CURVE key pair; ``secret`` is the z85 secret key (40 ASCII bytes)."""
+
+    secret: bytes
+
+    @property
+    def public(self) -> bytes:
+        return zmq.curve_public(self.secret)
+
+    @classmethod
+    def generate(cls) -> ClusterKey:
+        return cls(zmq.curve_keypair()[1])
+
+    def to_text(self) -> str:
+        return f"{_HEADER} {self.secret.decode()}\n"
+
+    @classmethod
+    def from_text(cls, text: str, where: str) -> ClusterKey:
+        parts = text.split()
+        if len(parts) != 2 or parts[0] != _HEADER or len(parts[1]) != 40:
+            raise ClusterKeyError(
+                f"{where}: not an xllm cluster key (expected '{_HEADER} <40 z85 characters>')"
+            )
+        try:
+            key = cls(parts[1].encode("ascii"))
+            key.public  # noqa: B018 - validates the z85 text
+        except (UnicodeError, ValueError, zmq.ZMQError) as e:
+            raise ClusterKeyError(f"{where}: malformed cluster key ({e})") from None
+        return key
+
+
+def read_key_file(path: str | Path) -> ClusterKey:
+    """The key in ``path``; refuses a file that group or others may read or write."""
+    path = Path(path).expanduser()
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ClusterKeyError(f"cluster key file {str(path)!r} not found") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ClusterKeyError(
+            f"cluster key file {str(path)!r} is accessible by group/others (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"run: chmod 600 {path}"
+        )
+    return ClusterKey.from_text(path.read_text(), str(path))
+
+
+def write_key_file(path: str | Path, key: ClusterKey) -> bool:
+    """Create ``path`` (mode 0600) holding ``key``; False when it already exists (not overwritten)."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(key.to_text())
+    return True
+
+
+def load_or_create_key_file(path: str | Path) -> ClusterKey:
+    """The key in ``path``, generating one there first when the file does not exist."""
+    write_key_file(path, ClusterKey.generate())
+    return read_key_file(path)
+
+
+def take_env_key() -> ClusterKey | None:
+    """The key handed over in ``XLLM_CLUSTER_KEY`` (removed from the environment once read)."""
+    text = os.environ.pop(ENV_KEY, None)
+    return None if not text else ClusterKey.from_text(text, ENV_KEY)
+
+
+def env_with_key(env: dict[str, str], key: ClusterKey | None) -> dict[str, str]:
+    """``env`` plus the key for a child engine process (None: unchanged)."""
+    return env if key is None else {**env, ENV_KEY: key.to_text().strip()}
+
+
+def secure_server(sock: zmq.Socket, key: ClusterKey) -> None:
+    """Make ``sock`` (before bind) a CURVE server with the cluster key."""
+    sock.curve_secretkey = key.secret
+    sock.curve_publickey = key.public
+    sock.curve_server = True
+
+
+def secure_client(sock: zmq.Socket, key: ClusterKey) -> None:
+    """Make ``sock`` (before connect) a CURVE client authenticating with the cluster key."""
+    sock.curve_serverkey = key.public
+    sock.curve_publickey = key.public
+    sock.curve_secretkey = key.secret
+
+
+class _AllowClusterKey:
+    """ZAP credentials provider: admit exactly the cluster key's public half."""
+
+    def __init__(self, key: ClusterKey) -> None:
+        self._public = key.public
+        self.num_denied = 0
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        ok = client_key == self._public
+        self.num_denied += not ok
+        return ok
+
+
+class ZapGuard:
+    """The ZAP handler of one ZMQ context: admits only cluster-key clients on its CURVE servers."""
+
+    def __init__(self, ctx: zmq.Context, key: ClusterKey) -> None:
+        self._check = _AllowClusterKey(key)
+        if isinstance(ctx, zmq.asyncio.Context):
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            self._auth: Any = AsyncioAuthenticator(ctx)
+        else:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(ctx)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=self._check)
+
+    @property
+    def num_denied(self) -> int:
+        """Handshakes refused so far (peers without the cluster key)."""
+        return self._check.num_denied
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._auth.stop()
