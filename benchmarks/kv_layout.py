@@ -31,14 +31,18 @@ LAYOUTS = ("paged", "xtensor")
 def _engine(model_dir: str, layout: str, batch: int, max_len: int, num_threads: int, block_size: int | None):
     from xengine.engine import Engine
     from xengine.llm import engine_config
+    from xengine.models.info import read_model_info
 
-    blocks_per_seq = -(-max_len // (block_size or 16)) + 2
+    info = read_model_info(model_dir)
+    token_bytes = 2 * info.num_layers * info.num_kv_heads * info.head_dim * 4  # float32 K and V
+    # a pool of B sequences of max_len tokens, plus two of the largest blocks each (rounding, look-ahead)
+    pool_gb = batch * (max_len + 2 * 128) * token_bytes / 2**30
     config = engine_config(
         model_dir,
         dtype="float32",
         kv_layout=layout,
         block_size=block_size,
-        num_blocks=batch * blocks_per_seq + 8,
+        kv_cache_memory_gb=pool_gb,
         max_model_len=max_len,
         max_num_seqs=max(batch, 1),
         max_num_batched_tokens=max(2048, batch),
@@ -139,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default="qwen3")
     p.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--contexts", type=int, nargs="+", default=[160, 1024, 4096])
+    p.add_argument("--contexts", type=int, nargs="+", default=[160, 1024, 4000])  # 4k: inside 4096 positions
     p.add_argument("--steps", type=int, default=10, help="decode steps measured (median)")
     p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
     p.add_argument("--block-size", type=int, default=None, help="default: each layout's own default")

@@ -55,6 +55,8 @@ def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: ar
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         kv_layout=args.kv_layout,
+        graph_mode=args.graph_mode,
+        async_scheduling=args.async_scheduling,
     )
     out: dict = {}
     llm = eng.make_llm(model_dir, enable_prefix_caching=True)
@@ -113,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "paged", "xtensor"],
         help="xllm's KV layout (cache.kv_layout)",
     )
+    p.add_argument(
+        "--graph-mode",
+        default="auto",
+        choices=["auto", "eager", "partial", "full"],
+        help="execution.graph_mode",
+    )
+    p.add_argument("--async-scheduling", action="store_true", help="execution.async_scheduling on")
     p.add_argument("--seed", type=int, default=0)
     for name in ("xllm", "hf", "vllm", "eta", "prefix"):
         p.add_argument(f"--no-{name}", action="store_true", help=f"skip the {name} section")

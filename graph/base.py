@@ -1,59 +1,102 @@
-"""``GraphRunner`` ABC: capture(sizes) / can_replay(batch) / replay(batch); eager by default.
+"""``GraphRunner`` ABC: ``capture(sizes)`` / ``can_replay(num_tokens)`` / ``replay(...)``; eager by default.
 
-Platforms register their graph runner (CUDA graphs, NPU ACLGraph, partial-graph mode) in
-``create_graph_runner``; the CPU platform runs eagerly.
+A graph runner runs the model's token work (``forward_tokens(input_ids, positions)``) for a step whose
+attention context is already set (``graph/forward_context.py``). ``create_graph_runner`` picks one by
+mode and platform from a registry that backends add to lazily: ``partial`` (everything but attention
+compiled per token-count bucket, ``graph/partial.py``: inductor's C++ kernels on CPU, Triton on CUDA),
+and ``full`` where a platform registers whole-step device graphs.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class GraphStats:
+    mode: str
+    buckets: list[int] = field(default_factory=list)
+    capture_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds to compile / capture it
+    num_compiles: int = 0  # graphs built since start (one per bucket after warm-up)
+    num_recompiles_after_warmup: int = 0  # should stay 0: a new shape or a failed guard
+    num_replays: int = 0
+    num_eager_steps: int = 0  # steps larger than the largest bucket
+
 
 class GraphRunner(ABC):
-    def __init__(self, forward: Callable[..., torch.Tensor]) -> None:
+    mode = "eager"
+
+    def __init__(self, forward: Forward) -> None:
         self.forward = forward
+        self.stats = GraphStats(self.mode)
 
     @abstractmethod
-    def capture(self, sizes: list[int]) -> None:
-        """Record the forward for these token counts (no-op for eager)."""
+    def capture(self, sizes: list[int], device: torch.device) -> None:
+        """Build the graphs for these token counts on ``device`` (no-op for eager)."""
 
     @abstractmethod
-    def can_replay(self, num_tokens: int, is_all_decode: bool) -> bool: ...
+    def can_replay(self, num_tokens: int) -> bool: ...
 
     @abstractmethod
-    def replay(self, *args: Any) -> torch.Tensor: ...
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
-    def run(self, num_tokens: int, is_all_decode: bool, *args: Any) -> torch.Tensor:
-        if self.can_replay(num_tokens, is_all_decode):
-            return self.replay(*args)
-        return self.forward(*args)
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.can_replay(input_ids.shape[0]):
+            self.stats.num_replays += 1
+            return self.replay(input_ids, positions)
+        self.stats.num_eager_steps += 1
+        return self.forward(input_ids, positions)
 
 
 class EagerGraphRunner(GraphRunner):
-    """Runs the forward as-is every time (the CPU backend and the reference)."""
+    """Runs the forward as-is every time (the reference)."""
 
-    def capture(self, sizes: list[int]) -> None:
+    def capture(self, sizes: list[int], device: torch.device) -> None:
         return None
 
-    def can_replay(self, num_tokens: int, is_all_decode: bool) -> bool:
+    def can_replay(self, num_tokens: int) -> bool:
         return False
 
-    def replay(self, *args: Any) -> torch.Tensor:
-        return self.forward(*args)
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.forward(input_ids, positions)
 
 
-_FACTORIES: dict[str, Callable[[Callable[..., torch.Tensor]], GraphRunner]] = {}
+# (mode, platform) -> "module:Class"; "*" matches any platform. Modules are imported on first use.
+# "full" (whole-step device graphs) needs an attention backend that reads its metadata from static
+# device buffers; none is registered yet, so no platform offers it.
+_RUNNERS: dict[tuple[str, str], str] = {
+    ("partial", "*"): "graph.partial:PartialGraphRunner",
+}
 
 
-def register_graph_runner(
-    platform_name: str, factory: Callable[[Callable[..., torch.Tensor]], GraphRunner]
-) -> None:
-    _FACTORIES[platform_name] = factory
+def register_graph_runner(mode: str, platform_name: str, target: str) -> None:
+    """Register ``"module:Class"`` (a ``GraphRunner`` taking the forward) for ``mode`` on a platform."""
+    _RUNNERS[(mode, platform_name)] = target
 
 
-def create_graph_runner(platform_name: str, forward: Callable[..., torch.Tensor]) -> GraphRunner:
-    return _FACTORIES.get(platform_name, EagerGraphRunner)(forward)
+def graph_modes(platform_name: str) -> list[str]:
+    """The modes available on a platform."""
+    return ["eager"] + sorted({m for (m, p) in _RUNNERS if p in (platform_name, "*")})
+
+
+def create_graph_runner(mode: str, platform_name: str, forward: Forward) -> GraphRunner:
+    """The graph runner of ``mode`` for ``platform_name``; ``ValueError`` when the platform lacks it."""
+    if mode == "eager":
+        return EagerGraphRunner(forward)
+    target = _RUNNERS.get((mode, platform_name)) or _RUNNERS.get((mode, "*"))
+    if target is None:
+        raise ValueError(
+            f"graph mode {mode!r} is not available on {platform_name}; choose one of "
+            f"{', '.join(graph_modes(platform_name))}"
+        )
+    module, _, name = target.partition(":")
+    cls: Any = getattr(importlib.import_module(module), name)
+    return cls(forward)

@@ -50,6 +50,7 @@ class KVCacheManager:
             RadixPrefixCache(self.pool, block_size) if enable_prefix_caching else None
         )
         self.block_tables: dict[str, list[int]] = {}
+        self._needed: dict[str, int] = {}  # blocks each request's tokens need (the rest: look-ahead)
         self._num_cached_blocks: dict[str, int] = {}  # blocks of a request already in the cache
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
 
@@ -81,27 +82,49 @@ class KVCacheManager:
     def allocate_slots(
         self, req_id: str, num_total_tokens: int, prefix: ComputedPrefix | None = None
     ) -> bool:
-        """Make the request's block table cover ``num_total_tokens`` tokens. All or nothing."""
+        """Make the request's block table cover ``num_total_tokens`` tokens. All or nothing.
+
+        With ``lookahead_blocks``, up to that many more blocks come along while the pool has room to
+        spare; they are given back (``_reclaim_lookahead``) as soon as another request needs them."""
         table = self.block_tables.get(req_id, [])
         new_prefix = prefix.block_ids if prefix and not table else []
         # prefix blocks that sit in the free queue are taken out of it by touch()
         num_reclaimed = sum(1 for b in new_prefix if self.pool.ref_cnt[b] == 0)
-        num_new = self.blocks_needed(num_total_tokens) - len(table) - len(new_prefix)
-        if max(num_new, 0) + num_reclaimed > self.pool.num_free_blocks:
+        need = self.blocks_needed(num_total_tokens)
+        num_new = need - len(table) - len(new_prefix)
+        deficit = max(num_new, 0) + num_reclaimed - self.pool.num_free_blocks
+        if deficit > 0 and not self._reclaim_lookahead(deficit, exclude=req_id):
             return False
         if new_prefix:
             assert self.prefix_cache is not None
             self.prefix_cache.lock(new_prefix)
             table = list(new_prefix)
             self._num_cached_blocks[req_id] = len(new_prefix)
-        need = len(table) + max(num_new, 0)
-        if self.lookahead_blocks:  # up to lookahead_blocks past what is needed, if the pool has them
-            ahead = self.blocks_needed(num_total_tokens) + self.lookahead_blocks - need
-            num_new = max(num_new, 0) + max(0, min(ahead, self.pool.num_free_blocks - max(num_new, 0)))
+        num_new = max(num_new, 0)
+        if self.lookahead_blocks:
+            # only from spare room: never take what the pool keeps for one block per running request
+            spare = self.pool.num_free_blocks - num_new - len(self.block_tables)
+            num_new += max(0, min(need + self.lookahead_blocks - len(table) - num_new, spare))
         if num_new > 0:
             table = table + self._allocate(req_id, len(table), num_new)
         self.block_tables[req_id] = table
+        self._needed[req_id] = need
         return True
+
+    def _reclaim_lookahead(self, num: int, exclude: str) -> bool:
+        """Free up to ``num`` look-ahead blocks (past what their request needs) of other requests;
+        True when ``num`` were freed."""
+        for req_id, table in self.block_tables.items():
+            if num <= 0:
+                break
+            extra = len(table) - self._needed.get(req_id, len(table))
+            if req_id == exclude or extra <= 0:
+                continue
+            take = min(extra, num)
+            self.pool.free(list(reversed(table[-take:])))
+            del table[-take:]
+            num -= take
+        return num <= 0
 
     def _allocate(self, seq_id: str, first: int, num: int) -> list[int]:
         prefer = self.placement.preferred_blocks(seq_id, first, num) if self.placement is not None else ()
@@ -123,6 +146,7 @@ class KVCacheManager:
         """Release every block of the request (tail first, so prefixes outlive their suffixes)."""
         table = self.block_tables.pop(req_id, None)
         self._num_cached_blocks.pop(req_id, None)
+        self._needed.pop(req_id, None)
         if table:
             self.pool.free(list(reversed(table)))
         if self.placement is not None:
@@ -137,7 +161,7 @@ class KVCacheManager:
         table = self.block_tables[parent_id][: self.blocks_needed(num_tokens)]
         partial = num_tokens % self.block_size != 0
         shared = table[:-1] if partial else table
-        if partial and self.pool.num_free_blocks < 1:
+        if partial and self.pool.num_free_blocks < 1 and not self._reclaim_lookahead(1, exclude=parent_id):
             return False
         self.pool.touch(shared)
         child = list(shared)
@@ -146,6 +170,7 @@ class KVCacheManager:
             self.pending_copies.append((table[-1], dst))
             child.append(dst)
         self.block_tables[child_id] = child
+        self._needed[child_id] = len(child)
         self._num_cached_blocks[child_id] = min(self._num_cached_blocks.get(parent_id, 0), len(shared))
         return True
 

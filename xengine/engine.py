@@ -20,6 +20,7 @@ from xengine.api.messages import (
     CompletionDelta,
     EngineInfo,
     EngineStats,
+    GraphStatsMsg,
     KVExportInfo,
     KVImportResult,
     XTensorStatsMsg,
@@ -30,6 +31,7 @@ from xengine.kv_transfer import KVTransferManager
 from xengine.loader import load_model
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
 from xengine.models.registry import get_model_class
+from xengine.pipeline import StepPipeline
 from xengine.request import PRIORITY_RANK, Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.plan import ScheduledSeq, SchedulePlan, StepOutput
@@ -72,6 +74,7 @@ class StepTiming:
     forward_s: float  # model forward + logits only
     num_seqs: int
     num_tokens: int
+    host_s: float | None = None  # async: engine-thread time of the step, waiting excluded
 
 
 class Engine:
@@ -90,8 +93,11 @@ class Engine:
         device = self.platform.torch_device()
         self.model = load_model(model_dir, self.dtype, device)
         max_len = config.model.max_model_len or min(info.max_position_embeddings, _MAX_DEFAULT_LEN)
+        caps, execution = self.platform.capabilities, config.execution
+        self.graph_mode = caps.default_graph_mode if execution.graph_mode == "auto" else execution.graph_mode
+        self.async_scheduling = execution.async_enabled(caps.default_async_scheduling)
         kv = self.kv_setup = build_kv(
-            config.cache, config.scheduler, info, self.dtype, self.platform, max_len
+            config.cache, config.scheduler, info, self.dtype, self.platform, max_len, self.async_scheduling
         )
         spec, kv_caches, num_blocks = kv.spec, kv.kv_caches, kv.manager.pool.num_blocks
         self.max_model_len, self._len_limit = kv.max_model_len, kv.len_limit
@@ -106,8 +112,17 @@ class Engine:
             info.eos_token_ids,
             config.model.seed,
             max_model_len=self.max_model_len,
+            graph_mode=self.graph_mode,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, info.eos_token_ids)
+        self.runner.capture_graphs(config.execution.buckets())
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv,
+            self.max_model_len,
+            info.eos_token_ids,
+            async_mode=self.async_scheduling,
+        )
+        self.pipeline = StepPipeline(self) if self.async_scheduling else None
         self.kv_transfer = KVTransferManager(  # PD: Mooncake agent on first use
             self.kv, kv_caches, spec, port_range=config.cache.transfer_ports()
         )
@@ -215,10 +230,13 @@ class Engine:
         self.scheduler.abort(req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.scheduler.updated)
+        busy = self.pipeline is not None and self.pipeline.busy
+        return self.scheduler.has_unfinished() or bool(self.scheduler.updated) or busy
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[CompletionDelta]:
+        if self.pipeline is not None:
+            return self._step_async(self.pipeline)
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if self.kv_transfer.num_pins:
@@ -239,13 +257,31 @@ class Engine:
         )
         return deltas
 
-    def _execute(self, plan: SchedulePlan) -> tuple[SchedulePlan, StepOutput]:
+    def _step_async(self, pipeline: StepPipeline) -> list[CompletionDelta]:
+        t0 = time.perf_counter()
+        plan, deltas = pipeline.step()
+        if self.kv_transfer.num_pins:
+            self.kv_transfer.release_admitted(self.kv.block_tables)
+        if not plan.is_empty:
+            self.num_steps += 1
+        elif pipeline.head_stuck and self.scheduler.waiting:
+            self.scheduler.fail(self.scheduler.waiting[0], "length")  # as in step(): never fits
+            deltas += self._collect_deltas()
+        timing = pipeline.last_timing
+        self.last_step_timing = StepTiming(
+            time.perf_counter() - t0, timing.forward_s, len(plan.seqs), plan.num_batched_tokens, timing.host_s
+        )
+        return deltas
+
+    def _execute(self, plan: SchedulePlan, failed_once: bool = False) -> tuple[SchedulePlan, StepOutput]:
         """Run ``plan``. If the forward raises, run each request of it alone and fail (finish_reason
         "error") those that raise again, so one bad request does not take its batch or the engine
         down. Returns the part of ``plan`` that ran and its output, for ``scheduler.update``.
         Raises ``EngineBrokenError`` after ``MAX_CONSECUTIVE_FAILED_STEPS`` steps that failed for
         every request."""
         try:
+            if failed_once:  # (it already raised as a whole, on the async worker)
+                raise RuntimeError("the step failed on the async worker")
             out = self.runner.execute(plan)
         except Exception:  # noqa: BLE001 - isolated below; re-raised if the engine itself is broken
             logger.exception("step failed for %d sequence(s); retrying each request alone", len(plan.seqs))
@@ -339,6 +375,8 @@ class Engine:
             num_kv_bytes_imported=self.kv_transfer.num_bytes_imported,
             kv_layout=self.kv_setup.layout_name,
             xtensor=self._xtensor_stats(),
+            async_scheduling=self.async_scheduling,
+            graph=GraphStatsMsg(**dataclasses.asdict(self.runner.graph.stats)),
         )
 
     def _xtensor_stats(self) -> XTensorStatsMsg | None:

@@ -52,8 +52,10 @@ def build_kv(
     dtype: torch.dtype,
     platform: Platform,
     max_len: int,
+    async_scheduling: bool = False,
 ) -> KVSetup:
-    """Allocate the KV memory for a model that needs at most ``max_len`` tokens per sequence."""
+    """Allocate the KV memory for a model that needs at most ``max_len`` tokens per sequence
+    (``async_scheduling``: a step may run while the next is prepared)."""
     name = resolve_layout(cache.kv_layout, platform)
     if cache.block_size is not None:
         sizes: tuple[int, ...] = (cache.block_size,)
@@ -65,7 +67,12 @@ def build_kv(
         max_model_len, limit = _max_model_len(scheduler, spec, num_blocks, max_len)
         layout: BaseKVLayout = PagedKVLayout()
         if name == "xtensor":
-            layout = XTensorKVLayout(platform.vmm(), max_model_len, slots_per_chunk=scheduler.max_num_seqs)
+            layout = XTensorKVLayout(
+                platform.vmm(),
+                max_model_len,
+                slots_per_chunk=scheduler.max_num_seqs,
+                defer_slot_reuse=async_scheduling,
+            )
         try:
             kv_caches = layout.allocate(spec, num_blocks, platform.torch_device())
         except ValueError:

@@ -249,6 +249,8 @@ def engine_config(model: str, **fields: Any) -> EngineConfig:
         for f in dataclasses.fields(getattr(defaults, sec.name))
     }
     for name, value in fields.items():
+        if name == "async_scheduling" and isinstance(value, bool):
+            value = "on" if value else "off"
         if name not in owners or name == "model":
             raise TypeError(f"LLM() got an unknown engine field {name!r}; valid: {', '.join(sorted(owners))}")
         sections.setdefault(owners[name], {})[name] = value

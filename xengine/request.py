@@ -40,6 +40,7 @@ class Request:
     error: str | None = None  # why it failed (finish_reason "error")
     num_preemptions: int = 0
     admitted_once: bool = False
+    num_placeholders: int = 0  # async scheduling: output tokens of steps still in flight
     # beam search results only (set on the per-sequence outputs of a finished beam group)
     beam_score: float | None = None
     cumulative_logprob: float | None = None

@@ -19,6 +19,7 @@ from xengine.api.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    ExecutionConfig,
     ModelConfig,
     SchedulerConfig,
     _f,
@@ -160,12 +161,19 @@ class XllmConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def engine(self) -> EngineConfig:
-        return EngineConfig(model=self.model, cache=self.cache, scheduler=self.scheduler, device=self.device)
+        return EngineConfig(
+            model=self.model,
+            cache=self.cache,
+            scheduler=self.scheduler,
+            device=self.device,
+            execution=self.execution,
+        )
 
     def validate(self) -> None:
         self.service.validate()
@@ -180,6 +188,7 @@ _SECTIONS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "device": DeviceConfig,
+    "execution": ExecutionConfig,
     "batch": BatchConfig,
     "cluster": ClusterConfig,
 }

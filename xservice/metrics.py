@@ -96,6 +96,14 @@ class ServiceMetrics:
             ["op"],
             registry=r,
         )
+        self.graph_recompiles = Gauge(
+            "xllm_graph_recompiles_after_warmup",
+            "Graph compilations after start-up (should stay 0).",
+            registry=r,
+        )
+        self.graph_replays = Gauge(
+            "xllm_graph_replays", "Engine steps run through a captured graph.", registry=r
+        )
         self.success = Counter(
             "xllm_request_success_total",
             "Finished sequences by finish reason.",
@@ -124,6 +132,9 @@ class ServiceMetrics:
         self.kv_usage.set(stats.kv_usage)
         self.kv_free_blocks.set(stats.num_free_blocks)
         self.num_preemptions.set(stats.num_preemptions)
+        if stats.graph is not None:
+            self.graph_recompiles.set(stats.graph.num_recompiles_after_warmup)
+            self.graph_replays.set(stats.graph.num_replays)
         if stats.xtensor is not None:
             xt = stats.xtensor
             for state in ("free", "allocated", "mapped", "reusable"):

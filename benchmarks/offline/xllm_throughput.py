@@ -18,6 +18,8 @@ class EngineArgs:
     num_blocks: int | None = None
     num_threads: int | None = None
     kv_layout: str = "auto"
+    graph_mode: str = "auto"
+    async_scheduling: bool = False
 
     def make_llm(self, model_dir: str, **overrides: Any) -> Any:
         """Build ``xengine.llm.LLM`` on ``model_dir`` in float32 with these arguments."""
@@ -32,6 +34,8 @@ class EngineArgs:
             num_blocks=self.num_blocks,
             num_threads=self.num_threads,
             kv_layout=self.kv_layout,
+            graph_mode=self.graph_mode,
+            async_scheduling=self.async_scheduling,
         )
         return LLM(model=model_dir, **(kwargs | overrides))
 

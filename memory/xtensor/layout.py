@@ -35,8 +35,13 @@ from ops.platforms.vmm import BaseVMM, PhysicalPages, VirtualRange
 
 
 class XTensorKVLayout(PagedKVLayout):
-    def __init__(self, vmm: BaseVMM, max_model_len: int, slots_per_chunk: int = 64) -> None:
+    def __init__(
+        self, vmm: BaseVMM, max_model_len: int, slots_per_chunk: int = 64, defer_slot_reuse: bool = False
+    ) -> None:
+        """``defer_slot_reuse``: async scheduling, where a step may still read a slot released while
+        the next one is scheduled: such a slot is not remapped until that step finished."""
         self.vmm = vmm
+        self.defer_slot_reuse = defer_slot_reuse
         self.max_model_len = max_model_len
         self.slots_per_chunk = slots_per_chunk
         self.mapper = PageMapper()
@@ -69,7 +74,7 @@ class XTensorKVLayout(PagedKVLayout):
         shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         kv_caches = [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(spec.num_layers)]
         self.caches = [ContiguousKV(c, [], [], self.slots_per_chunk) for c in kv_caches]
-        self.slots = SlotTable(self.slots_per_chunk, self.positions)
+        self.slots = SlotTable(self.slots_per_chunk, self.positions, self.defer_slot_reuse)
         self.num_mappings = [0] * num_blocks  # slot positions mapping each block
         self.num_live_mappings = 0
         return kv_caches
@@ -136,6 +141,7 @@ class XTensorKVLayout(PagedKVLayout):
         Pages the step reads are mapped before this returns; pages past them (look-ahead blocks) are
         mapped on the mapper thread while the step runs."""
         self.mapper.wait()  # the previous step's look-ahead
+        self.slots.next_step()
         now: list[MapCall] = []
         ahead: list[MapCall] = []
         slots = []
@@ -156,8 +162,9 @@ class XTensorKVLayout(PagedKVLayout):
         synced = self.slots.synced[slot]
         if synced > len(table) or mapped[:synced] != table[:synced]:
             synced = 0  # the table changed under us (never expected; stay correct anyway)
-        if len(table) > self.positions:
-            raise ValueError(f"a sequence holds {len(table)} blocks, its slot has {self.positions}")
+        if needed > self.positions:
+            raise ValueError(f"a sequence needs {needed} blocks, its slot has {self.positions}")
+        table = table[: self.positions]  # a look-ahead block past max_model_len is never read
         j = synced
         while j < len(table):
             if mapped[j] == table[j]:
@@ -210,7 +217,7 @@ class XTensorKVLayout(PagedKVLayout):
         for slot in reversed(range(self.slots.num_slots)):
             if self.num_live_mappings <= self._budget:
                 return
-            if self.slots.owner[slot] is None:
+            if self.slots.is_free(slot):
                 self.unmap_slot(slot)
         if self.num_live_mappings > self._budget:
             raise MemoryError(

@@ -14,7 +14,13 @@ UNMAPPED = -1
 
 
 class SlotTable:
-    def __init__(self, slots_per_chunk: int, positions_per_slot: int) -> None:
+    """With ``defer_reuse`` (async scheduling), a slot released while a step may still read it is
+    handed out again only two ``next_step()`` calls later, once that step surely finished."""
+
+    def __init__(self, slots_per_chunk: int, positions_per_slot: int, defer_reuse: bool = False) -> None:
+        self.defer_reuse = defer_reuse
+        self._cooling: list[int] = []  # released before the current step was prepared
+        self._cooling_next: list[int] = []  # released since
         self.slots_per_chunk = slots_per_chunk
         self.positions_per_slot = positions_per_slot  # block positions in one slot
         self.slot_of: dict[str, int] = {}
@@ -54,5 +60,18 @@ class SlotTable:
         if slot is not None:
             self.synced[slot] = 0
             self.owner[slot] = None
-            heapq.heappush(self._free, slot)
+            if self.defer_reuse:
+                self._cooling_next.append(slot)
+            else:
+                heapq.heappush(self._free, slot)
         return slot
+
+    def next_step(self) -> None:
+        """A new step is being prepared: slots released two steps ago are free again."""
+        for slot in self._cooling:
+            heapq.heappush(self._free, slot)
+        self._cooling, self._cooling_next = self._cooling_next, []
+
+    def is_free(self, slot: int) -> bool:
+        """Unowned and not cooling (nothing may read it)."""
+        return self.owner[slot] is None and slot not in self._cooling and slot not in self._cooling_next

@@ -20,6 +20,8 @@ class Capabilities:
     supports_vmm: bool  # map physical pages into a reserved virtual range (xTensor)
     dist_backend: str  # torch.distributed backend: gloo | nccl | hccl
     default_kv_layout: str = "paged"  # what cache.kv_layout "auto" picks: paged | xtensor
+    default_graph_mode: str = "eager"  # what execution.graph_mode "auto" picks: eager | partial | full
+    default_async_scheduling: bool = False  # what execution.async_scheduling "auto" picks
 
 
 class Platform(ABC):

@@ -23,6 +23,8 @@ class CudaPlatform(Platform):
                 supports_graphs=True,
                 supports_vmm=True,
                 dist_backend="nccl",
+                default_graph_mode="partial",
+                default_async_scheduling=True,  # the device runs the forward: host work overlaps it
             )
         return self._caps
 

@@ -22,7 +22,13 @@ class NpuPlatform(Platform):
     name = "npu"
 
     _CAPS = Capabilities(
-        supports_bf16=True, supports_fp16=True, supports_graphs=True, supports_vmm=True, dist_backend="hccl"
+        supports_bf16=True,
+        supports_fp16=True,
+        supports_graphs=True,
+        supports_vmm=True,
+        dist_backend="hccl",
+        default_graph_mode="eager",  # inductor has no NPU backend; torchair / ACLGraph not wired yet
+        default_async_scheduling=True,  # the device runs the forward: host work overlaps it
     )
 
     @property

@@ -17,8 +17,8 @@ def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
     rot_dim = cos.shape[-1] * 2
-    if is_neox and rot_dim == x.shape[-1] and x.dtype == torch.float32:
-        return _rotate_neox(x, cos, sin)
+    if is_neox and rot_dim == x.shape[-1] and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return _rotate_neox(x, cos, sin)  # eager: no cat (a compiler fuses the generic form anyway)
     x_rot, x_pass = x[..., :rot_dim].float(), x[..., rot_dim:]
     if is_neox:
         x1, x2 = x_rot.chunk(2, dim=-1)

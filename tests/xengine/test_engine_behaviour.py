@@ -175,8 +175,10 @@ def _collect(deltas) -> dict[str, dict[int, list[int]]]:
 # ---------------------------------------------------------------------------- abort churn
 
 
-@pytest.mark.parametrize("layout", ["paged", "xtensor"])
-def test_ten_thousand_requests_with_aborts_leak_nothing(make_model_dir, layout):
+@pytest.mark.parametrize(
+    ("layout", "async_scheduling"), [("paged", "off"), ("xtensor", "off"), ("paged", "on"), ("xtensor", "on")]
+)
+def test_ten_thousand_requests_with_aborts_leak_nothing(make_model_dir, layout, async_scheduling):
     """10k short requests, a random 20% aborted while waiting or running: the pool, the scheduler
     and the runner (and the xTensor pages and slots) end exactly where they started. Small blocks
     (4 tokens; 16 with xTensor, whose page must fill a 4 KiB page) and a small id range make prompts
@@ -189,6 +191,7 @@ def test_ten_thousand_requests_with_aborts_leak_nothing(make_model_dir, layout):
         max_num_seqs=256,
         max_num_batched_tokens=1024,
         kv_layout=layout,
+        async_scheduling=async_scheduling,
     )
     free_at_start = engine.kv.num_free_blocks
     rng = random.Random(0)

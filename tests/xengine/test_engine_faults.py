@@ -50,15 +50,15 @@ def inject_device_fault(
     """Make ``engine``'s model raise ``InjectedDeviceFault`` on a forward whose ``(input_ids,
     positions)`` satisfy ``when``; other forwards run the real model."""
     injector = FaultInjector()
-    real_forward = engine.model.forward
+    real_forward = engine.model.forward_tokens
 
-    def forward(input_ids, positions, kv_caches, meta):
+    def forward_tokens(input_ids, positions):
         if when(input_ids, positions):
             injector.num_faults += 1
             raise InjectedDeviceFault("injected device fault")
-        return real_forward(input_ids, positions, kv_caches, meta)
+        return real_forward(input_ids, positions)
 
-    monkeypatch.setattr(engine.model, "forward", forward)
+    monkeypatch.setattr(engine.model, "forward_tokens", forward_tokens)
     return injector
 
 
@@ -99,10 +99,12 @@ FAULTS = {
 }
 
 
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_fault_fails_only_its_request(monkeypatch, tiny_qwen3, reference, fault):
+def test_fault_fails_only_its_request(monkeypatch, tiny_qwen3, reference, fault, async_scheduling):
+    """(With async scheduling the failed step, run on the worker, is undone and re-run here.)"""
     when, num_tokens_before = FAULTS[fault]
-    engine = new_engine(tiny_qwen3)
+    engine = new_engine(tiny_qwen3, async_scheduling=async_scheduling)
     free_at_start = engine.kv.num_free_blocks
     injector = inject_device_fault(monkeypatch, engine, when)
     add(engine, "good0", GOOD_PROMPTS[0])

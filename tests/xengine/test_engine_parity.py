@@ -43,9 +43,30 @@ CONFIGS: dict[str, dict[str, Any]] = {
         enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=512, num_blocks=24
     ),
 }
-# The tiny models make a run cost about a second: every arch runs every configuration, in both KV layouts.
-LAYOUTS = ("paged", "xtensor")
-CASES = [(arch, name, layout) for arch in ARCHS for name in CONFIGS for layout in LAYOUTS]
+# Engine modes: KV layout x async scheduling x graph mode. Partial graphs capture one 16-token bucket
+# (decode batches here have at most 16 sequences; smaller ones are padded to it; prefill steps run eager).
+MODES: dict[str, dict[str, Any]] = {
+    "paged": dict(kv_layout="paged", async_scheduling="off", graph_mode="eager"),
+    "paged+async": dict(kv_layout="paged", async_scheduling="on", graph_mode="eager"),
+    "paged+partial": dict(
+        kv_layout="paged", async_scheduling="off", graph_mode="partial", graph_batch_sizes="16"
+    ),
+    "paged+async+partial": dict(
+        kv_layout="paged", async_scheduling="on", graph_mode="partial", graph_batch_sizes="16"
+    ),
+    "xtensor": dict(kv_layout="xtensor", async_scheduling="off", graph_mode="eager", num_blocks=1024),
+    "xtensor+async+partial": dict(
+        kv_layout="xtensor",
+        async_scheduling="on",
+        graph_mode="partial",
+        graph_batch_sizes="16",
+        num_blocks=1024,
+    ),
+}
+# The tiny models make a run cost about a second: every arch runs every configuration in every mode.
+# (xTensor maps each block of each layer's K and V: a pool of 1024 blocks, not the default 4096, keeps
+# the worst case inside vm.max_map_count at this small block size.)
+CASES = [(arch, name, mode) for arch in ARCHS for name in CONFIGS for mode in MODES]
 
 
 def make_prompts(seed: int) -> list[list[int]]:
@@ -88,13 +109,11 @@ def test_prompt_mix():
     assert sum(p[:SHARED_PREFIX_LEN] == prompts[2][:SHARED_PREFIX_LEN] for p in prompts) == 4
 
 
-@pytest.mark.parametrize(("arch", "config", "layout"), CASES, ids=[f"{a}-{c}-{k}" for a, c, k in CASES])
-def test_greedy_tokens_match_hf(make_model_dir, reference, arch, config, layout):
+@pytest.mark.parametrize(("arch", "config", "mode"), CASES, ids=[f"{a}-{c}-{m}" for a, c, m in CASES])
+def test_greedy_tokens_match_hf(make_model_dir, reference, arch, config, mode):
     ref = reference(arch)
-    # xTensor maps each block of each layer's K and V: a pool of 1024 blocks (not the default 4096)
-    # keeps the worst case inside vm.max_map_count at this small block size
-    kw = {"num_blocks": 1024, **CONFIGS[config]} if layout == "xtensor" else CONFIGS[config]
-    llm = LLM(str(make_model_dir(arch)), block_size=BLOCK_SIZE, max_num_seqs=16, kv_layout=layout, **kw)
+    kw = {**MODES[mode], **CONFIGS[config]}
+    llm = LLM(str(make_model_dir(arch)), block_size=BLOCK_SIZE, max_num_seqs=16, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     # twice: the second run meets a warm prefix cache (when enabled) and a reused pool
     for run in range(2):
@@ -105,6 +124,9 @@ def test_greedy_tokens_match_hf(make_model_dir, reference, arch, config, layout)
             assert got.finish_reason == "length"
     stats = llm.engine.get_stats()
     assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.async_scheduling == (MODES[mode]["async_scheduling"] == "on")
+    if MODES[mode]["graph_mode"] == "partial":  # the decode steps really ran through the graph
+        assert stats.graph.num_replays > 0 and stats.graph.num_recompiles_after_warmup == 0
     if "num_blocks" in CONFIGS[config]:
         assert stats.num_preemptions > 0
     if CONFIGS[config]["enable_prefix_caching"]:

@@ -137,7 +137,10 @@ def start_server(
     launcher around ``build_app`` that keeps serving (503s) after its engine died.
     """
     port = free_port()
-    overrides = {k: {**v, **(engine or {}).get(k, {})} for k, v in ENGINE_SETTINGS.items()}
+    overrides = {
+        k: {**ENGINE_SETTINGS.get(k, {}), **(engine or {}).get(k, {})}
+        for k in {*ENGINE_SETTINGS, *(engine or {})}
+    }
     overrides["model"]["model"] = str(model_dir)
     overrides["service"] = {"host": "127.0.0.1", "port": port, "log_level": "warning", **(service or {})}
     env = dict(os.environ)

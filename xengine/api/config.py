@@ -126,17 +126,71 @@ class DeviceConfig:
     )
 
 
+GRAPH_MODES = ("auto", "eager", "partial", "full")
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    async_scheduling: str = _f(
+        "auto",
+        "on | off | auto: schedule step i+1 (and apply step i-1's outputs) while the model runs step i "
+        "on a worker thread; tokens not sampled yet enter as placeholders. Output is identical either "
+        "way. auto: the platform's default (on where the device runs the forward, off on CPU, where "
+        "the forward's Python work contends with the scheduler for the GIL).",
+    )
+    graph_mode: str = _f(
+        "auto",
+        "How the forward runs: eager (op by op), partial (everything but attention compiled per "
+        "token-count bucket: torch.compile / inductor on CPU), full (whole-step device graphs where "
+        "the platform has them) or auto (the platform's default).",
+    )
+    graph_batch_sizes: str = _f(
+        "1,2,4,8,16,32",
+        "Token-count buckets captured at start-up (comma-separated); a step with more tokens than "
+        "the largest runs eagerly, smaller ones are padded to the next bucket.",
+    )
+
+    def buckets(self) -> list[int]:
+        """``graph_batch_sizes`` as a sorted list."""
+        try:
+            sizes = sorted({int(x) for x in self.graph_batch_sizes.split(",") if x.strip()})
+        except ValueError:
+            sizes = []
+        if not sizes or sizes[0] < 1:
+            raise ValueError(
+                f"execution.graph_batch_sizes must be positive integers separated by commas, got "
+                f"{self.graph_batch_sizes!r} (e.g. 1,2,4,8,16,32)"
+            )
+        return sizes
+
+    def async_enabled(self, platform_default: bool) -> bool:
+        return platform_default if self.async_scheduling == "auto" else self.async_scheduling == "on"
+
+    def validate(self) -> None:
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(
+                f"execution.async_scheduling must be auto, on or off, got {self.async_scheduling!r}"
+            )
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(
+                f"execution.graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}"
+            )
+        self.buckets()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.execution.validate()
 
 
 def replace_section(cfg: Any, section: str, **changes: Any) -> Any:
@@ -166,6 +220,7 @@ def _dataclass_type(ftype: Any) -> type | None:
         "CacheConfig": CacheConfig,
         "SchedulerConfig": SchedulerConfig,
         "DeviceConfig": DeviceConfig,
+        "ExecutionConfig": ExecutionConfig,
         "EngineConfig": EngineConfig,
     }
     if isinstance(ftype, str):

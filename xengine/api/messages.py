@@ -262,6 +262,19 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # KV memory layout; with xTensor, its pages by state (xLLM §4.3) and map/unmap calls so far
     kv_layout: str = "paged"
     xtensor: XTensorStatsMsg | None = None
+    # execution: async scheduling on/off, and the graph runner's mode and counters
+    async_scheduling: bool = False
+    graph: GraphStatsMsg | None = None
+
+
+class GraphStatsMsg(msgspec.Struct, kw_only=True):
+    mode: str = "eager"
+    buckets: list[int] = []  # token-count buckets captured
+    capture_s: dict[int, float] = {}  # bucket -> seconds it took to compile / capture
+    num_compiles: int = 0
+    num_recompiles_after_warmup: int = 0  # should stay 0
+    num_replays: int = 0  # steps run through a graph
+    num_eager_steps: int = 0  # steps run eagerly (larger than every bucket)
 
 
 class XTensorStatsMsg(msgspec.Struct, kw_only=True):

@@ -42,6 +42,11 @@ class BaseCausalLM(nn.Module, ABC):
         [2, num_blocks, block_size, num_kv_heads, head_dim] cache. Returns hidden states [T, hidden]."""
 
     @abstractmethod
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The token work of ``forward`` once the forward context (``graph/forward_context.py``: metadata
+        and caches for attention) is set; what graph runners compile. Returns [T, hidden]."""
+
+    @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
 

@@ -9,8 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from graph.attention_op import unified_attention
+from graph.forward_context import forward_context
 from ops.activation import silu_and_mul
-from ops.attention import AttentionMetadata, attention
+from ops.attention import AttentionMetadata
 from ops.rope_scaling import max_context_len
 from xengine.layers.linear import MergedLinear, make_weights_input_major
 from xengine.layers.norm import RMSNorm
@@ -21,8 +23,11 @@ from xengine.models.weights import WeightLoader
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, sliding_window: int | None) -> None:
+    def __init__(
+        self, cfg: DecoderConfig, rotary: RotaryEmbedding, sliding_window: int | None, layer_idx: int
+    ) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # its KV cache in the forward context
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
@@ -33,9 +38,7 @@ class DecoderAttention(nn.Module):
         self.sliding_window = sliding_window
         self.scale = cfg.head_dim**-0.5
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -44,7 +47,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        out = unified_attention(q, k, v, self.layer_idx, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -62,7 +65,7 @@ class DecoderMLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, rotary, cfg.sliding_windows[layer_idx])
+        self.self_attn = DecoderAttention(cfg, rotary, cfg.sliding_windows[layer_idx], layer_idx)
         self.mlp = DecoderMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -72,15 +75,13 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``; their sum is the layer's output."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -95,18 +96,11 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the tokens; attention reads its metadata and caches from the forward context."""
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -149,7 +143,15 @@ class DecoderForCausalLM(BaseCausalLM):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+        """One forward over ``meta``'s batch with per-layer ``kv_caches`` (sets the forward context)."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"expected {len(self.model.layers)} KV caches, got {len(kv_caches)}")
+        with forward_context(meta, kv_caches, input_ids.shape[0]):
+            return self.forward_tokens(input_ids, positions)
+
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The token work of a forward whose attention context is already set (what graphs capture)."""
+        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

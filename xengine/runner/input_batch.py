@@ -19,6 +19,16 @@ class ModelInputs:
     num_tokens: int
 
 
+def _tokens(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """Tokens at positions ``start .. end - 1`` of prompt + output, without concatenating them."""
+    n = len(prompt)
+    if start >= n:
+        return output[start - n : end - n]
+    if end <= n:
+        return prompt[start:end]
+    return prompt[start:] + output[: end - n]
+
+
 def build_inputs(
     plan: SchedulePlan, block_size: int, device: torch.device, kv_slots: list[int] | None = None
 ) -> ModelInputs:
@@ -33,12 +43,8 @@ def build_inputs(
     logits_indices: list[int] = []
     for s in plan.seqs:
         req = s.req
-        start = req.num_computed_tokens
-        end = start + s.num_new_tokens
-        if s.num_new_tokens == 1 and end == req.num_tokens and req.output_token_ids:
-            input_ids.append(req.output_token_ids[-1])  # plain decode: avoid copying the history
-        else:
-            input_ids.extend(req.all_token_ids[start:end])
+        start, end = s.start, s.end
+        input_ids.extend(_tokens(req.prompt_token_ids, req.output_token_ids, start, end))
         positions.extend(range(start, end))
         table = plan.block_tables[req.seq_id]
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))

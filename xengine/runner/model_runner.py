@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from graph.base import create_graph_runner
+from graph.forward_context import forward_context
 from memory.kv_layout import BaseKVLayout
 from ops.platforms import Platform
 from xengine.api.messages import TokenLogprob
 from xengine.request import Request
-from xengine.runner.input_batch import build_inputs
+from xengine.runner.input_batch import ModelInputs, build_inputs
 from xengine.sampling.beam_search import BeamRows, beam_candidates
 from xengine.sampling.metadata import SamplingMetadata
 from xengine.sampling.sampler import Sampler, SamplerOutput
@@ -31,6 +33,7 @@ class ModelRunner:
         eos_token_ids: list[int],
         default_seed: int = 0,
         max_model_len: int | None = None,
+        graph_mode: str = "eager",
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -43,35 +46,52 @@ class ModelRunner:
         self.max_model_len = max_model_len  # positions the model's tables cover (None: unchecked)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        self.graph = create_graph_runner(platform.name, self._forward)
+        self.graph = create_graph_runner(graph_mode, platform.name, self._forward_tokens)
         torch.manual_seed(default_seed)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, self.attn_caches, meta)
+    def _forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_tokens(input_ids, positions)
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        """Build the graph runner's graphs (start-up; a no-op in eager mode)."""
+        self.graph.capture(sizes, self.device)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> StepOutput:
+        """Run one step now (``prepare`` then ``run``)."""
+        return self.run(self.prepare(plan))
+
+    @torch.inference_mode()  # its tensors are graph inputs: the same kind whichever thread runs it
+    def prepare(self, plan: SchedulePlan) -> PreparedStep:
+        """The host side of a step (engine thread): KV pages mapped, inputs and sampling rows built.
+
+        Input tokens may be async placeholders (``xengine/scheduler/in_flight.py``): ``run`` resolves
+        them from the previous step's sampled tokens."""
         self._check_positions(plan)
-        self.layout.copy_blocks(self.kv_caches, plan.block_copies)
         kv_slots = self.layout.prepare(
-            [
-                (s.req.seq_id, plan.block_tables[s.req.seq_id], s.req.num_computed_tokens + s.num_new_tokens)
-                for s in plan.seqs
-            ]
+            [(s.req.seq_id, plan.block_tables[s.req.seq_id], s.end) for s in plan.seqs]
         )
         inputs = build_inputs(plan, self.block_size, self.device, kv_slots)
+        return PreparedStep(plan, inputs, self._sampling_rows(plan))
+
+    @torch.inference_mode()
+    def run(self, step: PreparedStep, prev_rows: torch.Tensor | None = None) -> StepOutput:
+        """The device side of a step (any thread): copy-on-write copies, placeholders resolved from
+        ``prev_rows`` (the previous step's sampled tokens), forward, logits, sampling."""
+        self.layout.copy_blocks(self.kv_caches, step.plan.block_copies)
+        inputs = step.inputs
+        if prev_rows is not None:
+            inputs.input_ids = _resolve(inputs.input_ids, prev_rows)
         t0 = time.perf_counter()
-        hidden = self.graph.run(
-            inputs.num_tokens, inputs.meta.is_all_decode, inputs.input_ids, inputs.positions, inputs.meta
-        )
+        with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens):
+            hidden = self.graph.run(inputs.input_ids, inputs.positions)
         logits = (
             self.model.compute_logits(hidden[inputs.logits_indices]) if len(inputs.logits_indices) else None
         )
         self.platform.synchronize()
-        forward_s = time.perf_counter() - t0
-        out = StepOutput(forward_s=forward_s)
-        if logits is not None:
-            self._sample(plan, logits, out)
+        out = StepOutput(forward_s=time.perf_counter() - t0)
+        if logits is not None and step.sampling is not None:
+            self._sample(step.sampling, logits, out, prev_rows)
         return out
 
     def _check_positions(self, plan: SchedulePlan) -> None:
@@ -80,51 +100,73 @@ class ModelRunner:
         if self.max_model_len is None:
             return
         for s in plan.seqs:
-            end = s.req.num_computed_tokens + s.num_new_tokens
+            end = s.end
             if end > self.max_model_len:
                 raise IndexError(
                     f"sequence {s.req.seq_id!r} reaches position {end - 1}, past the "
                     f"{self.max_model_len} positions the model was set up for (max_model_len)"
                 )
 
-    def _sample(self, plan: SchedulePlan, logits: torch.Tensor, out: StepOutput) -> None:
-        rows: list[tuple[Request, int]] = []  # (sequence, sample index within it)
-        row_of_logit: list[int] = []
-        beams = BeamRows()
-        beam_seq_ids: list[str] = []
+    def _sampling_rows(self, plan: SchedulePlan) -> SamplingRows | None:
+        """Which logits row gives which sequence its token(s), and the sampling metadata (host side)."""
+        sampling = SamplingRows()
         for i, s in enumerate(x for x in plan.seqs if x.sample):
             if s.num_beam_candidates:
-                beams.rows.append(i)
-                beams.num_candidates.append(s.num_beam_candidates)
-                beams.banned_token_ids.append(s.banned_token_ids)
-                beams.allowed_token_ids.append(s.allowed_token_ids)
-                beam_seq_ids.append(s.req.seq_id)
+                sampling.beams.rows.append(i)
+                sampling.beams.num_candidates.append(s.num_beam_candidates)
+                sampling.beams.banned_token_ids.append(s.banned_token_ids)
+                sampling.beams.allowed_token_ids.append(s.allowed_token_ids)
+                sampling.beam_seq_ids.append(s.req.seq_id)
                 continue
             for k in range(s.num_samples):
-                rows.append((s.req, k))
-                row_of_logit.append(i)
-        if beam_seq_ids:
-            cand_lps, cand_ids = beam_candidates(logits, beams)
-            out.beam_candidates.update(zip(beam_seq_ids, zip(cand_lps, cand_ids)))
-        if not rows:
+                sampling.rows.append((s.req, k))
+                sampling.row_of_logit.append(i)
+                # outputs before this step's token (async: the list already ends with its placeholder)
+                sampling.num_outputs.append(
+                    len(s.req.output_token_ids) if s.output_index is None else s.output_index
+                )
+        if not sampling.rows and not sampling.beam_seq_ids:
+            return None
+        if sampling.rows:
+            rows = sampling.rows
+            generators = {}
+            for row, (req, k) in enumerate(rows):
+                if req.params.seed is not None and not req.params.is_greedy:
+                    generators[row] = self._generator(req, k)
+            params = [r.params for r, _ in rows]
+            penalized = any(SamplingMetadata.uses_history(p) for p in params)
+            sampling.meta = SamplingMetadata.from_params(
+                params,
+                # penalties read the histories on the worker: a snapshot (the engine thread goes on)
+                [
+                    r.output_token_ids[:n] if penalized else []
+                    for (r, _), n in zip(rows, sampling.num_outputs)
+                ],
+                [r.prompt_token_ids for r, _ in rows],
+                generators,
+                self.eos_token_ids,
+                self.device,
+                sampling.num_outputs,
+            )
+        return sampling
+
+    def _sample(
+        self, sampling: SamplingRows, logits: torch.Tensor, out: StepOutput, prev_rows: torch.Tensor | None
+    ) -> None:
+        if sampling.beam_seq_ids:
+            cand_lps, cand_ids = beam_candidates(logits, sampling.beams)
+            out.beam_candidates.update(zip(sampling.beam_seq_ids, zip(cand_lps, cand_ids)))
+        if not sampling.rows:
             return
-        if beam_seq_ids or len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(row_of_logit, device=logits.device)]
-        params = [r.params for r, _ in rows]
-        generators = {}
-        for row, (req, k) in enumerate(rows):
-            if req.params.seed is not None and not req.params.is_greedy:
-                generators[row] = self._generator(req, k)
-        meta = SamplingMetadata.from_params(
-            params,
-            [r.output_token_ids for r, _ in rows],
-            [r.prompt_token_ids for r, _ in rows],
-            generators,
-            self.eos_token_ids,
-            self.device,
-        )
+        if sampling.beam_seq_ids or len(sampling.rows) != logits.shape[0]:
+            logits = logits[torch.tensor(sampling.row_of_logit, device=logits.device)]
+        meta = sampling.meta
+        assert meta is not None
+        if prev_rows is not None and meta.has_history_penalties:
+            meta.output_token_ids = _resolve_lists(meta.output_token_ids, prev_rows)
         result = self.sampler(logits, meta)
-        self._collect(rows, result, out)
+        out.sampled_rows = result.sampled_token_ids
+        self._collect(sampling.rows, result, out)
 
     def _generator(self, req: Request, k: int) -> torch.Generator:
         index = req.index + k
@@ -154,3 +196,34 @@ class ModelRunner:
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             self.generators.pop(seq_id, None)
+
+
+@dataclass
+class SamplingRows:
+    """How one step's logits rows map to sampled tokens (built on the engine thread)."""
+
+    rows: list[tuple[Request, int]] = field(default_factory=list)  # (sequence, sample index within it)
+    row_of_logit: list[int] = field(default_factory=list)
+    beams: BeamRows = field(default_factory=BeamRows)
+    beam_seq_ids: list[str] = field(default_factory=list)
+    num_outputs: list[int] = field(default_factory=list)  # per row: outputs before this step's token
+    meta: SamplingMetadata | None = None
+
+
+@dataclass
+class PreparedStep:
+    plan: SchedulePlan
+    inputs: ModelInputs
+    sampling: SamplingRows | None
+
+
+def _resolve(token_ids: torch.Tensor, prev_rows: torch.Tensor) -> torch.Tensor:
+    """Async placeholders ``-(1 + row)`` replaced by row ``row`` of the previous step's sampled tokens."""
+    rows = (-token_ids - 1).clamp_(min=0, max=prev_rows.shape[0] - 1)
+    return torch.where(token_ids < 0, prev_rows.to(token_ids.dtype)[rows], token_ids)
+
+
+def _resolve_lists(histories: list[list[int]], prev_rows: torch.Tensor) -> list[list[int]]:
+    """The same for host token histories (penalties need the real previous tokens)."""
+    prev = prev_rows.tolist()
+    return [[t if t >= 0 else prev[-t - 1] for t in ids] for ids in histories]

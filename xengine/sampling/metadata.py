@@ -38,6 +38,23 @@ class SamplingMetadata:
     # Host copy of ``top_k.max()`` so top-k needs no device sync; None = read it from the tensor.
     max_top_k: int | None = None
 
+    @staticmethod
+    def uses_history(params: SamplingParams) -> bool:
+        """Whether sampling with ``params`` reads the sequence's previous tokens (penalties)."""
+        return (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) != (
+            1.0,
+            0.0,
+            0.0,
+        )
+
+    @property
+    def has_history_penalties(self) -> bool:
+        return not (
+            self.repetition_penalty is None
+            and self.presence_penalty is None
+            and self.frequency_penalty is None
+        )
+
     @classmethod
     def from_params(
         cls,
@@ -47,8 +64,12 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator],
         eos_token_ids: list[int],
         device: torch.device,
+        num_outputs: list[int] | None = None,
     ) -> SamplingMetadata:
         """Build the step's metadata from one ``SamplingParams`` per row.
+
+        ``num_outputs``: each row's output count before this step's token (default: the length of its
+        ``output_token_ids``, which then only need to be complete when a penalty reads them).
 
         ``top_k`` of -1 or 0 disables top-k. Truncation settings of greedy rows are ignored.
         While a row has fewer than ``min_tokens`` outputs, its eos ids and ``stop_token_ids`` are banned.
@@ -78,7 +99,11 @@ class SamplingMetadata:
             frequency_penalty=_tensor_or_none(freq, 0.0, torch.float32, device),
             prompt_token_ids=prompt_token_ids if use_rep else None,
             output_token_ids=output_token_ids,
-            banned_token_ids=_banned_ids(params, output_token_ids, eos_token_ids),
+            banned_token_ids=_banned_ids(
+                params,
+                num_outputs if num_outputs is not None else [len(o) for o in output_token_ids],
+                eos_token_ids,
+            ),
             max_num_logprobs=max(asked) if asked else None,
             max_top_k=max(top_k, default=0),
         )
@@ -94,12 +119,12 @@ def _tensor_or_none(
 
 
 def _banned_ids(
-    params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_ids: list[int]
+    params: list[SamplingParams], num_outputs: list[int], eos_token_ids: list[int]
 ) -> list[list[int]] | None:
     """Per row: eos and stop token ids while the row is still under its ``min_tokens``."""
     banned: list[list[int]] = []
-    for p, out in zip(params, output_token_ids):
-        if len(out) < p.min_tokens:
+    for p, num in zip(params, num_outputs):
+        if num < p.min_tokens:
             banned.append(sorted(set(eos_token_ids) | set(p.stop_token_ids)))
         else:
             banned.append([])

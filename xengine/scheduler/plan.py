@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from xengine.api.messages import TokenLogprob
 from xengine.request import Request
@@ -20,6 +21,24 @@ class ScheduledSeq:
     num_beam_candidates: int = 0
     banned_token_ids: list[int] = field(default_factory=list)  # beam rows: logprob -inf
     allowed_token_ids: np.ndarray | None = None  # beam rows constrained by a catalog trie
+    # async scheduling (``xengine/scheduler/in_flight.py``): set when the request was advanced at
+    # schedule time, as if this step had already run
+    computed_after: int | None = None  # num_computed_tokens once this step ran
+    output_index: int | None = None  # where this step's token sits in output_token_ids (a placeholder)
+
+    @property
+    def end(self) -> int:
+        """Position after this step's last token (its sequence length once the step ran)."""
+        return (
+            self.computed_after
+            if self.computed_after is not None
+            else self.req.num_computed_tokens + self.num_new_tokens
+        )
+
+    @property
+    def start(self) -> int:
+        """Position of this step's first token."""
+        return self.end - self.num_new_tokens
 
 
 @dataclass
@@ -29,6 +48,9 @@ class SchedulePlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     num_batched_tokens: int = 0
     preempted_seq_ids: list[str] = field(default_factory=list)
+    # async scheduling: the next step must not be scheduled before this one's outputs are applied
+    # (forks of n > 1 requests, beam search steps)
+    sync: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -50,3 +72,6 @@ class StepOutput:
     # beam rows: seq_id -> (logprobs, token ids) of its top candidates, logprob descending
     beam_candidates: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
     forward_s: float = 0.0  # model forward + logits time of this step
+    # the sampled token of every sampling row, in row order (async scheduling resolves the next
+    # step's placeholders from it); None when nothing was sampled
+    sampled_rows: torch.Tensor | None = None

@@ -23,6 +23,7 @@ from xengine.api.config import SchedulerConfig
 from xengine.beam.catalog import ItemCatalog
 from xengine.beam.group import BeamGroup
 from xengine.request import PRIORITY_RANK, Request, RequestStatus
+from xengine.scheduler.in_flight import advance, done_pending, strip_placeholders
 from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
 from xengine.scheduler.stop import check_stop
 
@@ -34,8 +35,10 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         eos_token_ids: list[int],
+        async_mode: bool = False,
     ) -> None:
         self.config = config
+        self.async_mode = async_mode  # plans are advanced when made (``in_flight.py``)
         self.kv = kv
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -105,6 +108,9 @@ class Scheduler:
         plan.block_tables = {s.req.seq_id: self.kv.get_block_table(s.req.seq_id) for s in plan.seqs}
         plan.block_copies = self.kv.take_pending_copies()
         plan.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
+        plan.sync = any(s.num_samples > 1 or s.req.req_id in self.beam_groups for s in plan.seqs)
+        if self.async_mode and not plan.sync:
+            advance(plan)
         return plan
 
     def _num_new_tokens(self, req: Request, num_computed: int) -> int:
@@ -118,6 +124,8 @@ class Scheduler:
             if self._budget <= 0:
                 return
             if req.rank[0] != cls or req.status != RequestStatus.RUNNING or req.seq_id in self._scheduled:
+                continue
+            if done_pending(req, self.max_model_len):  # its in-flight token ends it
                 continue
             group = self.beam_groups.get(req.req_id)
             if group is not None and len(group.slots) > 1:
@@ -249,6 +257,9 @@ class Scheduler:
         stepped: dict[str, int] = {}  # beam groups that got candidates: req_id -> epoch
         for s in plan.seqs:
             req = s.req
+            if s.computed_after is not None:  # advanced when scheduled (async)
+                self._update_advanced(s, out)
+                continue
             if req.status != RequestStatus.RUNNING:
                 continue  # finished (e.g. aborted) while the step ran
             before = req.num_computed_tokens
@@ -265,6 +276,25 @@ class Scheduler:
             group = self.beam_groups.get(req_id)
             if group is not None and group.epoch == epoch:  # not aborted / preempted meanwhile
                 self._advance_beams(group, plan, out)
+
+    def _update_advanced(self, s: ScheduledSeq, out: StepOutput) -> None:
+        """Apply a step whose requests were advanced at schedule time: cache its full blocks and put
+        the sampled token where its placeholder is. A request preempted meanwhile still takes its
+        token (it was computed before its KV was dropped); a finished one takes nothing."""
+        req = s.req
+        if req.is_finished:
+            return
+        assert s.computed_after is not None
+        before = s.computed_after - s.num_new_tokens
+        self.num_computed_prompt_tokens += max(0, min(s.computed_after, req.num_prompt_tokens) - before)
+        if req.status == RequestStatus.RUNNING and req.num_computed_tokens >= s.computed_after:
+            self.kv.cache_blocks(req.seq_id, req.all_token_ids, s.computed_after)
+        if s.output_index is None:
+            return
+        sample = out.sampled[req.seq_id][0]
+        req.output_token_ids[s.output_index] = sample.token_id
+        req.num_placeholders -= 1
+        self._append_token(req, sample, num_output=s.output_index + 1)
 
     def _advance_beams(self, group: BeamGroup, plan: SchedulePlan, out: StepOutput) -> None:
         cands = [out.beam_candidates[b.seq_id] for b in group.slots]
@@ -325,14 +355,16 @@ class Scheduler:
             self._push_waiting(child)
         return child
 
-    def _append_token(self, req: Request, sample: SampledToken) -> None:
-        req.output_token_ids.append(sample.token_id)
+    def _append_token(self, req: Request, sample: SampledToken, num_output: int | None = None) -> None:
+        """Report a sampled token (appended, or already in place at ``num_output - 1``); stop checks."""
+        if num_output is None:
+            req.output_token_ids.append(sample.token_id)
         req.new_token_ids.append(sample.token_id)
         if sample.logprob is not None:
             req.new_logprobs.append(sample.logprob)
             req.new_top_logprobs.append(sample.top_logprobs or [])
         self.updated[req.seq_id] = req
-        reason = check_stop(req, sample.token_id, self.eos_token_ids, self.max_model_len)
+        reason = check_stop(req, sample.token_id, self.eos_token_ids, self.max_model_len, num_output)
         if reason is not None:
             self._finish(req, *reason)
 
@@ -345,6 +377,7 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self.kv.free(req.seq_id)
+        strip_placeholders(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = finish_reason
         req.stop_reason = stop_reason

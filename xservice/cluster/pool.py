@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from xengine.api.messages import AddRequest, CompletionDelta, EngineStats, XTensorStatsMsg
+from xengine.api.messages import AddRequest, CompletionDelta, EngineStats, GraphStatsMsg, XTensorStatsMsg
 from xengine.api.security import ClusterKey
 from xservice.cluster.kv_index import prompt_block_hashes
 from xservice.cluster.pd import PDDispatcher
@@ -317,6 +317,10 @@ class InstancePool:
         total.kv_layout = stats[0].kv_layout
         xts = [s.xtensor for s in stats if s.xtensor is not None]
         total.xtensor = _sum_structs(xts, XTensorStatsMsg()) if xts else None
+        total.async_scheduling = stats[0].async_scheduling
+        graphs = [s.graph for s in stats if s.graph is not None]
+        if graphs:
+            total.graph = _sum_structs(graphs, GraphStatsMsg(mode=graphs[0].mode, buckets=graphs[0].buckets))
         return total
 
     async def ping(self, timeout_s: float = 2.0) -> bool:

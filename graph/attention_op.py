@@ -1,0 +1,44 @@
+"""Attention as one opaque custom op (``xllm::attention``), so compiled graphs keep it eager.
+
+Graph runners compile everything around attention (norms, projections, RoPE, MLP, residuals); the
+op itself runs the platform's attention (``ops.attention``) on the step's metadata and caches from
+the forward context. Rows past the context's ``num_tokens`` are bucket padding: they are not
+written to the KV cache and come back as zeros. Outside any context (a capture run) it returns zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graph.forward_context import get_forward_context
+from ops.attention import attention
+
+
+@torch.library.custom_op("xllm::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
+) -> torch.Tensor:
+    ctx = get_forward_context()
+    if ctx is None or ctx.meta is None:
+        return torch.zeros_like(q)
+    sliding = window if window > 0 else None
+    n = ctx.num_tokens
+    if n == q.shape[0]:
+        return attention(q, k, v, ctx.caches[layer], ctx.meta, scale, sliding)
+    out = torch.zeros_like(q)
+    out[:n] = attention(q[:n], k[:n], v[:n], ctx.caches[layer], ctx.meta, scale, sliding)
+    return out
+
+
+@_attention_op.register_fake
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
+) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def unified_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, sliding_window: int | None
+) -> torch.Tensor:
+    """Attention of layer ``layer`` over the step in the forward context (``[T, Hq, D]`` in and out)."""
+    return _attention_op(q, k, v, layer, scale, sliding_window or 0)

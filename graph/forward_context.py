@@ -1,0 +1,44 @@
+"""The forward context: what attention needs during one forward, kept outside the traced graph.
+
+Graph runners trace and replay the model's token work (``forward_tokens(input_ids, positions)``);
+the per-step attention metadata and the per-layer KV caches change every step and must not become
+graph inputs or guards. The runner sets them here around each forward; the attention op
+(``graph/attention_op.py``) reads them. A ``ContextVar``, so a forward on a worker thread (async
+scheduling) sees its own step's context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ops.attention_metadata import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    meta: AttentionMetadata | None  # None: a capture / warm-up run (attention returns zeros)
+    caches: list[Any]  # per layer: what ``ops.attention.attention`` takes as ``kv_cache``
+    num_tokens: int  # real tokens of the step; rows past them are bucket padding
+
+
+_current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("xllm_forward", default=None)
+
+
+def get_forward_context() -> ForwardContext | None:
+    return _current.get()
+
+
+@contextlib.contextmanager
+def forward_context(
+    meta: AttentionMetadata | None, caches: list[Any], num_tokens: int
+) -> Iterator[ForwardContext]:
+    ctx = ForwardContext(meta, caches, num_tokens)
+    token = _current.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.reset(token)
