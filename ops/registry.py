@@ -23,8 +23,7 @@ _loaded: set[str] = set()
 def _load_torch_ref() -> None:
     from ops.torch_ref import reference_ops
 
-    for name, fn in reference_ops().items():
-        register_op(name, "cpu", fn)
+    for name, fn in reference_ops().items():  # CPU and every platform fall back to these
         register_op(name, REFERENCE, fn)
 
 
@@ -70,4 +69,12 @@ def get_op(name: str, platform_name: str | None = None) -> Callable[..., Any]:
     return fn
 
 
+def _load_onednn() -> None:
+    from ops.onednn import onednn_ops
+
+    for name, fn in onednn_ops().items():
+        register_op(name, "cpu", fn)
+
+
 register_backend(REFERENCE, _load_torch_ref)
+register_backend("cpu", _load_onednn)

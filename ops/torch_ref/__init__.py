@@ -16,6 +16,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     from ops.torch_ref.rope import rotary_embedding
 
     return {
+        "pack_linear": lambda weight, bias: None,  # no packed form: layers call F.linear
         "attention": attention,
         "attention_contiguous": attention_contiguous,
         "store_kv": store_kv,

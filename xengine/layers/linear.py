@@ -3,10 +3,41 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ops.linear import pack_linear, packed_linear
 
-class MergedLinear(nn.Linear):
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight the platform may pack once for a faster GEMM (``ops/linear.py``).
+
+    ``pack()`` after the weights are loaded; later changes to ``weight`` need another ``pack()``."""
+
+    _packed: int | None = None
+    _packed_owner: object = None  # keeps the backend's packed weight alive while this layer is
+
+    def pack(self) -> None:
+        packed = pack_linear(self.weight, self.bias)
+        self._packed, self._packed_owner = (None, None) if packed is None else packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self._packed)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every ``Linear`` of ``model`` the platform can; returns how many were packed."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack()
+            count += module._packed is not None
+    return count
+
+
+class MergedLinear(Linear):
     """Projections with the same input stacked along the output dim (e.g. q|k|v, gate|up).
 
     Checkpoints store each projection separately; ``load_shard`` copies one into its row range.

@@ -14,7 +14,7 @@ from graph.forward_context import forward_context
 from ops.activation import silu_and_mul
 from ops.attention import AttentionMetadata
 from ops.rope_scaling import max_context_len
-from xengine.layers.linear import MergedLinear, make_weights_input_major
+from xengine.layers.linear import Linear, MergedLinear, make_weights_input_major
 from xengine.layers.norm import RMSNorm
 from xengine.layers.rotary import RotaryEmbedding
 from xengine.models.base import BaseCausalLM
@@ -31,7 +31,7 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -56,7 +56,7 @@ class DecoderMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -112,7 +112,7 @@ class DecoderForCausalLM(BaseCausalLM):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     @classmethod
