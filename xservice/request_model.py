@@ -1,4 +1,12 @@
-"""``RequestModel``: the base of every request body, rejecting JSON values no field can carry safely.
+"""``RequestModel``: the base of every request body: the field rule, and no JSON value a field cannot carry.
+
+**The field rule.** Every field of a request body is either implemented (a field of the model), or
+rejected with a 400 naming it (``unsupported_fields``: the field and why), or accepted and ignored
+because it has no meaning on a self-hosted server (``ignored_fields``, documented in
+``docs/openai_compat.md``). Any other field is refused like OpenAI does ("Unrecognized request
+argument supplied"). An explicit JSON ``null`` means "not set" (the default), as in OpenAI's API,
+also for fields whose value cannot be null.
+
 
 Python's ``json`` decoder accepts what later layers cannot: lone UTF-16 surrogates (``"\\ud800"``:
 not Unicode, so encoding them to UTF-8 for the tokenizer, a log line or a response fails),
@@ -11,9 +19,11 @@ the field instead of failing later with a 500.
 from __future__ import annotations
 
 import math
-from typing import Any
+import types
+import typing
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 INT64_MIN = -(2**63)
@@ -69,19 +79,65 @@ def _unsafe_scalar(value: Any) -> str | None:
 
 
 class RequestModel(BaseModel):
-    """Base of request bodies: unsafe JSON values anywhere in the input are a validation error."""
+    """Base of request bodies: unsafe JSON values anywhere in the input and fields outside the field
+    rule are validation errors (400s naming the field)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    # field -> why it is refused: a non-null value is a 400 naming the field
+    unsupported_fields: ClassVar[dict[str, str]] = {}
+    # field -> why it has no meaning here: accepted (any value) and dropped
+    ignored_fields: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
-    def _reject_unsafe_values(cls, data: Any) -> Any:
+    def _check_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data  # not an object: the model's own type error says so
         found = find_unsafe_value(data)
-        if found is None:
-            return data
-        path, reason = found
-        # A ValidationError raised here keeps ``path`` (prefixed by where this model sits), so
-        # the error names the field, not the whole body.
-        error = PydanticCustomError("unsafe_value", "{reason}", {"reason": reason})
-        details = InitErrorDetails(type=error, loc=path, input=None)
-        raise ValidationError.from_exception_data(cls.__name__, [details])
+        if found is not None:
+            path, reason = found
+            _raise(cls, "unsafe_value", path, reason)
+        return _apply_field_rule(cls, data)
+
+
+def _raise(cls: type[BaseModel], kind: str, path: tuple[str | int, ...], reason: str) -> None:
+    # A ValidationError raised here keeps ``path`` (prefixed by where this model sits), so the
+    # error names the field, not the whole body.
+    error = PydanticCustomError(kind, "{reason}", {"reason": reason})
+    details = InitErrorDetails(type=error, loc=path, input=None)
+    raise ValidationError.from_exception_data(cls.__name__, [details])
+
+
+def _apply_field_rule(cls: type[RequestModel], data: dict[str, Any]) -> dict[str, Any]:
+    fields = cls.model_fields
+    known = set(fields) | {f.alias for f in fields.values() if f.alias}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in cls.ignored_fields:
+            continue
+        if key in cls.unsupported_fields:
+            if value is not None:
+                _raise(cls, "unsupported_field", (key,), f"not supported: {cls.unsupported_fields[key]}")
+            continue
+        if key not in known:
+            if cls.model_config.get("extra") != "forbid":
+                out[key] = value
+                continue
+            _raise(cls, "unrecognized_field", (key,), "Unrecognized request argument supplied")
+        if value is None and key in fields and not accepts_none(fields[key].annotation):
+            continue  # explicit null: the default
+        out[key] = value
+    return out
+
+
+def accepts_none(annotation: Any) -> bool:
+    """Whether a field annotated ``annotation`` can hold None."""
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(accepts_none(a) for a in typing.get_args(annotation))
+    if origin is typing.Annotated:
+        return accepts_none(typing.get_args(annotation)[0])
+    return False

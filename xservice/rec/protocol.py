@@ -11,7 +11,7 @@ from xservice.request_model import RequestModel
 
 
 class _Request(RequestModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """Strict types; unknown fields refused (``RequestModel``'s field rule)."""
 
 
 class _Response(BaseModel):

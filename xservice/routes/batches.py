@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import ConfigDict
 
 from xservice.batch.lines import ENDPOINTS
 from xservice.batch.service import BatchService, found_or_404, get_batch_service, list_page
@@ -19,8 +18,6 @@ MAX_METADATA_KEYS = 16
 
 
 class CreateBatchRequest(RequestModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
     input_file_id: str
     endpoint: str
     completion_window: str = "24h"

@@ -1,0 +1,62 @@
+"""``/v1/completions`` bodies."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
+
+from xservice.protocol.base import APIResponse, now
+from xservice.protocol.common import Usage
+from xservice.protocol.sampling import SamplingRequest
+
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    # beam search extras: ``n`` (or ``num_return_sequences``) choices, best first, each with a score
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
+    num_return_sequences: int | None = None
+
+
+class CompletionLogprobs(APIResponse):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(APIResponse):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # beam search only (left out otherwise)
+    score: float | None = None
+    cumulative_logprob: float | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_beam_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        for key in ("score", "cumulative_logprob"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
+
+
+class CompletionResponse(APIResponse):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
