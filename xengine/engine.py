@@ -188,6 +188,9 @@ class Engine:
         req.params.validate(self.vocab_size)
         if req.params.prompt_logprobs is not None:
             raise ValueError("invalid value for 'prompt_logprobs': not supported by this engine")
+        for name in ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words_token_ids"):
+            if getattr(req.params, name) is not None:  # issue 12: being implemented
+                raise ValueError(f"invalid value for '{name}': not supported by this engine yet")
         if req.params.use_beam_search:
             self._validate_beam(req)
 

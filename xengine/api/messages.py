@@ -25,6 +25,20 @@ MAX_BEAM_WIDTH = 1024  # hard bound; the engine's scheduler.max_beam_width is th
 MAX_CATALOG_NAME_LEN = 64
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Constrain a request's output to a language: exactly one of ``json``, ``json_object``, ``regex``,
+    ``choice``, ``grammar``, ``structural_tag`` is set (see ``xengine/structured/``)."""
+
+    json: str | None = None  # a JSON schema, as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # an EBNF grammar
+    structural_tag: str | None = None  # a structural tag spec, as JSON text
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request. ``temperature == 0`` means greedy.
 
@@ -59,6 +73,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     early_stopping: bool | Literal["never"] = False
     beam_top_k: int = 0  # candidates per beam per step; 0: enough for an exact top-k (HF)
     catalog: str | None = None  # constrain the output to one item of this registered catalog
+    # Token-level constraints (issue 12): structured outputs, additive logit biases, an allow-list,
+    # and banned token sequences (``bad_words`` tokenized by the service).
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the field and its allowed range."""
