@@ -36,6 +36,7 @@ from xengine.request import PRIORITY_RANK, Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.plan import ScheduledSeq, SchedulePlan, StepOutput
 from xengine.scheduler.scheduler import Scheduler
+from xengine.structured.manager import StructuredOutputs, compile_error_message
 
 logger = logging.getLogger("xengine.engine")
 
@@ -128,6 +129,8 @@ class Engine:
         )
         self.vocab_size = info.vocab_size
         self.catalogs = CatalogRegistry(info.vocab_size)
+        # structured outputs: grammars compiled off the engine loop, cached (``xengine/structured/``)
+        self.structured = StructuredOutputs.for_model(model_dir, info.vocab_size, list(info.eos_token_ids))
         self.last_step_timing: StepTiming | None = None
         self.num_steps = 0
         self.num_failed_steps = 0  # consecutive steps whose forward failed for every request
@@ -140,6 +143,7 @@ class Engine:
             num_total_blocks=num_blocks,
             device=self.platform.name,
             pid=os.getpid(),
+            hidden_size=info.hidden_size,
         )
 
     def _resolve_dtype(self, requested: str, checkpoint: str | None) -> torch.dtype:
@@ -152,23 +156,34 @@ class Engine:
         """Validate and queue a request. Raises ``ValueError`` naming the bad field."""
         self._validate(req)
         catalog = self.catalogs.get(req.params.catalog) if req.params.catalog is not None else None
-        self.scheduler.add(
-            Request(
-                seq_id=req.req_id,
-                req_id=req.req_id,
-                index=0,
-                prompt_token_ids=list(req.prompt_token_ids),
-                params=req.params,
-                priority=req.priority,
-                arrival_time=req.arrival_time or time.monotonic(),
-            ),
-            catalog,
+        request = Request(
+            seq_id=req.req_id,
+            req_id=req.req_id,
+            index=0,
+            prompt_token_ids=list(req.prompt_token_ids),
+            params=req.params,
+            priority=req.priority,
+            arrival_time=req.arrival_time or time.monotonic(),
+            pooling=req.pooling,
         )
+        if req.params.structured_outputs is not None and not self.structured.admit(request, catalog):
+            return  # waits (outside the scheduler) for its grammar to compile: ``_admit_compiled``
+        self.scheduler.add(request, catalog)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammar compiled; fail (naming the field) those whose did not."""
+        if not len(self.structured.waiting):
+            return
+        busy = self.pipeline is not None and self.pipeline.busy
+        for ready in self.structured.take_ready(idle=not (self.scheduler.has_unfinished() or busy)):
+            self.scheduler.add(ready.request, ready.catalog)
+            if ready.error is not None:
+                self.scheduler.fail_request(ready.request.req_id, compile_error_message(ready.error))
 
     def _validate(self, req: AddRequest) -> None:
         if not req.req_id:
             raise ValueError("invalid value for 'req_id': must be a non-empty string")
-        if req.req_id in self.scheduler.groups:
+        if req.req_id in self.scheduler.groups or req.req_id in self.structured.waiting:
             raise ValueError(f"invalid value for 'req_id': {req.req_id!r} is already running")
         if req.priority not in PRIORITY_RANK:
             raise ValueError(f"invalid value for 'priority': must be one of {sorted(PRIORITY_RANK)}")
@@ -180,17 +195,19 @@ class Engine:
             raise ValueError(
                 f"invalid value for 'prompt': token id {bad!r} is not an integer in the vocabulary [0, {self.vocab_size})"
             )
-        if len(ids) >= self.max_model_len:
+        # a prefill-only request may fill the context: it adds no token
+        if len(ids) > self.max_model_len - (0 if req.params.is_prefill_only else 1):
             raise ValueError(
                 f"invalid value for 'prompt': {len(ids)} tokens, the maximum context length is "
                 f"{self.max_model_len}, set by {self._len_limit} (prompt must be shorter, leaving room for output)"
             )
         req.params.validate(self.vocab_size)
-        if req.params.prompt_logprobs is not None:
-            raise ValueError("invalid value for 'prompt_logprobs': not supported by this engine")
-        for name in ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words_token_ids"):
-            if getattr(req.params, name) is not None:  # issue 12: being implemented
-                raise ValueError(f"invalid value for '{name}': not supported by this engine yet")
+        if req.pooling is not None:
+            req.pooling.validate(self.model_info.hidden_size)
+            if not req.params.is_prefill_only or req.params.n != 1:
+                raise ValueError(
+                    "invalid value for 'max_tokens': an embedding request takes max_tokens=0, n=1"
+                )
         if req.params.use_beam_search:
             self._validate_beam(req)
 
@@ -230,14 +247,18 @@ class Engine:
         return self.catalogs.list()
 
     def abort_requests(self, req_ids: list[str]) -> None:
+        for request in self.structured.waiting.remove(req_ids):  # still compiling: end it through
+            self.scheduler.add(request)  # the scheduler, which reports the abort like any other
         self.scheduler.abort(req_ids)
 
     def has_unfinished_requests(self) -> bool:
         busy = self.pipeline is not None and self.pipeline.busy
-        return self.scheduler.has_unfinished() or bool(self.scheduler.updated) or busy
+        waiting = bool(len(self.structured.waiting))  # requests whose grammar is compiling
+        return self.scheduler.has_unfinished() or bool(self.scheduler.updated) or busy or waiting
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[CompletionDelta]:
+        self._admit_compiled()
         if self.pipeline is not None:
             return self._step_async(self.pipeline)
         t0 = time.perf_counter()
@@ -328,6 +349,8 @@ class Engine:
             ran.seqs.extend(seqs)
             out.sampled.update(part.sampled)
             out.beam_candidates.update(part.beam_candidates)
+            out.prompt_logprobs.update(part.prompt_logprobs)
+            out.embeddings.update(part.embeddings)
             out.forward_s += part.forward_s
         ran.num_batched_tokens = sum(s.num_new_tokens for s in ran.seqs)
         return ran, out, error
@@ -351,9 +374,14 @@ class Engine:
                     score=req.beam_score,
                     cumulative_logprob=req.cumulative_logprob,
                     error=req.error,
+                    prompt_logprobs=req.new_prompt_logprobs,
+                    embedding=req.embedding if req.is_finished else None,
+                    queue_time_s=req.queue_time_s,
                 )
             )
+            req.queue_time_s = None  # reported once
             req.new_token_ids, req.new_logprobs, req.new_top_logprobs = [], [], []
+            req.new_prompt_logprobs = None
             if req.is_finished:
                 finished.append(req.seq_id)
         self.runner.release(finished)

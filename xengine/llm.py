@@ -18,7 +18,14 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from xengine.api.config import EngineConfig, from_dict
-from xengine.api.messages import AddRequest, CatalogInfo, CompletionDelta, Priority, SamplingParams
+from xengine.api.messages import (
+    AddRequest,
+    CatalogInfo,
+    CompletionDelta,
+    PoolingParams,
+    Priority,
+    SamplingParams,
+)
 from xengine.api.text.output_processor import RequestOutputState
 from xengine.api.text.tokenizer import Tokenizer
 from xengine.engine import Engine
@@ -79,6 +86,10 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
+    # with ``SamplingParams(prompt_logprobs=k)``: per prompt token, {token_id: logprob} for it and the
+    # top-k alternatives; None for the first token (nothing precedes it)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # ``LLM.embed``: the prompt's pooled, normalised vector
 
 
 class LLM:
@@ -124,6 +135,20 @@ class LLM:
         """Beam search for each prompt; each output's sequences come best first."""
         return self.generate(prompts, params.to_sampling_params(), use_tqdm, priority)
 
+    def embed(
+        self, prompts: PromptType | Sequence[PromptType], dimensions: int | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """Embed each prompt: its last token's final hidden state, L2-normalised (``embedding``);
+        ``dimensions`` keeps the leading ones (Matryoshka) before normalising."""
+        items = [
+            (p if isinstance(p, str) else None, self._ids_of(p), SamplingParams(max_tokens=0))
+            for p in _as_prompt_list(prompts)
+        ]
+        return self._run(items, use_tqdm, "online", PoolingParams(dimensions=dimensions))
+
+    def _ids_of(self, prompt: PromptType) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
     def register_catalog(self, name: str, items: list[list[int]]) -> CatalogInfo:
         """Register an item catalog (fixed-length token-id tuples) for constrained beam search."""
         return self.engine.register_catalog(name, items)
@@ -149,7 +174,11 @@ class LLM:
 
     # ------------------------------------------------------------------ loop
     def _run(
-        self, items: list[tuple[str | None, list[int], SamplingParams]], use_tqdm: bool, priority: Priority
+        self,
+        items: list[tuple[str | None, list[int], SamplingParams]],
+        use_tqdm: bool,
+        priority: Priority,
+        pooling: PoolingParams | None = None,
     ) -> list[RequestOutput]:
         states: dict[str, RequestOutputState] = {}
         scores: dict[tuple[str, int], CompletionDelta] = {}  # beam search results
@@ -158,7 +187,9 @@ class LLM:
             for text, ids, params in items:
                 req_id = f"llm-{next(self._ids)}"
                 self.engine.add_request(
-                    AddRequest(req_id=req_id, prompt_token_ids=ids, params=params, priority=priority)
+                    AddRequest(
+                        req_id=req_id, prompt_token_ids=ids, params=params, priority=priority, pooling=pooling
+                    )
                 )
                 states[req_id] = RequestOutputState(req_id, self.tokenizer, params, ids)
                 order.append((req_id, text, ids))
@@ -236,7 +267,21 @@ def _to_output(req_id: str, text: str | None, ids: list[int], state: RequestOutp
                 cumulative_logprob=sum(seq.logprobs) if seq.logprobs else None,
             )
         )
-    return RequestOutput(req_id, text, ids, outputs, num_cached_tokens=state.num_cached_tokens)
+    prompt_logprobs = None
+    if state.prompt_logprobs is not None:
+        p = state.prompt_logprobs
+        prompt_logprobs = [None] + [
+            {**dict(tops), tok: lp} for tok, lp, tops in zip(ids[1:], p.logprobs, p.top_logprobs)
+        ]
+    return RequestOutput(
+        req_id,
+        text,
+        ids,
+        outputs,
+        num_cached_tokens=state.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
+        embedding=state.embedding,
+    )
 
 
 def engine_config(model: str, **fields: Any) -> EngineConfig:

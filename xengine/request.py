@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from xengine.api.messages import Priority, SamplingParams, TokenLogprob
+from xengine.api.messages import PoolingParams, Priority, PromptLogprobs, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from xengine.structured.backend import BaseCompiledGrammar
 
 PRIORITY_RANK = {"online": 0, "offline": 1}  # lower runs first
 
@@ -41,9 +46,24 @@ class Request:
     num_preemptions: int = 0
     admitted_once: bool = False
     num_placeholders: int = 0  # async scheduling: output tokens of steps still in flight
+    received_at: float = field(default_factory=time.monotonic)  # when the engine got it
+    queue_time_s: float | None = None  # received -> first scheduled; None once reported
+    # structured outputs: the compiled grammar (set once compiled; its matchers live in the runner)
+    grammar: BaseCompiledGrammar | None = None
     # beam search results only (set on the per-sequence outputs of a finished beam group)
     beam_score: float | None = None
     cumulative_logprob: float | None = None
+    # prompt-side outputs (``xengine/runner/prompt_outputs.py``)
+    pooling: PoolingParams | None = None  # an embedding request
+    prompt_logprobs_end: int = 1  # prompt logprobs of positions [1, end) are reported (or pending)
+    new_prompt_logprobs: PromptLogprobs | None = None  # not yet reported
+    embedding: list[float] | None = None  # the pooled vector, once the prompt is computed
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and some still to compute: its prompt must not come from the
+        prefix cache past ``prompt_logprobs_end - 1`` (cached positions have no hidden states)."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs_end < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

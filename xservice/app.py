@@ -17,7 +17,21 @@ from xservice.cluster import admin_routes as cluster_admin
 from xservice.config import XllmConfig
 from xservice.errors import install_error_handlers
 from xservice.metrics import ServiceMetrics
-from xservice.routes import admin, batches, chat, completions, files, health, metrics, models, rec, tokenize
+from xservice.routes import (
+    admin,
+    batches,
+    chat,
+    completions,
+    embeddings,
+    files,
+    health,
+    metrics,
+    models,
+    rec,
+    responses,
+    tokenize,
+    version,
+)
 from xservice.serving.body_limit import BodyLimitMiddleware
 from xservice.serving.context import ServingContext
 
@@ -29,9 +43,12 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024  # form fields and part headers around an u
 
 ROUTERS = (
     health.router,
+    version.router,
     models.router,
     completions.router,
     chat.router,
+    responses.router,
+    embeddings.router,
     tokenize.router,
     metrics.router,
     admin.router,
@@ -52,17 +69,25 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.ctx.close()
 
 
+def _max_model_len(engine_client: EngineClient) -> int | None:
+    try:
+        return engine_client.info.max_model_len
+    except Exception:  # no engine registered yet (cluster mode): the histograms get default buckets
+        return None
+
+
 def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: XllmConfig) -> FastAPI:
     """The HTTP app serving ``engine_client`` with ``tokenizer`` (the served model's).
 
     The app does not own the engine client: whoever created it closes it.
     """
     app = FastAPI(title="xllm", docs_url=None, redoc_url=None, lifespan=_lifespan)
-    service_metrics = ServiceMetrics()
+    service_metrics = ServiceMetrics(max_model_len=_max_model_len(engine_client))
     service_metrics.watch_engine(engine_client)
     app.state.ctx = ServingContext(
         engine_client=engine_client, tokenizer=tokenizer, config=config, metrics=service_metrics
     )
+    service_metrics.model_name = app.state.ctx.model_name
     app.state.batch = BatchService(app.state.ctx, config.batch)
     install_error_handlers(app, on_error=service_metrics.record_error)
     for router in ROUTERS:

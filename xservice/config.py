@@ -90,6 +90,15 @@ class ServiceConfig:
         "An engine that answers no request audit for this long while requests are in flight is treated as "
         "hung: its requests fail over and the supervisor restarts it.",
     )
+    tool_call_parser: str = _f(
+        "auto",
+        "How tool calls are found in model output for tool_choice 'auto': a parser family ('hermes': Qwen2.5, "
+        "Qwen3, Hermes), 'none', or 'auto' (from the chat template's call syntax, else the architecture).",
+    )
+    trust_request_chat_template: bool = _f(
+        False,
+        "Accept 'chat_template' in chat requests (a Jinja template, run sandboxed on the server).",
+    )
 
     def with_api_key(self) -> ServiceConfig:
         """This config with its API key resolved: ``api_key``, else ``api_key_file``, else ``$XLLM_API_KEY``."""
@@ -119,6 +128,10 @@ class ServiceConfig:
             )
         if self.engine_hang_timeout_s <= 0:
             raise ValueError("service.engine_hang_timeout_s must be > 0")
+        from xservice.serving.tools.registry import setting_names
+
+        if self.tool_call_parser not in setting_names():
+            raise ValueError(f"service.tool_call_parser must be one of {', '.join(setting_names())}")
 
     def restart_policy(self) -> RestartPolicy:
         """The supervisor's restart policy from these settings."""

@@ -1,7 +1,8 @@
 """Prometheus metrics of one service instance, in a registry owned by that instance.
 
 Request-level latencies are observed by the serving layer as tokens arrive; engine gauges are
-refreshed from ``EngineStats`` when ``/metrics`` is scraped.
+refreshed from ``EngineStats`` when ``/metrics`` is scraped. Every quantity vLLM also exports is
+exported again under vLLM's name (``xservice/metrics_vllm.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from xengine.api.messages import EngineStats
+from xservice.metrics_vllm import VllmNamesCollector
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -43,6 +45,22 @@ _LATENCY_BUCKETS = (
     80.0,
 )
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+DEFAULT_MAX_TOKENS_BUCKET = 1 << 20
+
+
+def token_buckets(max_model_len: int | None) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (token-count histograms; as vLLM's)."""
+    limit = max_model_len or DEFAULT_MAX_TOKENS_BUCKET
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -50,9 +68,11 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServiceMetrics:
     """All metrics the service exports; one instance per app."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.model_name = "unknown"  # the served name, for the vLLM-named metrics' label (set by the app)
+        self.engine_stats: EngineStats | None = None  # from the last scrape
         self.ttft = Histogram(
             "xllm_time_to_first_token_seconds",
             "Arrival to first token.",
@@ -117,6 +137,59 @@ class ServiceMetrics:
             "xllm_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=r
         )
         self.generation_tokens = Counter("xllm_generation_tokens_total", "Generated tokens.", registry=r)
+        self.prompt_tokens_cached = Counter(
+            "xllm_prompt_tokens_cached_total",
+            "Prompt tokens of finished requests served from the prefix cache.",
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "xllm_request_queue_time_seconds",
+            "From the engine receiving a request to its first scheduling.",
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "xllm_request_prompt_tokens", "Prompt tokens per request.", buckets=tokens, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "xllm_request_generation_tokens",
+            "Generated tokens per finished sequence.",
+            buckets=tokens,
+            registry=r,
+        )
+        self.request_params_n = Histogram(
+            "xllm_request_params_n", "The 'n' of each request.", buckets=_N_BUCKETS, registry=r
+        )
+        self.request_params_max_tokens = Histogram(
+            "xllm_request_params_max_tokens",
+            "The resolved max_tokens of each request.",
+            buckets=tokens,
+            registry=r,
+        )
+        engine_counters = _EngineCountersCollector(self)
+        r.register(engine_counters)
+        sources = [
+            self.num_running,
+            self.num_waiting,
+            self.kv_usage,
+            self.num_preemptions,
+            engine_counters,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prompt_tokens_cached,
+            self.success,
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.request_params_n,
+            self.request_params_max_tokens,
+        ]
+        r.register(VllmNamesCollector(sources, lambda: self.model_name))
 
     def watch_engine(self, client: Any) -> None:
         """Export ``client``'s health and supervisor counters (read at each scrape)."""
@@ -127,6 +200,7 @@ class ServiceMetrics:
 
     def update_engine(self, stats: EngineStats) -> None:
         """Copy the engine's gauges from a fresh ``EngineStats``."""
+        self.engine_stats = stats
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
@@ -146,6 +220,28 @@ class ServiceMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCountersCollector:
+    """``xllm_prefix_cache_queries_total`` / ``xllm_prefix_cache_hits_total``: the engine's running
+    totals (prompt tokens looked up in the prefix cache, and found), as of the last scrape."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._metrics.engine_stats or EngineStats()
+        yield CounterMetricFamily(
+            "xllm_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "xllm_prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
+        )
 
 
 class _EngineHealthCollector:
@@ -186,6 +282,7 @@ class RequestTimer:
         self.arrival = time.monotonic() if arrival is None else arrival  # time.monotonic() clock
         self.first_token: float | None = None
         self._last_token: dict[int, float] = {}  # sequence index -> time of its last token
+        self._scheduled = False  # queue time observed (the engine may report it per sequence)
 
     def on_tokens(self, index: int, num_new: int) -> None:
         """Call when ``num_new`` tokens of sequence ``index`` arrive together (one engine step)."""
@@ -200,6 +297,12 @@ class RequestTimer:
             self.metrics.itl.observe(now - last)
         self._last_token[index] = now
         self.metrics.generation_tokens.inc(num_new)
+
+    def on_scheduled(self, queue_time_s: float) -> None:
+        """Call when the engine reports how long the request waited before it first ran (once)."""
+        if not self._scheduled:
+            self._scheduled = True
+            self.metrics.queue_time.observe(queue_time_s)
 
     def finish(self, max_seq_tokens: int) -> None:
         """Observe E2E and TPOT; ``max_seq_tokens`` is the longest sequence's length."""

@@ -61,3 +61,36 @@ def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
     ids = tok.encode("hi") + [tok.eos_token_id]
     assert "".join(_stream(tok, ids, random.Random(0))) == "hi"
     assert "".join(_stream(tok, ids, random.Random(0), skip=False)) == "hi<|im_end|>"
+
+
+def _wordpiece_tokenizer() -> Tokenizer:
+    """A real WordPiece tokenizer (BERT-style decoder, which joins tokens with spaces)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "[A]": 1, "[B]": 2, "hello": 3, "world": 4, "##s": 5}
+    backend = HFTokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens(["[A]", "[B]"])
+    return Tokenizer(backend)
+
+
+def test_spaces_between_special_tokens() -> None:
+    tok = _wordpiece_tokenizer()
+    a, b, hello, world, s = 1, 2, 3, 4, 5
+    ids = [hello, a, b, a, world, s]
+    assert tok.decode(ids, skip_special_tokens=False) == "hello [A] [B] [A] worlds"
+
+    def stream(spaces: bool) -> str:
+        detok = IncrementalDetokenizer(
+            tok, [hello], skip_special_tokens=False, spaces_between_special_tokens=spaces
+        )
+        return "".join(detok.add([t]) for t in ids) + detok.flush()
+
+    assert stream(True) == " hello [A] [B] [A] worlds"
+    # without: no space between consecutive added tokens (vLLM's rule for fast tokenizers)
+    assert stream(False) == " hello [A][B][A] worlds"
+    # skipping special tokens makes the option moot
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=True, spaces_between_special_tokens=False)
+    assert detok.add(ids) + detok.flush() == "hello worlds"

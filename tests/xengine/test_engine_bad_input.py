@@ -67,7 +67,8 @@ BAD_PARAMS = {
     "min_p=2": (dict(min_p=2.0), r"'min_p'.*\[0, 1\]"),
     "n=0": (dict(n=0), r"'n'.*\[1, 128\]"),
     "n=1000": (dict(n=1000), r"'n'.*\[1, 128\]"),
-    "max_tokens=0": (dict(max_tokens=0), r"'max_tokens'.*positive"),
+    "max_tokens=-1": (dict(max_tokens=-1), r"'max_tokens'.*non-negative"),  # 0: prefill only
+    "prompt_logprobs=21": (dict(prompt_logprobs=21), r"'prompt_logprobs'.*\[0, 20\]"),
     "min_tokens>max_tokens": (dict(min_tokens=9, max_tokens=8), r"'min_tokens'.*<= max_tokens \(8\)"),
     "min_tokens=-1": (dict(min_tokens=-1), r"'min_tokens'.*>= 0"),
     "logprobs=50": (dict(logprobs=50), r"'logprobs'.*\[0, 20\]"),

@@ -219,3 +219,29 @@ def launch_server() -> Callable[..., ServerHandle]:
 def idle() -> Callable[..., dict[str, Any]]:
     """``idle(http, num_free_blocks=None)``: wait until the engine has nothing running or waiting."""
     return wait_idle
+
+
+# Tool calling needs a template that renders tools the way real Qwen3 checkpoints do; the generated
+# checkpoints carry plain ChatML, so this copy of the tiny one gets a Qwen3-style template.
+TOOLS_TEMPLATE = Path(__file__).resolve().parent / "data" / "qwen3_tools.jinja"
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(make_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 checkpoint with a Qwen3-style tool-calling chat template (``chat_template.jinja``)."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("tools-model") / "model"
+    shutil.copytree(make_model_dir("qwen3", "tiny", 0), out)
+    (out / "chat_template.jinja").write_text(TOOLS_TEMPLATE.read_text())
+    return out
+
+
+@pytest.fixture(scope="session")
+def tools_server(tools_model_dir: Path) -> Iterator[ServerHandle]:
+    """A server of ``tools_model_dir`` that trusts request chat templates (tools, responses, LangChain)."""
+    service = {"trust_request_chat_template": True, "max_n": 4}
+    # tool definitions take a few hundred tokens of the tiny tokenizer: a longer context than the default
+    handle = start_server(tools_model_dir, service, engine={"model": {"max_model_len": 2048}})
+    yield handle
+    handle.stop()

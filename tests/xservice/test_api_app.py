@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prometheus_client import REGISTRY
 from starlette.testclient import TestClient
 
@@ -14,6 +16,7 @@ class _ServingStandIn:
 
     is_alive = True
     health = "ok"
+    info = SimpleNamespace(model_name="stand-in")  # labels the vLLM-named metrics
 
     def restart_counts(self) -> dict[str, int]:
         return {}

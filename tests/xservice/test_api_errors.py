@@ -90,7 +90,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
         "stream_options",
     ),
     ("priority-unknown", CMPL, cmpl(priority="urgent"), 400, "priority", "online"),
-    ("echo-with-logprobs", CMPL, cmpl(echo=True, logprobs=1), 400, "echo", "not supported"),
+    ("prompt-logprobs-stream", CMPL, cmpl(stream=True, prompt_logprobs=1), 400, "prompt_logprobs", "stream"),
     ("unknown-model", CMPL, cmpl(model="gpt-5"), 404, "model", "does not exist"),
     ("chat-empty-messages", CHAT, chat(messages=[]), 400, "messages", "at least one"),
     ("chat-messages-not-list", CHAT, chat(messages="hi"), 400, "messages", "list"),

@@ -190,6 +190,35 @@ def test_decode_side_prefix_hit_transfers_fewer_blocks(cluster: ClusterServer, e
     assert hits >= num_first - 1 and moved < num_first  # the shared prefix stayed on the decode side
 
 
+def test_prompt_side_outputs_through_the_cluster(cluster: ClusterServer, model_dir: Path) -> None:
+    """Embeddings and prompt scoring (prefill-only: routed whole to one instance, never PD) and
+    ``prompt_logprobs`` through PD (the prefill instance computes them) equal HF's."""
+    import torch
+    from transformers import AutoModel
+
+    from tests.xengine.conftest import HFOracle
+
+    client, ids = cluster.openai(), [(11 * i) % 2000 + 3 for i in range(60)]
+    want = HFOracle(model_dir).logits(ids)[:-1].log_softmax(-1)
+    want = want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    with torch.no_grad():
+        hidden = AutoModel.from_pretrained(model_dir, dtype=torch.float32)(
+            torch.tensor([ids])
+        ).last_hidden_state
+    emb = client.embeddings.create(model="xllm-tiny", input=ids, encoding_format="float").data[0].embedding
+    assert torch.allclose(torch.tensor(emb), torch.nn.functional.normalize(hidden[0, -1], dim=0), atol=1e-5)
+    pd_before = cluster.admin()["pd"]["num_requests"]
+    scored = client.completions.create(model="xllm-tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert cluster.admin()["pd"]["num_requests"] == pd_before
+    out = client.completions.create(
+        model="xllm-tiny", prompt=ids, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    field = out.choices[0].model_extra["prompt_logprobs"]
+    assert [field[i][str(ids[i])]["logprob"] for i in range(1, 60)] == pytest.approx(want, abs=1e-4)
+    assert cluster.admin()["pd"]["num_requests"] == pd_before + 1
+
+
 def _stream(client: openai.OpenAI, prompt: str, chunks: list[str]) -> str | None:
     finish = None
     for chunk in complete(client, prompt, STREAM_TOKENS, stream=True):

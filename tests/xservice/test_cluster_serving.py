@@ -189,6 +189,19 @@ def test_cache_aware_routes_a_shared_prefix_follow_up_to_its_holder(cluster: Clu
     assert all(final[n] == after[n] for n in final if n != holder)
 
 
+def test_vllm_named_metrics_sum_the_instances(cluster: ClusterServer) -> None:
+    """Cluster mode exports vLLM's metric names too: engine counters are the instances' sums."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(cluster.http.get("/metrics").text)
+    values = {s.name: s for f in families for s in f.samples}
+    hits = values["vllm:prefix_cache_hits_total"]
+    assert hits.labels == {"model_name": "xllm-tiny", "engine": "0"}
+    assert hits.value >= 3 * 5 * 16  # the cache-aware follow-ups above each hit >= 5 blocks
+    assert values["vllm:prompt_tokens_total"].value == values["xllm_prompt_tokens_total"].value > 0
+    assert "vllm:num_requests_running" in values and "vllm:kv_cache_usage_perc" in values
+
+
 def test_serving_continues_while_etcd_is_down_and_instances_reregister(
     cluster: ClusterServer,
     etcd: EtcdServer,  # noqa: F811

@@ -17,6 +17,8 @@ ROUTES: dict[str, tuple[str, dict[str, Any]]] = {
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     ),
+    "POST /v1/embeddings": ("/v1/embeddings", {"input": "hi"}),
+    "POST /v1/responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
     "POST /tokenize": ("/tokenize", {"prompt": "hi"}),
 }
 

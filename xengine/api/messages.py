@@ -12,6 +12,8 @@ from typing import Literal, Union
 
 import msgspec
 
+from xengine.api.constraints import check_constraints, check_structured_outputs
+
 Priority = Literal["online", "offline"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -27,23 +29,34 @@ MAX_CATALOG_NAME_LEN = 64
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Constrain a request's output to a language: exactly one of ``json``, ``json_object``, ``regex``,
-    ``choice``, ``grammar``, ``structural_tag`` is set (see ``xengine/structured/``)."""
+    ``choice``, ``grammar``, ``structural_tag`` is set (see ``xengine/structured/`` and
+    ``docs/structured_outputs.md``; structural tags are refused for now).
+
+    JSON whitespace: flexible by default (runs of at most ``xengine.api.grammar.MAX_JSON_WHITESPACE``
+    characters between tokens), none with ``disable_any_whitespace``, or ``whitespace_pattern`` (a regex).
+    """
 
     json: str | None = None  # a JSON schema, as JSON text
     json_object: bool = False  # any JSON object
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None  # an EBNF grammar
+    regex: str | None = None  # Rust ``regex`` syntax (no look-around, no back-references)
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark or GBNF (llama.cpp / vLLM EBNF) grammar
     structural_tag: str | None = None  # a structural tag spec, as JSON text
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False  # objects without "additionalProperties" get false
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming 'structured_outputs' (cheap checks; compiling is the backend's)."""
+        check_structured_outputs(self)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request. ``temperature == 0`` means greedy.
 
     ``logprobs``: None = no logprobs; k >= 0 returns the chosen token's logprob plus the
-    top-k alternatives at each step.
+    top-k alternatives at each step. ``prompt_logprobs``: the same for each prompt token from the
+    second on (the logprob of prompt token i given tokens < i), with its rank in the vocabulary.
     """
 
     n: int = 1
@@ -63,6 +76,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # see ``IncrementalDetokenizer``
     include_stop_str_in_output: bool = False
     # Beam search (deterministic; sampling fields are ignored). ``n`` is the number of returned
     # sequences, best first. Scores follow HF ``generate(num_beams=...)``: sum of logprobs /
@@ -73,8 +87,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     early_stopping: bool | Literal["never"] = False
     beam_top_k: int = 0  # candidates per beam per step; 0: enough for an exact top-k (HF)
     catalog: str | None = None  # constrain the output to one item of this registered catalog
-    # Token-level constraints (issue 12): structured outputs, additive logit biases, an allow-list,
-    # and banned token sequences (``bad_words`` tokenized by the service).
+    # Token-level constraints (``xengine/sampling/constraints.py``, ``xengine/structured/``): the output
+    # follows a grammar; ``logit_bias`` (id -> [-100, 100]) is added to the logits; only
+    # ``allowed_token_ids`` may be sampled; a ``bad_words_token_ids`` sequence's last token is banned
+    # wherever the output ends with the rest of it (the service tokenizes ``bad_words``).
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -116,9 +132,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "must be in [-2, 2]",
         )
         _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
             "max_tokens",
-            "must be a positive integer",
+            "must be a non-negative integer (0: compute the prompt only, generate nothing)",
         )
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
         if self.max_tokens is not None:
@@ -147,6 +163,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 name,
                 f"must be in [0, {MAX_LOGPROBS}]",
             )
+        check_constraints(self, vocab_size)  # structured outputs, logit_bias, allow-list, bad words
         if self.use_beam_search or self.catalog is not None:
             self._validate_beam()
 
@@ -178,6 +195,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
         _check(no_penalty, "repetition_penalty", "penalties are not supported with beam search")
         _check(self.logprobs is None, "logprobs", "not supported with beam search (each output has a score)")
+        _check(self.prompt_logprobs is None, "prompt_logprobs", "not supported with beam search")
+        _check(self.max_tokens != 0, "max_tokens", "must be positive with beam search")
         if self.catalog is not None:
             _check(
                 isinstance(self.catalog, str) and 0 < len(self.catalog) <= MAX_CATALOG_NAME_LEN,
@@ -188,6 +207,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_prefill_only(self) -> bool:
+        """``max_tokens == 0``: the prompt is computed (prompt logprobs, embeddings, KV for the
+        prefix cache) and the request finishes without sampling."""
+        return self.max_tokens == 0
 
 
 def _finite(x: object) -> bool:
@@ -202,12 +227,30 @@ def _check(ok: bool, field: str, rule: str) -> None:
 # ---------------------------------------------------------------- service -> engine
 
 
+class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Embed the prompt instead of generating (``/v1/embeddings``): the final hidden state (after the
+    model's last norm) of the prompt's last token, optionally cut to its first ``dimensions``
+    (Matryoshka), then L2-normalised when ``normalize``. The request must be prefill-only."""
+
+    dimensions: int | None = None
+    normalize: bool = True
+
+    def validate(self, hidden_size: int) -> None:
+        d = self.dimensions
+        _check(
+            d is None or (isinstance(d, int) and 1 <= d <= hidden_size),
+            "dimensions",
+            f"must be an integer in [1, {hidden_size}] (the model's hidden size)",
+        )
+
+
 class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: Priority = "online"
     arrival_time: float = 0.0
+    pooling: PoolingParams | None = None  # set: an embedding request (``params.max_tokens`` must be 0)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -245,6 +288,16 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     logprob: float
 
 
+class PromptLogprobs(msgspec.Struct, kw_only=True):
+    """Logprobs of the prompt tokens at positions ``start .. start + len(logprobs) - 1`` (``start`` >= 1:
+    the first prompt token has none), each given the tokens before it."""
+
+    start: int
+    logprobs: list[float]  # of the prompt token at each position
+    ranks: list[int]  # its rank in the vocabulary (1: the most likely token)
+    top: list[list[TokenLogprob]]  # the top ``prompt_logprobs`` tokens there, most likely first
+
+
 class CompletionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     """New tokens of one sequence (``index`` < n) of one request since the last delta."""
 
@@ -262,6 +315,11 @@ class CompletionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     # beam search: sent once per returned sequence, with all its tokens
     score: float | None = None  # length-penalised score (the ranking key)
     cumulative_logprob: float | None = None
+    # prompt logprobs computed since the last delta (sequence 0 only; positions in order, no repeats)
+    prompt_logprobs: PromptLogprobs | None = None
+    embedding: list[float] | None = None  # pooling requests: the pooled vector, on the final delta
+    # seconds from the engine receiving the request to its first scheduling (once, on a later delta)
+    queue_time_s: float | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -321,6 +379,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     num_total_blocks: int
     device: str
     pid: int
+    hidden_size: int = 0  # width of the final hidden states (embeddings); 0: unknown
 
 
 class CatalogInfo(msgspec.Struct, kw_only=True):

@@ -14,10 +14,12 @@ from ops.platforms import Platform
 from xengine.api.messages import TokenLogprob
 from xengine.request import Request
 from xengine.runner.input_batch import ModelInputs, build_inputs
+from xengine.runner.prompt_outputs import PromptOutputRows, build_prompt_rows, compute_prompt_outputs
 from xengine.sampling.beam_search import BeamRows, beam_candidates
 from xengine.sampling.metadata import SamplingMetadata
 from xengine.sampling.sampler import Sampler, SamplerOutput
 from xengine.scheduler.plan import SampledToken, SchedulePlan, StepOutput
+from xengine.structured.matcher import GrammarRows, SequenceMatchers
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -46,6 +48,7 @@ class ModelRunner:
         self.max_model_len = max_model_len  # positions the model's tables cover (None: unchecked)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.matchers = SequenceMatchers()  # structured outputs: one grammar matcher per sequence
         self.graph = create_graph_runner(graph_mode, platform.name, self._forward_tokens)
         torch.manual_seed(default_seed)
 
@@ -72,7 +75,7 @@ class ModelRunner:
             [(s.req.seq_id, plan.block_tables[s.req.seq_id], s.end) for s in plan.seqs]
         )
         inputs = build_inputs(plan, self.block_size, self.device, kv_slots)
-        return PreparedStep(plan, inputs, self._sampling_rows(plan))
+        return PreparedStep(plan, inputs, self._sampling_rows(plan), build_prompt_rows(plan))
 
     @torch.inference_mode()
     def run(self, step: PreparedStep, prev_rows: torch.Tensor | None = None) -> StepOutput:
@@ -90,6 +93,8 @@ class ModelRunner:
         )
         self.platform.synchronize()
         out = StepOutput(forward_s=time.perf_counter() - t0)
+        if step.prompt_rows is not None:  # prompt logprobs / embeddings of the prompt positions computed
+            compute_prompt_outputs(self.model, hidden, step.prompt_rows, out)
         if logits is not None and step.sampling is not None:
             self._sample(step.sampling, logits, out, prev_rows)
         return out
@@ -119,6 +124,10 @@ class ModelRunner:
                 sampling.beam_seq_ids.append(s.req.seq_id)
                 continue
             for k in range(s.num_samples):
+                if s.req.grammar is not None:
+                    grammar = s.req.grammar
+                    matcher = self.matchers.get(self._seq_id(s.req, k), grammar)
+                    sampling.grammar.add(len(sampling.rows), matcher, grammar.num_ids)
                 sampling.rows.append((s.req, k))
                 sampling.row_of_logit.append(i)
                 # outputs before this step's token (async: the list already ends with its placeholder)
@@ -162,15 +171,25 @@ class ModelRunner:
             logits = logits[torch.tensor(sampling.row_of_logit, device=logits.device)]
         meta = sampling.meta
         assert meta is not None
-        if prev_rows is not None and meta.has_history_penalties:
+        if prev_rows is not None and meta.needs_history:
             meta.output_token_ids = _resolve_lists(meta.output_token_ids, prev_rows)
+        grammar = sampling.grammar
+        if grammar.rows:  # the matchers already saw the previous step's tokens (accepted below)
+            meta.grammar_bitmask, meta.grammar_rows = grammar.fill_bitmask(), grammar.rows
         result = self.sampler(logits, meta)
         out.sampled_rows = result.sampled_token_ids
+        if grammar.rows:
+            grammar.accept(result.sampled_token_ids.tolist())
         self._collect(sampling.rows, result, out)
+
+    @staticmethod
+    def _seq_id(req: Request, k: int) -> str:
+        """The sequence sample ``k`` of ``req``'s row belongs to (k > 0: the forks of an n > 1 request)."""
+        return req.seq_id if k == 0 else f"{req.req_id}#{req.index + k}"
 
     def _generator(self, req: Request, k: int) -> torch.Generator:
         index = req.index + k
-        seq_id = req.seq_id if k == 0 else f"{req.req_id}#{index}"
+        seq_id = self._seq_id(req, k)
         gen = self.generators.get(seq_id)
         if gen is None:
             seed = req.params.seed if index == 0 else (req.params.seed * 1000003 + index) & _SEED_MASK
@@ -196,6 +215,7 @@ class ModelRunner:
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             self.generators.pop(seq_id, None)
+        self.matchers.release(seq_ids)
 
 
 @dataclass
@@ -208,6 +228,7 @@ class SamplingRows:
     beam_seq_ids: list[str] = field(default_factory=list)
     num_outputs: list[int] = field(default_factory=list)  # per row: outputs before this step's token
     meta: SamplingMetadata | None = None
+    grammar: GrammarRows = field(default_factory=GrammarRows)  # structured-output rows and matchers
 
 
 @dataclass
@@ -215,6 +236,7 @@ class PreparedStep:
     plan: SchedulePlan
     inputs: ModelInputs
     sampling: SamplingRows | None
+    prompt_rows: PromptOutputRows | None = None
 
 
 def _resolve(token_ids: torch.Tensor, prev_rows: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from xengine.api.messages import SamplingParams
+from xengine.sampling.constraints import LogitBias
 
 # Temperatures below this are treated as greedy: dividing by them overflows, and the limit of
 # sampling at temperature -> 0 is argmax anyway.
@@ -37,15 +38,30 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # None: no logprobs this step; k >= 0: chosen logprob + top-k
     # Host copy of ``top_k.max()`` so top-k needs no device sync; None = read it from the tensor.
     max_top_k: int | None = None
+    # token-level constraints (``constraints.py``); None = no row uses them
+    logit_bias: LogitBias | None = None
+    allowed_token_ids: list[list[int] | None] | None = None  # per row; None = that row is free
+    bad_words: list[list[list[int]]] | None = None  # per row, banned token sequences
+    # grammar masks, set by the runner right before sampling: row i of the bitmask is logits row rows[i]
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: list[int] | None = None
 
     @staticmethod
     def uses_history(params: SamplingParams) -> bool:
-        """Whether sampling with ``params`` reads the sequence's previous tokens (penalties)."""
+        """Whether sampling with ``params`` reads the sequence's previous tokens (penalties, bad words
+        of more than one token)."""
+        if any(len(w) > 1 for w in params.bad_words_token_ids or ()):
+            return True
         return (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) != (
             1.0,
             0.0,
             0.0,
         )
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether ``output_token_ids`` is read this step (async placeholders must be resolved)."""
+        return self.has_history_penalties or self.bad_words is not None
 
     @property
     def has_history_penalties(self) -> bool:
@@ -106,7 +122,15 @@ class SamplingMetadata:
             ),
             max_num_logprobs=max(asked) if asked else None,
             max_top_k=max(top_k, default=0),
+            logit_bias=LogitBias.from_params(params, device),
+            allowed_token_ids=_or_none([p.allowed_token_ids for p in params]),
+            bad_words=_or_none([p.bad_words_token_ids or [] for p in params]),
         )
+
+
+def _or_none(values: list) -> list | None:
+    """``values`` (one per row), or None when no row has one."""
+    return values if any(values) else None
 
 
 def _tensor_or_none(

@@ -1,11 +1,12 @@
 """The sampler: one token per logits row, plus logprobs when asked.
 
-Order per step: banned ids -> penalties -> (logprobs) -> greedy argmax | temperature, top-k,
-top-p, min-p, random draw.
+Order per step: banned ids (min_tokens, bad words) -> allowed_token_ids -> penalties -> logit_bias
+-> grammar bitmask -> (logprobs) -> greedy argmax | temperature, top-k, top-p, min-p, random draw.
 
-Logprobs are the log-softmax of the logits after bans and penalties but before temperature and
-truncation: they describe the model's (penalised) distribution and are identical for greedy and
-random rows, the same choice as vLLM's default "raw" logprobs after processors.
+Logprobs are the log-softmax of the logits after bans, penalties, biases and the grammar mask but
+before temperature and truncation: they describe the distribution the token is drawn from (a
+masked id has logprob -inf) and are identical for greedy and random rows, the same choice as
+vLLM's "processed" logprobs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from xengine.sampling.constraints import (
+    apply_allowed_token_ids,
+    apply_grammar,
+    apply_logit_bias,
+    bad_words_bans,
+)
 from xengine.sampling.metadata import GREEDY_TEMPERATURE, SamplingMetadata
 from xengine.sampling.penalties import apply_banned_tokens, apply_penalties
 from xengine.sampling.top_k_top_p import apply_min_p, apply_top_k, apply_top_k_top_p
@@ -48,10 +55,16 @@ class Sampler:
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Bans and penalties: the logits whose log-softmax is reported (and that beam search scores)."""
+    """Bans, penalties, biases and grammar masks: the logits whose log-softmax is reported (and that
+    beam search scores)."""
+    unconstrained = logits
     if meta.banned_token_ids is not None:
         logits = apply_banned_tokens(logits, meta.banned_token_ids)
-    return apply_penalties(
+    if meta.bad_words is not None:
+        logits = apply_banned_tokens(logits, bad_words_bans(meta.bad_words, meta.output_token_ids))
+    if meta.allowed_token_ids is not None:
+        logits = apply_allowed_token_ids(logits, meta.allowed_token_ids)
+    logits = apply_penalties(
         logits,
         meta.output_token_ids,
         meta.prompt_token_ids,
@@ -59,6 +72,11 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         meta.presence_penalty,
         meta.frequency_penalty,
     )
+    if meta.logit_bias is not None:
+        logits = apply_logit_bias(logits, meta.logit_bias)
+    if meta.grammar_bitmask is not None and meta.grammar_rows:
+        logits = apply_grammar(logits, unconstrained, meta.grammar_bitmask, meta.grammar_rows)
+    return logits
 
 
 def random_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from xengine.api.messages import TokenLogprob
+from xengine.api.messages import PromptLogprobs, TokenLogprob
 from xengine.request import Request
 
 
@@ -75,3 +75,7 @@ class StepOutput:
     # the sampled token of every sampling row, in row order (async scheduling resolves the next
     # step's placeholders from it); None when nothing was sampled
     sampled_rows: torch.Tensor | None = None
+    # prompt-side outputs (``xengine/runner/prompt_outputs.py``): seq_id -> the prompt logprobs this
+    # step computed / the pooled embedding of a prompt this step completed
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)

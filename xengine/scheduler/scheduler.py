@@ -17,6 +17,7 @@ its prompt (deterministic, so the result is the same).
 from __future__ import annotations
 
 import bisect
+import time
 
 from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
 from xengine.api.config import SchedulerConfig
@@ -25,6 +26,7 @@ from xengine.beam.group import BeamGroup
 from xengine.request import PRIORITY_RANK, Request, RequestStatus
 from xengine.scheduler.in_flight import advance, done_pending, strip_placeholders
 from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
+from xengine.scheduler.prompt_outputs import apply_prompt_outputs, limit_prefix, prefill_done
 from xengine.scheduler.stop import check_stop
 
 
@@ -170,6 +172,7 @@ class Scheduler:
             prefix = ComputedPrefix([], 0)
             if req.num_computed_tokens == 0:
                 prefix = self.kv.get_computed_prefix(req.all_token_ids)
+                prefix = limit_prefix(req, prefix, self.kv.block_size)
             num_computed = max(req.num_computed_tokens, prefix.num_tokens)
             num_new = self._num_new_tokens(req, num_computed)
             if num_new <= 0:
@@ -181,6 +184,7 @@ class Scheduler:
             self.waiting.pop(0)
             if not req.admitted_once:
                 req.admitted_once = True
+                req.queue_time_s = time.monotonic() - req.received_at
                 req.num_cached_tokens = prefix.num_tokens
                 self.prefix_queries += req.num_prompt_tokens
                 self.prefix_hits += prefix.num_tokens
@@ -190,7 +194,7 @@ class Scheduler:
             self._add_to_plan(plan, req, num_new)
 
     def _add_to_plan(self, plan: SchedulePlan, req: Request, num_new: int) -> None:
-        sample = req.num_computed_tokens + num_new == req.num_tokens
+        sample = req.num_computed_tokens + num_new == req.num_tokens and not req.params.is_prefill_only
         num_samples = 1 + req.num_pending_forks if sample else 1
         seq = ScheduledSeq(req, num_new, sample, num_samples)
         group = self.beam_groups.get(req.req_id)
@@ -268,10 +272,14 @@ class Scheduler:
             self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens, num_prompt) - before)
             # cache before sampling: a request that finishes now still leaves its prefix behind
             self.kv.cache_blocks(req.seq_id, req.all_token_ids, req.num_computed_tokens)
+            if apply_prompt_outputs(req, out):
+                self.updated[req.seq_id] = req
             if s.sample and req.req_id in self.beam_groups:
                 stepped[req.req_id] = self.beam_groups[req.req_id].epoch
             elif s.sample:
                 self._apply_samples(req, out.sampled[req.seq_id])
+            elif prefill_done(req, req.num_computed_tokens):
+                self._finish(req, "length")
         for req_id, epoch in stepped.items():
             group = self.beam_groups.get(req_id)
             if group is not None and group.epoch == epoch:  # not aborted / preempted meanwhile
@@ -289,7 +297,11 @@ class Scheduler:
         self.num_computed_prompt_tokens += max(0, min(s.computed_after, req.num_prompt_tokens) - before)
         if req.status == RequestStatus.RUNNING and req.num_computed_tokens >= s.computed_after:
             self.kv.cache_blocks(req.seq_id, req.all_token_ids, s.computed_after)
+        if apply_prompt_outputs(req, out):
+            self.updated[req.seq_id] = req
         if s.output_index is None:
+            if prefill_done(req, s.computed_after):
+                self._finish(req, "length")
             return
         sample = out.sampled[req.seq_id][0]
         req.output_token_ids[s.output_index] = sample.token_id
@@ -338,12 +350,17 @@ class Scheduler:
             priority=parent.priority,
             arrival_time=parent.arrival_time,
             num_cached_tokens=parent.num_cached_tokens,
+            grammar=parent.grammar,
             **state,
         )
 
     def _fork(self, parent: Request, index: int) -> Request:
         child = self._sibling(
-            parent, index, output_token_ids=list(parent.output_token_ids), admitted_once=True
+            parent,
+            index,
+            output_token_ids=list(parent.output_token_ids),
+            admitted_once=True,
+            prompt_logprobs_end=parent.num_prompt_tokens,  # sequence 0 reports the prompt's logprobs
         )
         self.seqs[child.seq_id] = child
         self.groups[parent.req_id].append(child.seq_id)

@@ -1,8 +1,8 @@
 """Batch lines: parse input lines, run one through the online serving path, build output records.
 
 A runnable line's ``body`` is validated and served by the same functions as an HTTP request to
-its endpoint (``create_completion`` / ``create_chat_completion``), with ``priority="offline"``
-and ``stream=false`` forced. Output records follow OpenAI's batch output format.
+its endpoint (``create_completion`` / ``create_chat_completion`` / ``create_embeddings``), with
+``priority="offline"`` and ``stream=false`` forced. Output records follow OpenAI's batch output format.
 """
 
 from __future__ import annotations
@@ -27,16 +27,19 @@ from xservice.errors import (
     status_of,
 )
 from xservice.protocol import ChatCompletionRequest, CompletionRequest
+from xservice.protocol.embeddings import EmbeddingRequest
 from xservice.request_model import find_unsafe_value
 from xservice.serving.chat import create_chat_completion
 from xservice.serving.completions import create_completion
 from xservice.serving.context import ServingContext, new_request_id
+from xservice.serving.embeddings import create_embeddings
 
 logger = logging.getLogger(__name__)
 
 ENDPOINTS: dict[str, tuple[type[BaseModel], Any]] = {
     "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
     "/v1/completions": (CompletionRequest, create_completion),
+    "/v1/embeddings": (EmbeddingRequest, create_embeddings),
 }
 
 
@@ -192,7 +195,8 @@ async def run_line(
             request = model_cls.model_validate(body)
         except ValidationError as e:
             raise _validation_error(RequestValidationError(e.errors())) from None
-        request = request.model_copy(update={"priority": "offline", "stream": False})
+        forced = {"priority": "offline", "stream": False}  # (embeddings have no "stream")
+        request = request.model_copy(update={k: v for k, v in forced.items() if k in model_cls.model_fields})
         response = await handler(ctx, request, _NoClient())
     except (RateLimitError, EngineUnavailableError) as exc:
         raise RetryLater(exc.message) from None

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import msgspec
 
-from xengine.api.messages import AddRequest, CompletionDelta, KVExportInfo
+from xengine.api.messages import AddRequest, CompletionDelta, KVExportInfo, PromptLogprobs
 from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.engine_client import EngineDeadError
 from xservice.policies import DECODE_ROLES, InstanceSnapshot, PDPolicy, RouteRequest
@@ -95,8 +95,9 @@ class PDDispatcher:
         self.imported: dict[str, dict[str, int]] = {}  # decode instance -> KV import counters
 
     def applies(self, req: AddRequest) -> bool:
-        """PD needs a healthy prefill and decode instance; ``n > 1`` and beam search run plain."""
-        if req.params.n != 1 or req.params.use_beam_search:
+        """PD needs a healthy prefill and decode instance; ``n > 1``, beam search and prefill-only
+        requests (``max_tokens == 0``: embeddings, prompt scoring; nothing to decode) run plain."""
+        if req.params.n != 1 or req.params.use_beam_search or req.params.is_prefill_only:
             return False
         roles = {s.role for s in self.pool.snapshots()}
         return "prefill" in roles and "decode" in roles
@@ -156,6 +157,7 @@ class PDDispatcher:
                 last, req_id=req.req_id, new_token_ids=tokens, finish_reason=reason,
                 stop_reason=last.stop_reason if reason else None,
                 new_logprobs=_joined(deltas, "new_logprobs"), new_top_logprobs=_joined(deltas, "new_top_logprobs"),
+                prompt_logprobs=_joined_prompt_logprobs(deltas),
             )  # fmt: skip
             return delta, client
         raise AssertionError("unreachable")
@@ -171,7 +173,9 @@ class PDDispatcher:
     async def _export(self, req: AddRequest, client: RemoteEngineClient | None) -> _Export | None:
         """Pin the prompt's KV on ``client`` (or, after a failure, on a prefill instance that redoes the
         prefill for it); None when no prefill instance can provide it (the decode side recomputes)."""
-        kv_only = msgspec.structs.replace(req.params, max_tokens=1, min_tokens=0, logprobs=None)
+        kv_only = msgspec.structs.replace(
+            req.params, max_tokens=1, min_tokens=0, logprobs=None, prompt_logprobs=None
+        )
         for attempt in range(1, MAX_KV_ATTEMPTS + 1):
             if client is None:
                 client = self._pick_prefill()
@@ -267,3 +271,16 @@ class PDDispatcher:
 def _joined(deltas: list[CompletionDelta], field: str) -> list | None:
     parts = [getattr(d, field) for d in deltas if getattr(d, field) is not None]
     return [x for part in parts for x in part] if parts else None
+
+
+def _joined_prompt_logprobs(deltas: list[CompletionDelta]) -> PromptLogprobs | None:
+    """The prompt logprobs of a prefill's deltas (a chunked prefill sends them chunk by chunk) as one."""
+    parts = [d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None]
+    if not parts:
+        return None
+    return PromptLogprobs(
+        start=parts[0].start,
+        logprobs=[x for p in parts for x in p.logprobs],
+        ranks=[x for p in parts for x in p.ranks],
+        top=[x for p in parts for x in p.top],
+    )

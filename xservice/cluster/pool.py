@@ -271,13 +271,22 @@ class InstancePool:
 
     @staticmethod
     def continuation(req: AddRequest, generated: list[int], tag: str) -> AddRequest | None:
-        """The same request resumed after ``generated`` as ``<req_id>~<tag>`` (None: nothing left)."""
+        """The same request resumed after ``generated`` as ``<req_id>~<tag>`` (None: nothing left).
+
+        A prefill-only request (embedding, prompt scoring) runs again whole; prompt logprobs are
+        asked again while no token came (the prompt is the same; positions already streamed are
+        dropped by the service's output state)."""
         p = req.params
+        if p.is_prefill_only:
+            return msgspec.structs.replace(req, req_id=f"{req.req_id}~{tag}")
         max_tokens = None if p.max_tokens is None else p.max_tokens - len(generated)
         if max_tokens is not None and max_tokens <= 0:
             return None
         params = msgspec.structs.replace(
-            p, max_tokens=max_tokens, min_tokens=max(0, p.min_tokens - len(generated)), prompt_logprobs=None
+            p,
+            max_tokens=max_tokens,
+            min_tokens=max(0, p.min_tokens - len(generated)),
+            prompt_logprobs=p.prompt_logprobs if not generated else None,
         )
         return AddRequest(
             req_id=f"{req.req_id}~{tag}",

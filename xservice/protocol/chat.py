@@ -7,8 +7,9 @@ from typing import Any, ClassVar, Literal, Union
 from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from xservice.protocol.base import UNSUPPORTED_FIELDS, APIRequest, APIResponse, now
-from xservice.protocol.common import Usage
+from xservice.protocol.common import PromptLogprobs, Usage
 from xservice.protocol.sampling import SamplingRequest
+from xservice.protocol.tools import ChatTool, DeltaToolCall, MessageToolCall, ToolCall, ToolChoice
 
 
 class ContentPart(APIRequest):
@@ -20,20 +21,25 @@ class ContentPart(APIRequest):
     text: str | None = None
 
 
+# OpenAI deprecated ``functions`` / ``function_call`` for ``tools`` / ``tool_choice``; refused rather
+# than mapped, since the legacy response shape (``message.function_call``) would be needed too.
+_LEGACY_FUNCTIONS = "deprecated by OpenAI; use 'tools' / 'tool_choice' (and 'tool_calls' in messages)"
+
+
 class ChatMessage(APIRequest):
     ignored_fields: ClassVar[dict[str, str]] = {
         "refusal": "an earlier assistant refusal text; chat templates have no place for it",
     }
     unsupported_fields: ClassVar[dict[str, str]] = {
         "audio": "audio messages are not supported",
-        "tool_calls": "not implemented yet",
-        "function_call": "not implemented yet",
+        "function_call": _LEGACY_FUNCTIONS,
     }
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # calls an earlier assistant turn made
 
 
 CHAT_UNSUPPORTED_FIELDS: dict[str, str] = {
@@ -48,17 +54,8 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, str] = {
     "best_of": "'best_of' is served on /v1/completions",
     "use_beam_search": "beam search is served on /v1/completions",
     "length_penalty": "beam search is served on /v1/completions",
-    # --- being implemented (issue 12) ---
-    "tools": "not implemented yet",
-    "tool_choice": "not implemented yet",
-    "parallel_tool_calls": "not implemented yet",
-    "functions": "not implemented yet",
-    "function_call": "not implemented yet",
-    "chat_template": "not implemented yet",
-    "chat_template_kwargs": "not implemented yet",
-    "documents": "not implemented yet",
-    "continue_final_message": "not implemented yet",
-    "echo": "not implemented yet",
+    "functions": _LEGACY_FUNCTIONS,
+    "function_call": _LEGACY_FUNCTIONS,
 }
 
 
@@ -70,7 +67,20 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    # special tokens added by the tokenizer on top of the chat template's (vLLM's default: none)
+    add_special_tokens: bool = False
     modalities: list[Literal["text"]] | None = None  # text is the only output modality
+    # Tool calling (see xservice/serving/tools/): definitions rendered by the chat template, calls
+    # parsed from the output; "required" / a named tool constrain the output to valid calls.
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
+    # Chat template controls (vLLM's extensions)
+    chat_template: str | None = None  # replaces the model's template (service.trust_request_chat_template)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
+    documents: list[dict[str, Any]] | None = None  # the template's 'documents' variable (RAG templates)
+    continue_final_message: bool = False  # the prompt ends inside the last message, which is continued
+    echo: bool = False  # with continue_final_message: the content starts with the continued message
 
 
 class TopLogprob(APIResponse):
@@ -90,6 +100,11 @@ class ChatLogprobs(APIResponse):
 class ChatResponseMessage(APIResponse):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # left out when the model called no tool
+
+    @model_serializer(mode="wrap")
+    def _drop_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "tool_calls")
 
 
 class ChatChoice(APIResponse):
@@ -98,6 +113,7 @@ class ChatChoice(APIResponse):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with ``return_token_ids`` (null otherwise, as in vLLM)
 
 
 class ChatCompletionResponse(APIResponse):
@@ -107,6 +123,8 @@ class ChatCompletionResponse(APIResponse):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # with ``return_token_ids`` (null otherwise, as in vLLM)
+    prompt_logprobs: PromptLogprobs | None = None  # with ``prompt_logprobs`` (null otherwise, as in vLLM)
 
 
 class ChatDelta(APIResponse):
@@ -114,6 +132,7 @@ class ChatDelta(APIResponse):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -126,6 +145,11 @@ class ChatChunkChoice(APIResponse):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with ``return_token_ids``: this chunk's tokens (left out otherwise)
+
+    @model_serializer(mode="wrap")
+    def _drop_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "token_ids")
 
 
 class ChatCompletionChunk(APIResponse):
@@ -135,3 +159,16 @@ class ChatCompletionChunk(APIResponse):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # with ``return_token_ids``: the prompt's token ids, on the first chunk only (left out otherwise)
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_prompt_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "prompt_token_ids")
+
+
+def _drop_none(out: dict[str, Any], *keys: str) -> dict[str, Any]:
+    for key in keys:
+        if out.get(key) is None:
+            out.pop(key, None)
+    return out

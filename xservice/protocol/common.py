@@ -9,6 +9,20 @@ from pydantic import Field
 from xservice.protocol.base import APIResponse, now
 
 
+class PromptLogprob(APIResponse):
+    """One entry of vLLM's ``prompt_logprobs``: a token's logprob at a prompt position, its rank in the
+    vocabulary (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs`` response field: per prompt token, {token id: entry} for the prompt token
+# and the top ``prompt_logprobs`` tokens at that position; null for the first token (nothing precedes it)
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class PromptTokensDetails(APIResponse):
     cached_tokens: int = 0
 

@@ -7,7 +7,7 @@ from typing import Any, Literal, Union
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from xservice.protocol.base import APIResponse, now
-from xservice.protocol.common import Usage
+from xservice.protocol.common import PromptLogprobs, Usage
 from xservice.protocol.sampling import SamplingRequest
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]
@@ -19,6 +19,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # the tokenizer's special tokens (e.g. BOS) around a text prompt
     # beam search extras: ``n`` (or ``num_return_sequences``) choices, best first, each with a score
     use_beam_search: bool = False
     beam_width: int | None = None
@@ -40,14 +41,18 @@ class CompletionChoice(APIResponse):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # with ``return_token_ids`` (null otherwise, as in vLLM): the prompt's and this choice's token ids
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
     # beam search only (left out otherwise)
     score: float | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with ``prompt_logprobs`` (left out otherwise)
 
     @model_serializer(mode="wrap")
     def _drop_beam_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out = handler(self)
-        for key in ("score", "cumulative_logprob"):
+        for key in ("score", "cumulative_logprob", "prompt_logprobs"):
             if out.get(key) is None:
                 out.pop(key, None)
         return out

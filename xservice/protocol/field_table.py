@@ -33,6 +33,9 @@ def request_models() -> dict[str, type[RequestModel]]:
         StreamOptions,
         TokenizeRequest,
     )
+    from xservice.protocol.embeddings import EmbeddingRequest
+    from xservice.protocol.responses import MessageItem, ResponsesRequest, TextConfig
+    from xservice.protocol.structured import JSONSchemaFormat, ResponseFormat, StructuredOutputsRequest
     from xservice.rec.protocol import CatalogCreateRequest, RecGenerateRequest
     from xservice.routes.batches import CreateBatchRequest
 
@@ -41,6 +44,13 @@ def request_models() -> dict[str, type[RequestModel]]:
         "POST /v1/chat/completions": ChatCompletionRequest,
         "chat message (messages[])": ChatMessage,
         "stream_options": StreamOptions,
+        "response_format": ResponseFormat,
+        "response_format.json_schema": JSONSchemaFormat,
+        "structured_outputs": StructuredOutputsRequest,
+        "POST /v1/responses": ResponsesRequest,
+        "responses input message (input[])": MessageItem,
+        "responses text": TextConfig,
+        "POST /v1/embeddings": EmbeddingRequest,
         "POST /tokenize": TokenizeRequest,
         "POST /detokenize": DetokenizeRequest,
         "POST /v1/batches": CreateBatchRequest,
@@ -50,7 +60,7 @@ def request_models() -> dict[str, type[RequestModel]]:
 
 
 def field_statuses(model: type[RequestModel]) -> list[FieldStatus]:
-    rows = [FieldStatus(name, "implemented") for name in model.model_fields]
+    rows = [FieldStatus(f.alias or name, "implemented") for name, f in model.model_fields.items()]
     rows += [FieldStatus(name, "ignored", why) for name, why in model.ignored_fields.items()]
     rows += [FieldStatus(name, "refused", why) for name, why in model.unsupported_fields.items()]
     return sorted(rows, key=lambda r: r.name)

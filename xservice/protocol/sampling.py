@@ -6,20 +6,20 @@ accepted on both endpoints.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from xservice.protocol.base import IGNORED_FIELDS, UNSUPPORTED_FIELDS, APIRequest
+from xservice.protocol.structured import ResponseFormat, StructuredOutputsRequest
 
 
 class StreamOptions(APIRequest):
     ignored_fields: ClassVar[dict[str, str]] = {
         "include_obfuscation": "xllm adds no obfuscation padding to stream events",
     }
-    unsupported_fields: ClassVar[dict[str, str]] = {
-        "continuous_usage_stats": "not implemented yet",
-    }
 
     include_usage: bool = False
+    # with include_usage: every chunk also carries the usage so far (vLLM's extension)
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(APIRequest):
@@ -48,7 +48,35 @@ class SamplingRequest(APIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: Literal["online", "offline"] = "online"
+    # vLLM's extension: per prompt token its logprob and the top-k alternatives (not with stream)
+    prompt_logprobs: int | None = None
+    # vLLM extensions: token ids in the response, logprob tokens as "token_id:<id>", prompt
+    # truncation (keep ``truncate_prompt_tokens`` tokens; -1: the context less one) and detokenization
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    spaces_between_special_tokens: bool = True
+    # Token-level constraints (``xservice/serving/structured.py``, ``docs/structured_outputs.md``):
+    # OpenAI's response_format, vLLM's structured_outputs and its older guided_* spellings of it;
+    # logit_bias {"<token id>": -100..100}, an allow-list, and words never to generate.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: Union[dict[str, Any], bool, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # "auto" or the server's backend ("llguidance")
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: ``continuous_usage_stats`` together with ``include_usage`` (as vLLM)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)

@@ -11,8 +11,10 @@ from pydantic import BaseModel
 
 from xservice.errors import InvalidRequestError
 from xservice.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from xservice.serving.chat_render import ChatRender, chat_render
 from xservice.serving.context import ServingContext, get_ctx
 from xservice.serving.prompts import chat_prompt_ids, check_text_chars, check_token_ids
+from xservice.serving.tools.plan import chat_param, check_functions, rendered_tools
 
 router = APIRouter()
 
@@ -30,13 +32,45 @@ def _detokenize_response(ctx: ServingContext, ids: list[int]) -> Response:
     return _json(DetokenizeResponse(prompt=ctx.tokenizer.decode(ids, skip_special_tokens=False)))
 
 
+_CHAT_ONLY = ("tools", "chat_template", "chat_template_kwargs", "documents", "continue_final_message")
+
+
+def _check_no_chat_fields(body: TokenizeRequest) -> None:
+    """400 for chat template inputs sent with a plain ``prompt`` (they would do nothing)."""
+    for name in _CHAT_ONLY:
+        if getattr(body, name) not in (None, False):
+            raise InvalidRequestError(f"'{name}' applies to 'messages', not to 'prompt'.", param=name)
+
+
+async def tokenize_render(ctx: ServingContext, body: TokenizeRequest) -> ChatRender:
+    """The template options of a chat /tokenize request (tools rendered as a chat request would)."""
+    render = await chat_render(
+        ctx,
+        chat_template=body.chat_template,
+        chat_template_kwargs=body.chat_template_kwargs,
+        documents=body.documents,
+        continue_final_message=body.continue_final_message,
+        add_generation_prompt=body.add_generation_prompt,
+    )
+    if not body.tools:
+        return render
+    functions = [tool.function for tool in body.tools]
+    check_functions(functions, chat_param)
+    if "tools" not in render.template_vars:
+        raise InvalidRequestError("This model's chat template does not render tools.", param="tools")
+    return render.with_tools(rendered_tools(functions))
+
+
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, ctx: ServingContext = Depends(get_ctx)) -> Response:
     ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("Give exactly one of 'prompt' or 'messages'.", param="prompt")
+    if body.messages is None:
+        _check_no_chat_fields(body)
     if body.messages is not None:
-        ids = await chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
+        render = await tokenize_render(ctx, body)
+        ids = await chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, render=render)
     else:
         check_text_chars(len(body.prompt), ctx.max_model_len, ctx.text.max_token_chars, "prompt")
         add_special = True if body.add_special_tokens is None else body.add_special_tokens

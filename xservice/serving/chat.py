@@ -18,14 +18,16 @@ from xservice.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatResponseMessage,
     Usage,
     dump,
 )
+from xservice.serving.chat_output import ChatOutput, chat_options
+from xservice.serving.chat_render import ChatRender
 from xservice.serving.context import ServingContext, new_request_id
 from xservice.serving.generation import Generation
 from xservice.serving.logprobs import TokenText, chat_logprobs
-from xservice.serving.params import build_sampling_params, check_n, resolve_max_tokens
+from xservice.serving.params import build_sampling_params, check_n, check_stream_options, resolve_max_tokens
+from xservice.serving.prompt_logprobs import check_prompt_logprobs, prompt_logprobs_field
 from xservice.serving.prompts import chat_prompt_ids
 from xservice.serving.streaming import (
     ClientDisconnected,
@@ -33,6 +35,9 @@ from xservice.serving.streaming import (
     run_until_disconnected,
     sse_response,
 )
+from xservice.serving.structured import constraint_rename
+from xservice.serving.tools.plan import constrain
+from xservice.serving.truncation import resolve_truncation
 
 # Engine field -> chat API field, so a 400 names what the client sent.
 _RENAME = {"logprobs": "top_logprobs"}
@@ -53,19 +58,40 @@ def _num_logprobs(body: ChatCompletionRequest) -> int | None:
 
 
 async def _generation(
-    ctx: ServingContext, body: ChatCompletionRequest, req_id: str, arrival: float
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    req_id: str,
+    arrival: float,
+    render: ChatRender,
+    output: ChatOutput,
 ) -> Generation:
-    prompt_ids = await chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
+    prompt_ids = await chat_prompt_ids(
+        ctx,
+        body.messages,
+        body.add_generation_prompt,
+        add_special_tokens=body.add_special_tokens,
+        truncation=resolve_truncation(body, ctx.max_model_len),
+        render=render,
+    )
     requested, param = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, param = body.max_tokens, "max_tokens"
     max_tokens = resolve_max_tokens(
         requested, len(prompt_ids), ctx.max_model_len, default=None, param=param, where="messages"
     )
+    check_prompt_logprobs(body)
     params = build_sampling_params(
-        body, max_tokens=max_tokens, logprobs=_num_logprobs(body), vocab_size=ctx.vocab_size, rename=_RENAME
+        body,
+        max_tokens=max_tokens,
+        logprobs=_num_logprobs(body),
+        vocab_size=ctx.vocab_size,
+        rename=_RENAME,
+        prompt_logprobs=body.prompt_logprobs,
+        tokenizer=ctx.tokenizer,
     )
-    return Generation(ctx, req_id, prompt_ids, params, body.priority, rename=_RENAME, arrival=arrival)
+    params = constrain(params, output.plan.structured)
+    rename = {**_RENAME, **constraint_rename(body)}
+    return Generation(ctx, req_id, prompt_ids, params, body.priority, rename=rename, arrival=arrival)
 
 
 def _usage(gen: Generation) -> Usage:
@@ -79,65 +105,107 @@ async def create_chat_completion(
     arrival = time.monotonic()
     ctx.check_model(body.model)
     check_n(body.n, ctx.config.service.max_n)
+    check_stream_options(body)
     req_id = new_request_id("chatcmpl")
-    gen = await _generation(ctx, body, req_id, arrival)
+    render, output = await chat_options(ctx, body)
+    gen = await _generation(ctx, body, req_id, arrival, render, output)
     ticket = ctx.admit()
     if body.stream:
-        return sse_response(_stream(ctx, body, gen), ticket, ctx.metrics)
+        return sse_response(_stream(ctx, body, gen, output), ticket, ctx.metrics)
     try:
         await run_until_disconnected(request, gen.collect())
     except ClientDisconnected:
         return disconnected_response()
     finally:
         ticket.release()
-    return JSONResponse(dump(_response(ctx, body, gen)))
+    return JSONResponse(dump(_response(ctx, body, gen, output)))
 
 
-def _response(ctx: ServingContext, body: ChatCompletionRequest, gen: Generation) -> ChatCompletionResponse:
-    token_text = TokenText(ctx.tokenizer)
+def _response(
+    ctx: ServingContext, body: ChatCompletionRequest, gen: Generation, output: ChatOutput
+) -> ChatCompletionResponse:
+    token_text = TokenText(ctx.tokenizer, body.return_tokens_as_token_ids)
     num_top = body.top_logprobs or 0
     choices = []
     for out in gen.outputs:
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(token_text, out.token_ids, out.logprobs, out.top_logprobs, num_top)
+        message, finish_reason = output.message(out.text, out.finish_reason)
         choices.append(
             ChatChoice(
                 index=out.index,
-                message=ChatResponseMessage(content=out.text),
+                message=message,
                 logprobs=logprobs,
-                finish_reason=out.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=out.stop_reason,
+                token_ids=out.token_ids if body.return_token_ids else None,
             )
         )
-    return ChatCompletionResponse(id=gen.req_id, model=ctx.model_name, choices=choices, usage=_usage(gen))
+    prompt_ids = gen.prompt_ids if body.return_token_ids else None
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None and gen.state.prompt_logprobs is not None:
+        state = gen.state.prompt_logprobs
+        prompt_logprobs = prompt_logprobs_field(token_text, gen.prompt_ids, state, body.prompt_logprobs)
+    return ChatCompletionResponse(
+        id=gen.req_id,
+        model=ctx.model_name,
+        choices=choices,
+        usage=_usage(gen),
+        prompt_token_ids=prompt_ids,
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 async def _stream(
-    ctx: ServingContext, body: ChatCompletionRequest, gen: Generation
+    ctx: ServingContext, body: ChatCompletionRequest, gen: Generation, output: ChatOutput
 ) -> AsyncIterator[dict[str, Any]]:
-    """Chunk dicts: a role chunk per choice, then content deltas, then (optionally) usage."""
+    """Chunk dicts: a role chunk per choice (and the echoed text), then content and tool-call deltas,
+    then (optionally) usage."""
 
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> dict[str, Any]:
-        return dump(ChatCompletionChunk(id=gen.req_id, model=ctx.model_name, choices=choices, usage=usage))
+    num_tokens = [0] * body.n  # per choice, for continuous usage
 
-    token_text = TokenText(ctx.tokenizer)
+    def chunk(
+        choices: list[ChatChunkChoice],
+        index: int = 0,
+        prompt_ids: list[int] | None = None,
+        usage: Usage | None = None,
+    ) -> dict[str, Any]:
+        if usage is None and body.continuous_usage:  # choice ``index``'s usage so far
+            usage = Usage.of(len(gen.prompt_ids), num_tokens[index], gen.state.num_cached_tokens)
+        return dump(
+            ChatCompletionChunk(
+                id=gen.req_id, model=ctx.model_name, choices=choices, usage=usage, prompt_token_ids=prompt_ids
+            )
+        )
+
+    token_text = TokenText(ctx.tokenizer, body.return_tokens_as_token_ids)
     num_top = body.top_logprobs or 0
     for i in range(body.n):
-        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        prompt_ids = gen.prompt_ids if body.return_token_ids and i == 0 else None  # on the first chunk
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))], i, prompt_ids)
+    streams = [output.choice_stream() for _ in range(body.n)]
+    for i, stream in enumerate(streams):
+        content, calls, _ = stream.step(output.echo)
+        if content or calls:
+            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=content, tool_calls=calls))], i)
     async for delta in gen.stream():
+        num_tokens[delta.index] += len(delta.token_ids)
         logprobs = None
         if body.logprobs and delta.token_ids:
             logprobs = chat_logprobs(token_text, delta.token_ids, delta.logprobs, delta.top_logprobs, num_top)
-        if not delta.text and delta.finish_reason is None and logprobs is None:
+        shows_tokens = delta.token_ids and (body.return_token_ids or body.continuous_usage)
+        content, calls, finish_reason = streams[delta.index].step(delta.text, delta.finish_reason)
+        if not (content or calls) and finish_reason is None and logprobs is None and not shows_tokens:
             continue
         choice = ChatChunkChoice(
             index=delta.index,
-            delta=ChatDelta(content=delta.text or None),
+            delta=ChatDelta(content=content, tool_calls=calls),
             logprobs=logprobs,
-            finish_reason=delta.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=delta.stop_reason,
+            token_ids=list(delta.token_ids) if body.return_token_ids else None,
         )
-        yield chunk([choice])
+        yield chunk([choice], delta.index)
     if body.include_usage:
         yield chunk([], usage=_usage(gen))

@@ -13,11 +13,27 @@ from fastapi.responses import JSONResponse, Response
 from xengine.api.messages import CompletionDelta, SamplingParams
 from xengine.api.text.output_processor import RequestOutputState, SeqDelta
 from xservice.errors import InvalidRequestError, from_value_error
-from xservice.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, dump
+from xservice.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptLogprobs,
+    Usage,
+    dump,
+)
 from xservice.serving.context import ServingContext, new_request_id
 from xservice.serving.generation import Generation, collect_all
 from xservice.serving.logprobs import CompletionLogprobsBuilder, TokenText
-from xservice.serving.params import build_sampling_params, check_n, resolve_max_tokens
+from xservice.serving.params import build_sampling_params, check_n, check_stream_options, resolve_max_tokens
+from xservice.serving.prompt_logprobs import (
+    check_prompt_logprobs,
+    concat,
+    echo_logprobs,
+    engine_prompt_logprobs,
+    prompt_logprobs_field,
+    prompt_only_max_tokens,
+)
 from xservice.serving.prompts import completion_prompts
 from xservice.serving.streaming import (
     ClientDisconnected,
@@ -26,6 +42,8 @@ from xservice.serving.streaming import (
     run_until_disconnected,
     sse_response,
 )
+from xservice.serving.structured import constraint_rename
+from xservice.serving.truncation import resolve_truncation
 
 MAX_COMPLETION_LOGPROBS = 5
 MAX_PROMPTS = 64
@@ -95,7 +113,7 @@ def _beam_params(body: CompletionRequest, params: SamplingParams, vocab_size: in
     try:
         params.validate(vocab_size)
     except ValueError as exc:
-        raise from_value_error(exc) from None
+        raise from_value_error(exc, constraint_rename(body)) from None
     return params
 
 
@@ -106,8 +124,7 @@ def _check_fields(body: CompletionRequest) -> None:
             f"invalid value for 'logprobs': must be in [0, {MAX_COMPLETION_LOGPROBS}], got {lp}",
             param="logprobs",
         )
-    if body.echo and lp is not None:
-        raise InvalidRequestError("'echo' together with 'logprobs' is not supported.", param="echo")
+    check_prompt_logprobs(body)
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequestError("'best_of' other than 'n' is not supported.", param="best_of")
     if body.suffix:
@@ -118,23 +135,39 @@ async def _generations(
     ctx: ServingContext, body: CompletionRequest, req_id: str, arrival: float
 ) -> tuple[list[Generation], list[str]]:
     """One ``Generation`` per prompt, plus each prompt's text (for ``echo``)."""
-    prompts = await completion_prompts(ctx, body.prompt, max_prompts=MAX_PROMPTS)
+    prompts = await completion_prompts(
+        ctx,
+        body.prompt,
+        max_prompts=MAX_PROMPTS,
+        add_special_tokens=body.add_special_tokens,
+        truncation=resolve_truncation(body, ctx.max_model_len),
+    )
     gens, texts = [], []
+    scores_prompt = body.echo or body.prompt_logprobs is not None
+    prompt_logprobs = engine_prompt_logprobs(body.prompt_logprobs, body.logprobs if body.echo else None)
     for i, (text, ids) in enumerate(prompts):
-        max_tokens = resolve_max_tokens(
-            body.max_tokens,
-            len(ids),
-            ctx.max_model_len,
-            default=DEFAULT_MAX_TOKENS,
-            param="max_tokens",
-            where="prompt",
-        )
+        max_tokens = prompt_only_max_tokens(body.max_tokens, scores_prompt, len(ids), ctx.max_model_len)
+        if max_tokens is None:
+            max_tokens = resolve_max_tokens(
+                body.max_tokens,
+                len(ids),
+                ctx.max_model_len,
+                default=DEFAULT_MAX_TOKENS,
+                param="max_tokens",
+                where="prompt",
+            )
         params = build_sampling_params(
-            body, max_tokens=max_tokens, logprobs=body.logprobs, vocab_size=ctx.vocab_size
+            body,
+            max_tokens=max_tokens,
+            logprobs=body.logprobs,
+            vocab_size=ctx.vocab_size,
+            prompt_logprobs=prompt_logprobs,
+            tokenizer=ctx.tokenizer,
         )
         if body.use_beam_search:
             params = _beam_params(body, params, ctx.vocab_size)
-        gen = Generation(ctx, f"{req_id}-{i}", ids, params, body.priority, arrival=arrival)
+        rename = constraint_rename(body)
+        gen = Generation(ctx, f"{req_id}-{i}", ids, params, body.priority, rename=rename, arrival=arrival)
         if body.use_beam_search:
             gen.state = _ScoredOutputState(gen.req_id, ctx.tokenizer, params, ids)
         gens.append(gen)
@@ -158,6 +191,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     ctx.check_model(body.model)
     body = _resolve_beam_fields(body, ctx.config.scheduler.max_beam_width)
     check_n(body.n, ctx.config.service.max_n)
+    check_stream_options(body)
     _check_fields(body)
     req_id = new_request_id("cmpl")
     gens, prompt_texts = await _generations(ctx, body, req_id, arrival)
@@ -176,7 +210,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
 def _response(
     ctx: ServingContext, body: CompletionRequest, req_id: str, gens: list[Generation], prompt_texts: list[str]
 ) -> CompletionResponse:
-    token_text = TokenText(ctx.tokenizer)
+    token_text = TokenText(ctx.tokenizer, body.return_tokens_as_token_ids)
     choices = []
     for i, gen in enumerate(gens):
         prefix = prompt_texts[i] if body.echo else ""
@@ -185,9 +219,10 @@ def _response(
             score, cumulative = scores.get(out.index, (None, None))
             logprobs = None
             if body.logprobs is not None:
-                logprobs = CompletionLogprobsBuilder(token_text).build(
-                    out.token_ids, out.logprobs, out.top_logprobs
-                )
+                builder = CompletionLogprobsBuilder(token_text)
+                echoed = _echo_logprobs(body, builder, gen) if body.echo else None
+                logprobs = builder.build(out.token_ids, out.logprobs, out.top_logprobs)
+                logprobs = concat(echoed, logprobs) if echoed is not None else logprobs
             choices.append(
                 CompletionChoice(
                     index=i * body.n + out.index,
@@ -197,9 +232,68 @@ def _response(
                     stop_reason=out.stop_reason,
                     score=score,
                     cumulative_logprob=cumulative,
+                    prompt_token_ids=gen.prompt_ids if body.return_token_ids else None,
+                    token_ids=out.token_ids if body.return_token_ids else None,
+                    prompt_logprobs=_prompt_logprobs(body, token_text, gen),
                 )
             )
     return CompletionResponse(id=req_id, model=ctx.model_name, choices=choices, usage=_usage(gens))
+
+
+def _echo_logprobs(
+    body: CompletionRequest, builder: CompletionLogprobsBuilder, gen: Generation
+) -> CompletionLogprobs:
+    assert gen.state.prompt_logprobs is not None and body.logprobs is not None
+    return echo_logprobs(builder, gen.prompt_ids, gen.state.prompt_logprobs, body.logprobs)
+
+
+def _prompt_logprobs(
+    body: CompletionRequest, token_text: TokenText, gen: Generation
+) -> PromptLogprobs | None:
+    if body.prompt_logprobs is None or gen.state.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_field(token_text, gen.prompt_ids, gen.state.prompt_logprobs, body.prompt_logprobs)
+
+
+class _StreamTokenIds:
+    """vLLM's per-chunk extras of a streamed completion: with ``return_token_ids`` the prompt's ids
+    on each choice's first chunk and every chunk's own ids; with ``continuous_usage_stats`` the usage
+    so far on every chunk."""
+
+    def __init__(self, body: CompletionRequest, gens: list[Generation]) -> None:
+        self.body = body
+        self.gens = gens
+        self.num_tokens: dict[int, int] = {}  # choice index -> tokens streamed so far
+        self.started: set[int] = set()  # choices whose first chunk went out
+        # whether a chunk with tokens but no text still goes out (it has ids or usage to report)
+        self.wanted = body.return_token_ids or body.continuous_usage
+
+    def count(self, index: int, token_ids: list[int]) -> None:
+        self.num_tokens[index] = self.num_tokens.get(index, 0) + len(token_ids)
+
+    def fill(self, choice: CompletionChoice, prompt_index: int, token_ids: list[int]) -> CompletionChoice:
+        if self.body.return_token_ids:
+            choice.token_ids = list(token_ids)
+            if choice.index not in self.started:
+                choice.prompt_token_ids = self.gens[prompt_index].prompt_ids
+        self.started.add(choice.index)
+        return choice
+
+    def usage(self, prompt_index: int, index: int) -> Usage | None:
+        """Usage of choice ``index`` (of prompt ``prompt_index``) so far; ``index`` -1: before any token."""
+        if not self.body.continuous_usage:
+            return None
+        gen = self.gens[prompt_index]
+        return Usage.of(len(gen.prompt_ids), self.num_tokens.get(index, 0), gen.state.num_cached_tokens)
+
+    @staticmethod
+    def strip(chunk: dict[str, Any]) -> dict[str, Any]:
+        """Leave the token-id fields out of chunks that do not carry them (they are null otherwise)."""
+        for choice in chunk["choices"]:
+            for key in ("prompt_token_ids", "token_ids"):
+                if choice.get(key) is None:
+                    choice.pop(key, None)
+        return chunk
 
 
 async def _stream(
@@ -207,21 +301,38 @@ async def _stream(
 ) -> AsyncIterator[dict[str, Any]]:
     """Chunk dicts of a streamed completion (the SSE framing is added by ``sse_response``)."""
 
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> dict[str, Any]:
-        return dump(CompletionResponse(id=req_id, model=ctx.model_name, choices=choices, usage=usage))
+    ids = _StreamTokenIds(body, gens)
 
-    token_text = TokenText(ctx.tokenizer)
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> dict[str, Any]:
+        return ids.strip(
+            dump(CompletionResponse(id=req_id, model=ctx.model_name, choices=choices, usage=usage))
+        )
+
+    token_text = TokenText(ctx.tokenizer, body.return_tokens_as_token_ids)
     builders: dict[int, CompletionLogprobsBuilder] = {}
-    if body.echo:
+    echo_later: set[int] = set()  # echo + logprobs: each choice's echo waits for the prompt's logprobs
+    if body.echo and body.logprobs is not None:
+        echo_later = {i * body.n + j for i in range(len(gens)) for j in range(body.n)}
+    elif body.echo:
         for i, text in enumerate(prompt_texts):
-            yield chunk([CompletionChoice(index=i * body.n + j, text=text) for j in range(body.n)])
+            choices = [CompletionChoice(index=i * body.n + j, text=text) for j in range(body.n)]
+            yield chunk([ids.fill(c, i, []) for c in choices], usage=ids.usage(i, -1))
     async for i, delta in merge_streams([g.stream() for g in gens]):
         index = i * body.n + delta.index
+        if index in echo_later:  # a choice's first delta comes once its prompt is computed
+            echo_later.discard(index)
+            builder = builders.setdefault(index, CompletionLogprobsBuilder(token_text))
+            echoed = CompletionChoice(
+                index=index, text=prompt_texts[i], logprobs=_echo_logprobs(body, builder, gens[i])
+            )
+            yield chunk([ids.fill(echoed, i, [])], usage=ids.usage(i, -1))
         logprobs = None
         if body.logprobs is not None:
             builder = builders.setdefault(index, CompletionLogprobsBuilder(token_text))
             logprobs = builder.build(delta.token_ids, delta.logprobs, delta.top_logprobs)
-        if not delta.text and delta.finish_reason is None and not (logprobs and logprobs.tokens):
+        ids.count(index, delta.token_ids)
+        shows_tokens = (logprobs is not None and logprobs.tokens) or (delta.token_ids and ids.wanted)
+        if not delta.text and delta.finish_reason is None and not shows_tokens:
             continue
         choice = CompletionChoice(
             index=index,
@@ -230,6 +341,6 @@ async def _stream(
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
         )
-        yield chunk([choice])
+        yield chunk([ids.fill(choice, i, delta.token_ids)], usage=ids.usage(i, index))
     if body.include_usage:
         yield chunk([], usage=_usage(gens))

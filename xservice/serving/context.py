@@ -7,6 +7,7 @@ import logging
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -15,6 +16,7 @@ from xservice.config import XllmConfig
 from xservice.errors import EngineUnavailableError, ModelNotFoundError, RateLimitError
 from xservice.metrics import ServiceMetrics
 from xservice.serving.text_workers import TextWorkers
+from xservice.serving.tools.registry import ToolParserFamily, resolve_family
 
 if TYPE_CHECKING:
     from xengine.api.text.tokenizer import Tokenizer
@@ -66,6 +68,12 @@ class ServingContext:
     @property
     def vocab_size(self) -> int:
         return self.engine_client.info.vocab_size
+
+    @cached_property
+    def tool_family(self) -> ToolParserFamily | None:
+        """The served model's tool-call parser family (``service.tool_call_parser``); None: no parser."""
+        setting = self.config.service.tool_call_parser
+        return resolve_family(setting, self.tokenizer.chat_template, self.config.model.model)
 
     def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is empty or the served model's name."""

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from xengine.api.messages import AddRequest, Priority, SamplingParams
+from xengine.api.messages import AddRequest, PoolingParams, Priority, SamplingParams
 from xengine.api.text.output_processor import RequestOutputState, SeqDelta, SeqOutput
 from xservice.engine_client import EngineDeadError
 from xservice.errors import APIError, EngineUnavailableError, InternalError, from_value_error
@@ -31,6 +31,7 @@ class Generation:
         priority: Priority = "online",
         rename: dict[str, str] | None = None,
         arrival: float | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.ctx = ctx
         self.req_id = req_id
@@ -39,6 +40,7 @@ class Generation:
         self.priority = priority
         self.rename = rename  # engine field name -> API field name, for engine-side 400s
         self.arrival = time.monotonic() if arrival is None else arrival  # when the HTTP request came in
+        self.pooling = pooling  # an embedding request (``state.embedding`` once finished)
         self.state = RequestOutputState(req_id, ctx.tokenizer, params, prompt_ids)
 
     @property
@@ -60,11 +62,14 @@ class Generation:
             params=self.params,
             priority=self.priority,
             arrival_time=time.time(),
+            pooling=self.pooling,
         )
         deltas = ctx.engine_client.generate(req)
         try:
             async for delta in deltas:
                 timer.on_tokens(delta.index, len(delta.new_token_ids))
+                if delta.queue_time_s is not None:
+                    timer.on_scheduled(delta.queue_time_s)
                 out = self.state.process(delta)
                 if self.state.error is not None:
                     raise self._engine_error(self.state.error)
@@ -94,8 +99,15 @@ class Generation:
     def _record_success(self, timer: RequestTimer) -> None:
         outputs = self.state.outputs
         timer.finish(max((len(o.token_ids) for o in outputs), default=0))
+        m = self.ctx.metrics
         for o in outputs:
-            self.ctx.metrics.success.labels(finished_reason=o.finish_reason or "unknown").inc()
+            m.success.labels(finished_reason=o.finish_reason or "unknown").inc()
+            m.request_generation_tokens.observe(len(o.token_ids))
+        m.request_prompt_tokens.observe(len(self.prompt_ids))
+        m.prompt_tokens_cached.inc(self.state.num_cached_tokens)
+        m.request_params_n.observe(self.params.n)
+        if self.params.max_tokens is not None:
+            m.request_params_max_tokens.observe(self.params.max_tokens)
 
 
 async def collect_all(generations: list[Generation]) -> list[list[SeqOutput]]:

@@ -11,13 +11,20 @@ TopLogprobs = list[list[tuple[int, float]]]
 
 
 class TokenText:
-    """Text of single token ids (special tokens included), cached per id."""
+    """How single token ids are shown in logprobs: their text (special tokens included), cached per
+    id, or with ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``) ``"token_id:<id>"``, which
+    identifies tokens whose text is not valid UTF-8 on its own (a part of a character)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_token_ids else self.text(token_id)
+
+    def text(self, token_id: int) -> str:
+        """The token's decoded text (what it adds to the output), whatever ``as_token_ids`` says."""
         text = self._cache.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -54,7 +61,7 @@ class CompletionLogprobsBuilder:
             out.token_logprobs.append(lp)
             out.top_logprobs.append(alts)
             out.text_offset.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self.token_text.text(token_id))  # offsets index the output text
         return out
 
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from xengine.api.messages import SamplingParams
 from xservice.errors import InvalidRequestError, from_value_error
 from xservice.protocol import SamplingRequest
+from xservice.serving.structured import constraints
+
+if TYPE_CHECKING:
+    from xengine.api.text.tokenizer import Tokenizer
 
 
 def check_n(n: int, max_n: int) -> None:
@@ -41,6 +47,14 @@ def resolve_max_tokens(
     return max_tokens
 
 
+def check_stream_options(body: SamplingRequest) -> None:
+    """400 for ``stream_options`` without ``stream`` (as OpenAI and vLLM): they would have no effect."""
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError(
+            "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
+        )
+
+
 def _or(value, default):
     return default if value is None else value
 
@@ -52,9 +66,13 @@ def build_sampling_params(
     logprobs: int | None,
     vocab_size: int,
     rename: dict[str, str] | None = None,
+    prompt_logprobs: int | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> SamplingParams:
-    """Engine sampling params from ``body``; ``rename`` maps engine field names to API names for errors."""
+    """Engine sampling params from ``body``; ``rename`` maps engine field names to API names for errors.
+    ``tokenizer`` tokenizes ``bad_words`` (token-level constraints: ``xservice/serving/structured.py``)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    limits = constraints(body, tokenizer)
     params = SamplingParams(
         n=body.n,
         temperature=_or(body.temperature, 1.0),
@@ -71,11 +89,17 @@ def build_sampling_params(
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        structured_outputs=limits.structured_outputs,
+        logit_bias=limits.logit_bias,
+        allowed_token_ids=limits.allowed_token_ids,
+        bad_words_token_ids=limits.bad_words_token_ids,
     )
     try:
         params.validate(vocab_size)
     except ValueError as exc:
-        raise from_value_error(exc, rename) from None
+        raise from_value_error(exc, {**limits.rename, **(rename or {})}) from None
     return params

@@ -6,14 +6,18 @@ large; a text that must have more tokens than the model's context is refused bef
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from xservice.errors import InvalidRequestError
 from xservice.protocol import ChatMessage, PromptInput
+from xservice.protocol.tools import MessageToolCall
+from xservice.serving.chat_render import ChatRender
 
 if TYPE_CHECKING:
     from xengine.api.text.tokenizer import Tokenizer
     from xservice.serving.context import ServingContext
+    from xservice.serving.truncation import Truncation
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -57,11 +61,18 @@ def _prompt_items(prompt: PromptInput) -> list[Any]:
 
 
 async def completion_prompts(
-    ctx: ServingContext, prompt: PromptInput, max_prompts: int | None = None
+    ctx: ServingContext,
+    prompt: PromptInput,
+    max_prompts: int | None = None,
+    *,
+    add_special_tokens: bool = True,
+    truncation: Truncation | None = None,
 ) -> list[tuple[str | None, list[int]]]:
     """One ``(text or None, token ids)`` per prompt of a completions request.
 
     Every cheap check (count, emptiness, the character bound) runs before any text is tokenized.
+    With ``truncation`` a long text is no error (it is cut after tokenizing) and a truncated
+    prompt's text is None (its ids no longer spell it).
     """
     items = _prompt_items(prompt)
     if not items:
@@ -74,25 +85,26 @@ async def completion_prompts(
         if not item:
             raise InvalidRequestError("The prompt must not be empty.", param="prompt")
         if isinstance(item, str):
-            check_text_chars(len(item), ctx.max_model_len, ctx.text.max_token_chars, "prompt")
+            if truncation is None:
+                check_text_chars(len(item), ctx.max_model_len, ctx.text.max_token_chars, "prompt")
         else:
             check_token_ids(item, ctx.vocab_size, "prompt")
     texts = [item for item in items if isinstance(item, str)]
-    encoded = iter(await ctx.text.run(sum(map(len, texts)), _encode_all, ctx.tokenizer, texts))
+    cost = sum(map(len, texts))
+    encoded = iter(await ctx.text.run(cost, _encode_all, ctx.tokenizer, texts, add_special_tokens))
     out: list[tuple[str | None, list[int]]] = []
     for item in items:
-        if isinstance(item, str):
-            ids = next(encoded)
-            if not ids:
-                raise InvalidRequestError("The prompt must not be empty.", param="prompt")
-            out.append((item, ids))
-        else:
-            out.append((None, list(item)))
+        text, ids = (item, next(encoded)) if isinstance(item, str) else (None, list(item))
+        if not ids:
+            raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+        if truncation is not None and len(ids) > truncation.max_tokens:
+            text, ids = None, truncation.apply(ids)
+        out.append((text, ids))
     return out
 
 
-def _encode_all(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
-    return [tokenizer.encode(text, add_special_tokens=True) for text in texts]
+def _encode_all(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
 
 def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
@@ -116,26 +128,68 @@ def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
         out["name"] = msg.name
     if msg.tool_call_id is not None:
         out["tool_call_id"] = msg.tool_call_id
+    if msg.tool_calls:
+        if msg.role != "assistant":
+            raise InvalidRequestError(
+                "Only assistant messages have 'tool_calls'.", param=f"messages.{i}.tool_calls"
+            )
+        out["tool_calls"] = [_tool_call_dict(call) for call in msg.tool_calls]
     return out
 
 
+def _tool_call_dict(call: MessageToolCall) -> dict[str, Any]:
+    """A call as chat templates expect it: arguments as a mapping (``transformers``' convention) when
+    they are a JSON object, else the text as sent."""
+    arguments: Any = call.function.arguments
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        arguments = parsed
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """``messages`` as the dicts a chat template renders (400 naming the part that cannot be)."""
+    return [_message_dict(i, m) for i, m in enumerate(messages)]
+
+
 async def chat_prompt_ids(
-    ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    *,
+    add_special_tokens: bool = False,
+    truncation: Truncation | None = None,
+    render: ChatRender | None = None,
 ) -> list[int]:
-    """Apply the model's chat template to ``messages`` and tokenize the result (off the loop when large)."""
+    """Apply the model's chat template to ``messages`` and tokenize the result (off the loop when large).
+
+    ``add_special_tokens``: the tokenizer's own special tokens on top of the template's;
+    ``truncation``: cut the token ids (then a long rendering is no error);
+    ``render``: the request's template options (tools, template override, ...).
+    """
     if not messages:
         raise InvalidRequestError("'messages' must contain at least one message.", param="messages")
-    dicts = [_message_dict(i, m) for i, m in enumerate(messages)]
+    dicts = message_dicts(messages)
     num_chars = sum(len(d["content"]) for d in dicts)
-    return await ctx.text.run(
+    ids = await ctx.text.run(
         num_chars,
         _render_and_encode,
         ctx.tokenizer,
         dicts,
         add_generation_prompt,
         ctx.max_model_len,
-        ctx.text.max_token_chars,
+        ctx.text.max_token_chars if truncation is None else None,
+        add_special_tokens,
+        render,
     )
+    return truncation.apply(ids) if truncation is not None else ids
 
 
 def _render_and_encode(
@@ -144,15 +198,17 @@ def _render_and_encode(
     add_generation_prompt: bool,
     max_model_len: int,
     max_token_chars: int | None,
+    add_special_tokens: bool = False,
+    render: ChatRender | None = None,
 ) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        text = (render or ChatRender()).render(tokenizer, dicts, add_generation_prompt)
     except Exception as exc:  # template errors depend on the request (roles, order), so they are 400s
         raise InvalidRequestError(f"Could not apply the chat template: {exc}", param="messages") from None
     # The bound is checked on the rendered text, not the message contents: a template may drop
     # parts of the contents (e.g. earlier turns' reasoning), so only the rendered length is certain.
     check_text_chars(len(text), max_model_len, max_token_chars, "messages")
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if not ids:
         raise InvalidRequestError("The messages produce an empty prompt.", param="messages")
     return ids

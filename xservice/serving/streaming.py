@@ -23,28 +23,41 @@ DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
 
 
-def sse(payload: dict[str, Any]) -> str:
-    """One SSE event carrying ``payload`` as JSON."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(payload: dict[str, Any], event: str | None = None) -> str:
+    """One SSE event carrying ``payload`` as JSON (with an ``event:`` name line when ``event`` is given)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _sse_events(events: AsyncIterator[dict[str, Any]], metrics: ServiceMetrics) -> AsyncIterator[str]:
-    """Events, then ``[DONE]``; an error mid-stream becomes one ``{"error": ...}`` event first."""
+def _error_event(exc: APIError, named: bool) -> str:
+    body = error_body(exc)
+    return sse({"type": "error", **body["error"]}, "error") if named else sse(body)
+
+
+async def _sse_events(
+    events: AsyncIterator[dict[str, Any]], metrics: ServiceMetrics, named: bool = False
+) -> AsyncIterator[str]:
+    """Events, then ``[DONE]``; an error mid-stream becomes one ``{"error": ...}`` event first.
+
+    ``named`` (the Responses API): each event also carries its ``type`` as the SSE event name, an
+    error is a ``{"type": "error", ...}`` event, and no ``[DONE]`` follows.
+    """
     try:
         async for event in events:
-            yield sse(event)
+            yield sse(event, event.get("type") if named else None)
     except APIError as exc:
         metrics.record_error(status_of(exc)[0])
-        yield sse(error_body(exc))
+        yield _error_event(exc, named)
     except Exception:
         logger.exception("error while streaming a response")
         metrics.record_error(500)
-        yield sse(error_body(InternalError("Internal server error while streaming.")))
-    yield DONE
+        yield _error_event(InternalError("Internal server error while streaming."), named)
+    if not named:
+        yield DONE
 
 
 def sse_response(
-    events: AsyncIterator[dict[str, Any]], ticket: Ticket, metrics: ServiceMetrics
+    events: AsyncIterator[dict[str, Any]], ticket: Ticket, metrics: ServiceMetrics, *, named: bool = False
 ) -> StreamingResponse:
     """A ``text/event-stream`` response; ``ticket`` is released when the stream ends, however it ends.
 
@@ -54,7 +67,7 @@ def sse_response(
 
     async def body() -> AsyncIterator[str]:
         try:
-            async for chunk in _sse_events(events, metrics):
+            async for chunk in _sse_events(events, metrics, named):
                 yield chunk
         finally:
             ticket.release()

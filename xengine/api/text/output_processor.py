@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xengine.api.messages import CompletionDelta, SamplingParams
+from xengine.api.messages import CompletionDelta, PromptLogprobs, SamplingParams
 from xengine.api.text.detokenizer import IncrementalDetokenizer
 from xengine.api.text.stop import StopStringMatcher
 from xengine.api.text.tokenizer import Tokenizer
@@ -27,6 +27,25 @@ class SeqOutput:
     top_logprobs: TopLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+
+
+@dataclass
+class PromptLogprobsOutput:
+    """Logprobs of prompt tokens 1, 2, ... (token 0 has none), as the engine reported them so far."""
+
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # rank of each prompt token (1: the most likely)
+    top_logprobs: TopLogprobs = field(default_factory=list)
+
+    def extend(self, chunk: PromptLogprobs) -> None:
+        """Append ``chunk``'s positions past those held (a request re-run elsewhere repeats them)."""
+        end = len(self.logprobs) + 1
+        if chunk.start > end:
+            raise ValueError(f"prompt logprobs from position {chunk.start}, expected {end}")
+        skip = end - chunk.start
+        self.logprobs.extend(chunk.logprobs[skip:])
+        self.ranks.extend(chunk.ranks[skip:])
+        self.top_logprobs.extend([(t.token_id, t.logprob) for t in alts] for alts in chunk.top[skip:])
 
 
 @dataclass
@@ -50,7 +69,9 @@ class _SeqState:
         self.out = SeqOutput(
             index, logprobs=[] if want_logprobs else None, top_logprobs=[] if want_logprobs else None
         )
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(
+            tokenizer, prompt_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+        )
         self.matcher = (
             StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         )
@@ -137,6 +158,9 @@ class RequestOutputState:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0
         self.error: str | None = None
+        want_prompt = params.prompt_logprobs is not None
+        self.prompt_logprobs: PromptLogprobsOutput | None = PromptLogprobsOutput() if want_prompt else None
+        self.embedding: list[float] | None = None  # pooling requests
 
     @property
     def outputs(self) -> list[SeqOutput]:
@@ -160,6 +184,10 @@ class RequestOutputState:
             self.num_prompt_tokens = delta.num_prompt_tokens
         if delta.num_cached_tokens:
             self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(delta.prompt_logprobs)
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.error is not None:
             return self._fail(delta)
         if not 0 <= delta.index < len(self._seqs):

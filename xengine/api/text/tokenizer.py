@@ -8,13 +8,14 @@ Reads a Hugging Face model folder (``tokenizer.json``, ``tokenizer_config.json``
 from __future__ import annotations
 
 import json
+import threading
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -24,6 +25,8 @@ from xengine.api.text.length_bound import max_token_chars
 # Decodes of at least this many ids go through ``decode_batch``, which releases the GIL (``decode``
 # holds it); below it ``decode`` is a little cheaper (the per-token incremental detokenizer).
 _GIL_FREE_DECODE_MIN_IDS = 1024
+# Compiled chat templates kept per tokenizer: the model's plus a few sent with requests.
+_MAX_CACHED_TEMPLATES = 16
 
 
 def _token_content(value: Any) -> str | None:
@@ -70,6 +73,35 @@ class _GenerationBlock(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+def _final_text(messages: list[dict[str, Any]]) -> str:
+    """The text of the last message (its last text part when its content is a list of parts)."""
+    if not messages:
+        raise ValueError("continue_final_message needs at least one message")
+    content = messages[-1].get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    return content
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """``text`` up to the end of the last message's content (what follows it closes the turn).
+
+    Templates may strip surrounding whitespace, so the stripped content is searched; trailing
+    whitespace of the content is kept when the template kept it.
+    """
+    final = _final_text(messages)
+    core = final.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not render the final message's text")
+    with_tail = final.lstrip()
+    keep = len(with_tail) if text[at : at + len(with_tail)] == with_tail else len(core)
+    return text[: at + keep]
+
+
 class Tokenizer:
     """Encode, decode and render chat prompts for one model folder."""
 
@@ -91,6 +123,10 @@ class Tokenizer:
         self.pad_token_id = self._id_of(self.special_tokens.get("pad_token"))
         added = backend.get_added_tokens_decoder()
         self.all_special_ids: list[int] = sorted(i for i, t in added.items() if t.special)
+        self.added_tokens: dict[int, str] = {i: t.content for i, t in added.items()}  # id -> its text
+        self._templates: dict[str, jinja2.Template] = {}  # source -> compiled, insertion-ordered
+        self._templates_lock = threading.Lock()  # rendered on several tokenizer worker threads
+        self._template_vars: dict[str, frozenset[str]] = {}  # source -> variables it reads
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -166,28 +202,73 @@ class Tokenizer:
         env.globals["strftime_now"] = _strftime_now
         return env
 
-    @cached_property
-    def _compiled_template(self) -> jinja2.Template:
-        if not self.chat_template:
+    def _compiled(self, chat_template: str | None) -> jinja2.Template:
+        """The compiled ``chat_template`` (the model's when None); a few request templates stay cached."""
+        source = self.chat_template if chat_template is None else chat_template
+        if not source:
             raise ValueError(
                 "this tokenizer has no chat template (tokenizer_config.json 'chat_template'); use a completion request"
             )
-        return self._template_env.from_string(self.chat_template)
+        with self._templates_lock:
+            template = self._templates.get(source)
+        if template is None:
+            try:
+                template = self._template_env.from_string(source)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ValueError(f"chat template syntax error: {exc}") from exc
+            with self._templates_lock:
+                if len(self._templates) >= _MAX_CACHED_TEMPLATES:
+                    self._templates.pop(next(iter(self._templates)))
+                self._templates[source] = template
+        return template
+
+    def template_variables(self, chat_template: str | None = None) -> frozenset[str]:
+        """Names a chat template reads from its context (``messages``, ``tools``, ``enable_thinking``, ...).
+
+        Lets a caller refuse inputs the template would not render (e.g. ``tools`` for a template
+        without tool support) instead of dropping them silently. ``ValueError`` on a syntax error.
+        """
+        source = self.chat_template if chat_template is None else chat_template
+        if not source:
+            return frozenset()
+        with self._templates_lock:
+            names = self._template_vars.get(source)
+        if names is None:
+            try:
+                names = frozenset(meta.find_undeclared_variables(self._template_env.parse(source)))
+            except jinja2.TemplateSyntaxError as exc:
+                raise ValueError(f"chat template syntax error: {exc}") from exc
+            with self._templates_lock:
+                if len(self._template_vars) >= _MAX_CACHED_TEMPLATES:
+                    self._template_vars.pop(next(iter(self._template_vars)))
+                self._template_vars[source] = names
+        return names
 
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Render ``messages`` (OpenAI-style dicts) to the prompt text; ``ValueError`` on template errors."""
+        """Render ``messages`` (OpenAI-style dicts) to the prompt text; ``ValueError`` on template errors.
+
+        ``chat_template`` replaces the model's template; ``continue_final_message`` ends the text
+        inside the last message (no end-of-turn after it), so generation continues that message,
+        as ``transformers``' option of that name. Other ``kwargs`` are template variables.
+        """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         context = {k: v for k, v in self.special_tokens.items() if v is not None}
         context.update(kwargs)
-        template = self._compiled_template
+        template = self._compiled(chat_template)
         try:
-            return template.render(
+            text = template.render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **context
             )
         except Exception as exc:  # any failure inside the template is a bad request, not a crash
             raise ValueError(f"chat template error: {exc}") from exc
+        return _cut_after_final_message(text, messages) if continue_final_message else text

@@ -1,0 +1,1 @@
+"""Structured outputs: grammar backends, compiled-grammar cache, compile executor, per-sequence matchers, bitmasks."""

@@ -1,0 +1,70 @@
+"""What the engine calls for structured outputs: compile on arrival, hold the request until its
+grammar is ready, hand it to the scheduler then (or fail it naming the field).
+
+A compile error is the client's mistake (an invalid schema, regex or grammar) and becomes
+``ValueError("invalid value for 'structured_outputs': ...")``: a 400 naming the field at the service
+(which renames it to the field the client used). Cache hits and already-compiled grammars skip the
+wait, so the request is scheduled in the step it arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from xengine.api.grammar import grammar_spec
+from xengine.request import Request
+from xengine.structured.backend import BaseGrammarBackend
+from xengine.structured.compiler import GrammarCompiler
+from xengine.structured.factory import create_backend
+from xengine.structured.waiting import GrammarReady, GrammarWaitQueue
+
+DEFAULT_BACKEND = "llguidance"
+IDLE_WAIT_S = 0.01  # the engine has nothing but compiles to wait for: block this long per step
+
+
+def compile_error_message(error: BaseException) -> str:
+    if isinstance(error, ValueError):
+        return f"invalid value for 'structured_outputs': {error}"
+    return f"structured outputs failed: {type(error).__name__}: {error}"
+
+
+class StructuredOutputs:
+    def __init__(self, backend_factory: Callable[[], BaseGrammarBackend]) -> None:
+        self.compiler = GrammarCompiler(backend_factory)
+        self.waiting = GrammarWaitQueue()
+
+    @classmethod
+    def for_model(cls, model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> StructuredOutputs:
+        """Grammars over the tokenizer of the model folder ``model_dir`` (its ``tokenizer.json``)."""
+        tokenizer_file = Path(model_dir) / "tokenizer.json"
+
+        def factory() -> BaseGrammarBackend:
+            if not tokenizer_file.is_file():
+                raise RuntimeError(f"structured outputs need the model's tokenizer.json ({tokenizer_file})")
+            return create_backend(DEFAULT_BACKEND, tokenizer_file, vocab_size, eos_token_ids)
+
+        return cls(factory)
+
+    def admit(self, request: Request, catalog: object = None) -> bool:
+        """True when ``request`` (constrained) can be scheduled now (its grammar attached); False when it
+        waits for its compile. Raises ``ValueError`` naming the field when its compile already failed."""
+        assert request.params.structured_outputs is not None
+        future = self.compiler.submit(grammar_spec(request.params.structured_outputs))
+        if not future.done():
+            self.waiting.add(request, catalog, future)
+            return False
+        error = future.exception()
+        if error is not None:
+            raise ValueError(compile_error_message(error))
+        request.grammar = future.result()
+        return True
+
+    def take_ready(self, idle: bool) -> list[GrammarReady]:
+        """Requests whose compile finished; ``idle``: nothing else to run, so block briefly for one."""
+        if idle:
+            self.waiting.wait(IDLE_WAIT_S)
+        return self.waiting.take_done()
+
+    def close(self) -> None:
+        self.compiler.close()

@@ -1,0 +1,76 @@
+"""Per-sequence matcher state, and the constrained rows of one step.
+
+The runner owns one matcher per sequence, keyed by ``seq_id`` like its seeded generators. Matchers
+are looked up (or created) on the engine thread when a step is prepared and used on whichever thread
+runs the step: the bitmask is filled right before sampling and the sampled tokens accepted right
+after, so with async scheduling step t+1's mask always sees token t (steps run one after another on
+the worker). An ``n > 1`` request's other sequences get their matchers on the step that forks them:
+that is the request's first sampled token, so a fresh matcher is exactly the parent's state.
+Preemption (recompute) drops KV, not the parse state: the matcher stays with the sequence; finishing
+or aborting the sequence releases it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from xengine.structured.backend import BaseCompiledGrammar, BaseGrammarMatcher
+from xengine.structured.bitmask import allocate_bitmask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GrammarRows:
+    """Which rows of a step's sampling batch are constrained, and their sequences' matchers."""
+
+    rows: list[int] = field(default_factory=list)
+    matchers: list[BaseGrammarMatcher] = field(default_factory=list)
+    num_ids: int = 0  # bitmask width in ids (the widest grammar of the step)
+
+    def add(self, row: int, matcher: BaseGrammarMatcher, num_ids: int) -> None:
+        self.rows.append(row)
+        self.matchers.append(matcher)
+        self.num_ids = max(self.num_ids, num_ids)
+
+    def fill_bitmask(self) -> torch.Tensor:
+        """int32 ``[len(rows), ceil(num_ids / 32)]``: row i is the mask of ``rows[i]``."""
+        bitmask = allocate_bitmask(len(self.rows), self.num_ids)
+        for i, matcher in enumerate(self.matchers):
+            matcher.fill_bitmask(bitmask, i)
+        return bitmask
+
+    def accept(self, sampled_token_ids: list[int]) -> None:
+        """Advance each matcher past its row's sampled token (``sampled_token_ids``: every row's)."""
+        for row, matcher in zip(self.rows, self.matchers):
+            token = sampled_token_ids[row]
+            if not matcher.accept_token(token):
+                # only possible for a token sampled without the mask applying (a row whose every
+                # allowed id was also banned) or one computed past the sequence's end (async)
+                logger.debug("grammar rejected token %d; the sequence may only end now", token)
+
+
+class SequenceMatchers:
+    """seq_id -> matcher of every running constrained sequence."""
+
+    def __init__(self) -> None:
+        self._matchers: dict[str, BaseGrammarMatcher] = {}
+
+    def get(self, seq_id: str, grammar: BaseCompiledGrammar) -> BaseGrammarMatcher:
+        matcher = self._matchers.get(seq_id)
+        if matcher is None:
+            matcher = self._matchers[seq_id] = grammar.new_matcher()
+        return matcher
+
+    def release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self._matchers.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._matchers

@@ -1,0 +1,118 @@
+"""A chat choice's output text → its message: the echoed prefix, then tool calls parsed out of it.
+
+Non-streaming messages are the streamed events added up (one parser per choice either way), so a
+stream's deltas reassemble into exactly the non-streamed message (call ids aside).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from xservice.errors import InvalidRequestError
+from xservice.protocol import ChatCompletionRequest, ChatResponseMessage
+from xservice.protocol.tools import DeltaFunction, DeltaToolCall, ToolCall, ToolCallFunction
+from xservice.serving.chat_render import ChatRender, chat_render
+from xservice.serving.prompts import message_dicts
+from xservice.serving.tools.base import BaseToolParser, CallStart, ParsedOutput, TextDelta, ToolEvent
+from xservice.serving.tools.plan import ToolPlan, plan_tools
+
+if TYPE_CHECKING:
+    from xservice.serving.context import ServingContext
+
+
+def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's ``tool_calls`` when the model stopped after calling tools; a cut-off keeps ``length``."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+@dataclass(frozen=True)
+class ChatOutput:
+    """The per-request rules: ``echo`` (the continued message's text, prefixed) and the tool plan."""
+
+    plan: ToolPlan
+    echo: str = ""
+
+    def message(self, text: str, reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+        """The whole message of a choice whose output is ``text`` and its finish reason."""
+        text = self.echo + text
+        parser = self.plan.new_parser()
+        if parser is None:
+            return ChatResponseMessage(content=text), reason
+        out = ParsedOutput()
+        out.add(parser.feed(text))
+        out.add(parser.finish())
+        calls = [
+            ToolCall(id=c.call_id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+            for c in out.calls
+        ]
+        content = out.content if out.content is not None or calls else ""
+        return ChatResponseMessage(content=content, tool_calls=calls or None), finish_reason(
+            reason, bool(calls)
+        )
+
+    def choice_stream(self) -> ChoiceStream:
+        return ChoiceStream(self.plan.new_parser())
+
+
+class ChoiceStream:
+    """One streamed choice: text deltas in, (content, tool-call deltas, finish reason) out."""
+
+    def __init__(self, parser: BaseToolParser | None) -> None:
+        self.parser = parser
+        self.has_calls = False
+
+    def step(
+        self, text: str, reason: str | None = None
+    ) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
+        if self.parser is None:
+            return text or None, None, reason
+        events = self.parser.feed(text)
+        if reason is not None:
+            events += self.parser.finish()
+        content, calls = chat_deltas(events)
+        self.has_calls = self.has_calls or bool(calls)
+        return content, calls, finish_reason(reason, self.has_calls)
+
+
+def chat_deltas(events: list[ToolEvent]) -> tuple[str | None, list[DeltaToolCall] | None]:
+    """Parser events as one chat delta: the content and the tool-call deltas (a call's pieces merged)."""
+    texts: list[str] = []
+    calls: list[DeltaToolCall] = []
+    for event in events:
+        if isinstance(event, TextDelta):
+            texts.append(event.text)
+        elif isinstance(event, CallStart):
+            fn = DeltaFunction(name=event.name, arguments="")
+            calls.append(DeltaToolCall(index=event.index, id=event.call_id, type="function", function=fn))
+        elif calls and calls[-1].index == event.index and calls[-1].function is not None:
+            calls[-1].function.arguments = (calls[-1].function.arguments or "") + event.text
+        else:
+            calls.append(DeltaToolCall(index=event.index, function=DeltaFunction(arguments=event.text)))
+    return "".join(texts) or None, calls or None
+
+
+async def chat_options(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[ChatRender, ChatOutput]:
+    """The request's template options (tools included) and output rules; 400s name the field."""
+    render = await chat_render(
+        ctx,
+        chat_template=body.chat_template,
+        chat_template_kwargs=body.chat_template_kwargs,
+        documents=body.documents,
+        continue_final_message=body.continue_final_message,
+        add_generation_prompt=body.add_generation_prompt,
+    )
+    functions = [tool.function for tool in body.tools or []]
+    plan = plan_tools(
+        functions, body.tool_choice, body.parallel_tool_calls, ctx.tool_family, render.template_vars
+    )
+    echo = ""
+    if body.echo:
+        if not body.continue_final_message:
+            raise InvalidRequestError(
+                "'echo' returns the continued final message with the completion; it needs "
+                '"continue_final_message": true.',
+                param="echo",
+            )
+        echo = message_dicts(body.messages[-1:])[0]["content"] if body.messages else ""
+    return render.with_tools(plan.tools), ChatOutput(plan, echo)
