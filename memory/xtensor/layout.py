@@ -23,6 +23,7 @@ while the current step runs. Unmapping happens only to stay under the process's 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -45,6 +46,7 @@ class XTensorKVLayout(PagedKVLayout):
         self.max_model_len = max_model_len
         self.slots_per_chunk = slots_per_chunk
         self.mapper = PageMapper()
+        weakref.finalize(self, self.mapper.stop)  # a layout dropped unclosed ends its thread too
         self.num_maps = 0
         self.num_unmaps = 0
         self._chunks: list[VirtualRange] = []

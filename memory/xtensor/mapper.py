@@ -41,8 +41,12 @@ class PageMapper:
         if error is not None:
             raise error
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Let the thread end once the batches handed over are done (safe from any thread)."""
         self._queue.put(None)
+
+    def close(self) -> None:
+        self.stop()
         self._thread.join(5.0)
 
     def _run(self) -> None:
@@ -51,6 +55,7 @@ class PageMapper:
             if calls is None:
                 return
             t0 = time.perf_counter()
+            call = None
             try:
                 for call in calls:
                     call()
@@ -62,3 +67,4 @@ class PageMapper:
                     self.seconds += time.perf_counter() - t0
                     self._pending -= 1
                     self._done.notify_all()
+            calls = call = None  # they hold the layout (bound map calls): let it go while waiting

@@ -4,6 +4,12 @@ shared zero page (no memory, never a fault) and memory follows the pages actuall
 
 libc is reached through ``ctypes`` (which releases the GIL around each call). Writing to an unmapped
 part of a range faults: callers write only through mapped pages.
+
+Lifetimes: a reserved range is unmapped, and a page pool's memfd closed, when ``release`` /
+``free_pages`` is called or, failing that, once nothing refers to them any more (neither the
+``VirtualRange`` / ``PhysicalPages`` nor a tensor made by ``tensor``, which keeps its range alive).
+An engine dropped without an explicit close so gives back its mappings: without this, each one
+left behind counted against ``vm.max_map_count`` for the rest of the process.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import weakref
 
 import torch
 
@@ -64,7 +71,9 @@ class CpuVMM(BaseVMM):
     def reserve(self, size: int) -> VirtualRange:
         self._check(size)
         flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
-        return VirtualRange(self._mmap(None, size, _PROT_READ, flags, -1, 0), size)
+        vrange = VirtualRange(self._mmap(None, size, _PROT_READ, flags, -1, 0), size)
+        vrange.extra["release"] = weakref.finalize(vrange, _munmap, self._libc, vrange.addr, size)
+        return vrange
 
     def create_pages(self, num_pages: int, page_bytes: int) -> PhysicalPages:
         self._check(page_bytes)
@@ -74,7 +83,9 @@ class CpuVMM(BaseVMM):
         except OSError:
             os.close(fd)
             raise
-        return PhysicalPages(num_pages, page_bytes, fd)
+        pages = PhysicalPages(num_pages, page_bytes, fd)
+        pages.extra["free"] = weakref.finalize(pages, os.close, fd)  # mappings keep the memory alive
+        return pages
 
     def map(
         self, vrange: VirtualRange, offset: int, pages: PhysicalPages, first: int, count: int = 1
@@ -99,12 +110,10 @@ class CpuVMM(BaseVMM):
         self._mmap(vrange.addr + offset, size, _PROT_READ, flags, -1, 0)
 
     def release(self, vrange: VirtualRange) -> None:
-        if self._libc.munmap(vrange.addr, vrange.size) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"munmap failed: {os.strerror(err)}")
+        vrange.extra["release"]()  # once: a later collection of ``vrange`` does nothing
 
     def free_pages(self, pages: PhysicalPages) -> None:
-        os.close(pages.handle)
+        pages.extra["free"]()
 
     def mapping_budget(self) -> int | None:
         """Regions left under ``vm.max_map_count`` (each mapped region can split a reserved one in
@@ -120,9 +129,16 @@ class CpuVMM(BaseVMM):
 
     def tensor(self, vrange: VirtualRange, dtype: torch.dtype) -> torch.Tensor:
         buf = (ctypes.c_char * vrange.size).from_address(vrange.addr)
+        buf._xllm_range = vrange  # the range outlives every tensor over it (see the module docstring)
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
 
     def _bounds(self, vrange: VirtualRange, offset: int, size: int) -> None:
         self._check(offset, size)
         if not (0 <= offset and offset + size <= vrange.size):
             raise ValueError(f"[{offset}, {offset + size}) outside the reserved range of {vrange.size} bytes")
+
+
+def _munmap(libc: ctypes.CDLL, addr: int, size: int) -> None:
+    if libc.munmap(addr, size) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"munmap failed: {os.strerror(err)}")

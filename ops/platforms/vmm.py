@@ -37,6 +37,7 @@ class VirtualRange:
 
     addr: int
     size: int
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class BaseVMM(ABC):

@@ -8,6 +8,7 @@ from typing import Any
 
 def reference_ops() -> dict[str, Callable[..., Any]]:
     """Every reference op by name (``ops/registry.py`` registers them for "cpu" and as the fallback)."""
+    from ops.torch_ref import moe
     from ops.torch_ref.activation import silu_and_mul
     from ops.torch_ref.attention import attention
     from ops.torch_ref.attention_contiguous import attention_contiguous
@@ -24,4 +25,11 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
         "fused_add_rms_norm": fused_add_rms_norm,
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
+        "moe_route": moe.route,
+        "moe_route_grouped": moe.route_grouped,
+        "moe_dispatch": moe.dispatch,
+        "moe_grouped_matmul": moe.grouped_matmul,
+        "moe_expert_swiglu": moe.expert_swiglu,
+        "moe_combine": moe.combine,
+        "moe_fused_experts": moe.fused_experts,
     }

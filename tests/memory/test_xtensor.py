@@ -123,3 +123,28 @@ def test_mapping_budget_evicts_released_slots_first(tiny_qwen3: Path) -> None:
     run_to_completion(engine)
     stats = engine.get_stats().xtensor
     assert stats.num_unmaps > 0 and layout.num_live_mappings <= live
+
+
+def _num_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_a_dropped_engine_gives_back_its_mappings(tiny_qwen3: Path) -> None:
+    """Nobody closes an ``LLM`` / engine explicitly: once it is gone its ranges are unmapped and its
+    memfd closed, so engine after engine in one process never runs out of ``vm.max_map_count``."""
+    import gc
+    import os
+
+    gc.collect()
+    before, fds_before = _num_mappings(), len(os.listdir("/proc/self/fd"))
+    for _ in range(2):
+        engine = make_engine(tiny_qwen3, kv_layout="xtensor", block_size=BLOCK, num_blocks=256)
+        for i, prompt in enumerate(random_prompts([3 * BLOCK + 1] * 8, seed=2)):
+            _add(engine, f"r{i}", prompt, max_tokens=20)
+        run_to_completion(engine)
+        assert _num_mappings() > before + 8  # its pages really were mapped
+        del engine
+        gc.collect()
+        assert _num_mappings() <= before + 2  # (a little slack for allocator arenas)
+    assert len(os.listdir("/proc/self/fd")) <= fds_before

@@ -25,6 +25,7 @@ from xengine.sampling.constraints import (
     bad_words_bans,
 )
 from xengine.structured.bitmask import allocate_bitmask, allowed_ids, apply_bitmask
+from xengine.structured.cache import CompiledGrammarCache
 from xengine.structured.compiler import GrammarCompiler
 from xengine.structured.factory import create_backend
 from xengine.structured.llguidance_backend import LLGuidanceBackend
@@ -155,6 +156,23 @@ def test_compiler_caches_and_shares_in_flight_compiles(backend) -> None:
         compiler.close()
 
 
+def test_cache_is_lru_bounded_by_entries_and_source_size() -> None:
+    compiled = object()  # the cache never looks inside a compiled grammar
+    cache = CompiledGrammarCache(max_entries=3, max_source_chars=100)
+    specs = [GrammarSpec("regex", f"[a-z]{{{i}}}") for i in range(4)]  # 8 characters each
+    for spec in specs[:3]:
+        cache.put(spec, compiled)
+    assert cache.get(specs[0]) is compiled  # now the most recently used
+    cache.put(specs[3], compiled)
+    assert len(cache) == 3 and cache.get(specs[1]) is None  # the least recently used went
+    big = GrammarSpec("regex", "a" * 90)
+    cache.put(big, compiled)  # 8 * 3 + 90 > 100 characters: the two oldest go, not just one
+    assert cache.get(big) is compiled and cache.get(specs[3]) is compiled
+    assert len(cache) == 2 and cache.num_source_chars == 98
+    cache.put(GrammarSpec("regex", "b" * 101), compiled)  # larger than the whole budget: not kept
+    assert len(cache) == 2 and cache.num_source_chars == 98
+
+
 def test_bitmask_application_matches_unpacked_bits() -> None:
     rng = np.random.default_rng(0)
     vocab = 1000  # not a multiple of 32: the tail bits of the last word are ignored
@@ -181,6 +199,14 @@ def test_grammar_wins_over_bans_that_would_leave_nothing() -> None:
         finite = torch.isfinite(out[row]).nonzero().flatten().tolist()
         assert finite == [2, 3]
         assert torch.equal(out[row, 2:4], logits[row, 2:4])
+    # nothing applied before the grammar (the sampler passes the same tensor twice): never written
+    before = logits.clone()
+    for rows, masks in (([1], bitmask[1:]), ([0, 1], bitmask)):  # some rows / every row
+        out = apply_grammar(logits, logits, masks, rows)
+        assert torch.equal(logits, before)
+        for row in rows:
+            assert torch.isfinite(out[row]).nonzero().flatten().tolist() == [2, 3]
+    assert torch.equal(out[0, 2:4], logits[0, 2:4])
 
 
 def test_logit_bias_allow_list_and_bad_words() -> None:

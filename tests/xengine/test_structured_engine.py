@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import msgspec
 import pytest
 import torch
 
@@ -146,6 +147,64 @@ def test_preemption_keeps_parse_state(tiny_qwen3: Path, prompts, tokenizer) -> N
         tight = LLM(str(tiny_qwen3), async_scheduling=mode, **{**SETTINGS, "num_blocks": 10, "block_size": 8})
         assert _run(tight, prompts) == roomy
         assert tight.engine.get_stats().num_preemptions > 0
+
+
+def test_prefix_cache_hit_changes_nothing(tiny_qwen3: Path, tokenizer) -> None:
+    """Constrained requests whose prompt is found in the prefix cache sample exactly what they did on
+    a cold cache: the matcher follows output tokens only, whatever part of the prompt was computed."""
+    llm = LLM(str(tiny_qwen3), **SETTINGS)
+    prompt = tokenizer.encode("You are a careful assistant that writes records. " * 6)  # several blocks
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=96, structured_outputs=_json()),
+        SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=96, structured_outputs=_json()),
+    ]
+
+    def run() -> list[list[list[int]]]:
+        outs = llm.generate([prompt, prompt], params, use_tqdm=False)
+        return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+    cold = run()
+    hits = llm.engine.get_stats().prefix_cache_hits
+    warm = run()
+    assert llm.engine.get_stats().prefix_cache_hits >= hits + len(prompt) // 2
+    assert warm == cold
+    for seqs in warm:
+        for ids in seqs:
+            jsonschema.validate(json.loads(tokenizer.decode(ids)), PERSON)
+
+
+def test_a_resumed_request_continues_its_grammar(tiny_qwen3: Path, prompts, tokenizer) -> None:
+    """A request continued on another instance (PD hand-off, migration: ``InstancePool.continuation``)
+    arrives with its generated tokens at the end of its prompt and in ``resume_token_ids``; its
+    matcher starts past them, so generated + continuation is the uninterrupted output."""
+    llm = LLM(str(tiny_qwen3), **SETTINGS)
+    prompt, k = prompts[0], 5
+
+    def greedy(prompt_ids: list[int], so: StructuredOutputsParams, max_tokens: int = 96) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
+        return list(llm.generate([prompt_ids], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    whole = greedy(prompt, _json())
+    head = whole[:k]
+    resumed = greedy(prompt + head, msgspec.structs.replace(_json(), resume_token_ids=head), 96 - k)
+    assert head + resumed == whole
+    jsonschema.validate(json.loads(tokenizer.decode(head + resumed)), PERSON)
+    restarted = greedy(prompt + head, _json(), 96 - k)  # what the grammar did before: a new document
+    assert head + restarted != whole
+    # tokens the grammar rejects: the sequence may only end (eos at once), never go on unconstrained
+    junk = tokenizer.encode("}}", add_special_tokens=False)
+    ended = greedy(prompt + junk, msgspec.structs.replace(_json(), resume_token_ids=junk), 20)
+    assert len(ended) == 1 and ended[0] in llm.engine.model_info.eos_token_ids
+    so = msgspec.structs.replace(_json(), resume_token_ids=[7])
+    with pytest.raises(ValueError, match="must be the end of the prompt"):
+        llm.engine.add_request(
+            AddRequest(req_id="x", prompt_token_ids=[5, 6], params=SamplingParams(structured_outputs=so))
+        )
+    so = msgspec.structs.replace(_json(), resume_token_ids=[10**6])
+    with pytest.raises(ValueError, match="structured_outputs.*not in the vocabulary"):
+        llm.engine.add_request(
+            AddRequest(req_id="y", prompt_token_ids=[5, 6], params=SamplingParams(structured_outputs=so))
+        )
 
 
 class _MaskedGreedy:

@@ -40,6 +40,11 @@ REQUEST_TIMEOUT_S = 120.0  # guards against a hang, not a timing assertion
 POST_ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/chat/completions/batch",
+    "/invocations",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/responses/{response_id}/cancel",
     "/tokenize",
     "/detokenize",
     "/v1/files",
@@ -48,7 +53,11 @@ POST_ROUTES = (
     "/v1/rec/catalogs",
     "/v1/rec/generate",
 )
-NO_JSON_BODY = {"/v1/files", "/v1/batches/{batch_id}/cancel"}  # multipart; none (path parameter only)
+NO_JSON_BODY = {
+    "/v1/files",
+    "/v1/batches/{batch_id}/cancel",
+    "/v1/responses/{response_id}/cancel",
+}  # multipart; none (path parameter only)
 KINDS = ("positive", "negative", "hazard")
 
 HAZARDS: tuple[Any, ...] = (

@@ -151,6 +151,41 @@ def test_text_format_json_schema(client) -> None:
     jsonschema.validate(json.loads(resp.output_text), schema)
 
 
+def test_vllm_sampling_extensions(client) -> None:
+    """top_k / min_p / repetition_penalty / seed act as on chat completions (vLLM accepts them here too)."""
+    kw = {"input": QUESTION, "max_output_tokens": 8, "extra_body": {}}
+    greedy = create(client, **kw).output_text
+    top1 = client.responses.create(model="xllm-tiny", temperature=1.0, **{**kw, "extra_body": {"top_k": 1}})
+    assert top1.output_text == greedy  # top_k=1 samples the argmax
+    seeded = [
+        client.responses.create(
+            model="xllm-tiny", temperature=1.0, **{**kw, "extra_body": {"seed": 7}}
+        ).output_text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+    messages = [{"role": "user", "content": QUESTION}]
+    extra = {"seed": 7, "min_p": 0.05, "repetition_penalty": 1.3}
+    chat = client.chat.completions.create(
+        model="xllm-tiny", messages=messages, temperature=1.0, max_tokens=8, extra_body=extra
+    )
+    resp = client.responses.create(model="xllm-tiny", temperature=1.0, **{**kw, "extra_body": extra})
+    assert resp.output_text == chat.choices[0].message.content
+
+
+def test_chat_template_kwargs_reach_the_template(client) -> None:
+    kwargs = {
+        "chat_template_kwargs": {"enable_thinking": False}
+    }  # Qwen3's template adds an empty think block
+    resp = create(client, input=QUESTION, max_output_tokens=1, extra_body=kwargs)
+    messages = [{"role": "user", "content": QUESTION}]
+    chat = client.chat.completions.create(
+        model="xllm-tiny", messages=messages, max_tokens=1, extra_body=kwargs
+    )
+    plain = create(client, input=QUESTION, max_output_tokens=1)
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens != plain.usage.input_tokens
+
+
 @pytest.mark.parametrize(
     "change,param",
     [
@@ -166,6 +201,10 @@ def test_text_format_json_schema(client) -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format.schema"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"not_a_field": 1}, "not_a_field"),
+        ({"top_k": -5}, "top_k"),
+        ({"chat_template_kwargs": {"no_such_variable": True}}, "chat_template_kwargs.no_such_variable"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_field(thttp, change: dict[str, Any], param: str) -> None:

@@ -231,6 +231,7 @@ def test_streamed_and_n_greater_than_one(client: openai.OpenAI) -> None:
         ),
         ({"use_beam_search": True, "guided_regex": "a"}, "guided_regex", "beam search"),
         ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"bad1": 1, "5": 1, "bad2": 2}}, "logit_bias", "got 'bad1', 'bad2'$"),  # all named
         ({"logit_bias": {"5": 100.5}}, "logit_bias", r"\[-100, 100\]"),
         ({"logit_bias": {"5": -101}}, "logit_bias", r"\[-100, 100\]"),
         ({"logit_bias": {"99999": 1}}, "logit_bias", "vocabulary"),
@@ -329,3 +330,21 @@ def test_40_constrained_generations_all_validate(http: httpx.Client) -> None:
 @pytest.mark.slow
 def test_200_constrained_generations_all_validate(http: httpx.Client) -> None:
     _validate_many(http, 200)
+
+
+def test_a_continued_request_resumes_its_grammar() -> None:
+    """PD hand-off and migration continue a request on another instance (``InstancePool.continuation``)
+    with the generated tokens appended to its prompt; its grammar must resume past them, not restart
+    (the engine side: ``test_structured_engine.py::test_a_resumed_request_continues_its_grammar``)."""
+    from xengine.api.messages import AddRequest, SamplingParams, StructuredOutputsParams
+    from xservice.cluster.pool import InstancePool
+
+    so = StructuredOutputsParams(regex="[a-z]+")
+    params = SamplingParams(max_tokens=10, structured_outputs=so)
+    req = AddRequest(req_id="r", prompt_token_ids=[1, 2], params=params)
+    sub = InstancePool.continuation(req, [7, 8], "d1")
+    assert sub is not None and sub.prompt_token_ids == [1, 2, 7, 8] and sub.params.max_tokens == 8
+    assert sub.params.structured_outputs.resume_token_ids == [7, 8]
+    assert req.params.structured_outputs.resume_token_ids is None  # the original request is untouched
+    fresh = InstancePool.continuation(req, [], "m1")  # nothing generated yet: the grammar starts over
+    assert fresh is not None and fresh.params.structured_outputs.resume_token_ids is None

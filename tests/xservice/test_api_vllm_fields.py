@@ -301,3 +301,97 @@ def test_spaces_between_special_tokens_accepted(client: openai.OpenAI, server, t
         for flag in (True, False)
     ]
     assert outs[0].text == outs[1].text == tokenizer.decode(outs[0].token_ids, skip_special_tokens=False)
+
+
+# --- POST /v1/chat/completions/batch (vLLM's batched chat completions) ------------------------------
+
+BATCH = [MESSAGES, [{"role": "user", "content": "Name three colours."}]]
+
+
+def test_chat_batch_answers_each_conversation(
+    http: httpx.Client, client: openai.OpenAI, server, tokenizer
+) -> None:
+    fields = {"temperature": 0, "max_tokens": 8, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    body = {"model": server.model_name, "messages": BATCH, "return_token_ids": True, **fields}
+    resp = http.post("/v1/chat/completions/batch", json=body)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["object"] == "chat.completion" and [c["index"] for c in data["choices"]] == [0, 1]
+    for conversation, choice in zip(BATCH, data["choices"]):  # what the single-conversation route answers
+        alone = http.post("/v1/chat/completions", json={**body, "messages": conversation}).json()
+        single = alone["choices"][0]
+        assert choice["message"] == single["message"] and choice["token_ids"] == single["token_ids"]
+        assert len(choice["token_ids"]) == 8
+        got, want = choice["logprobs"]["content"], single["logprobs"]["content"]
+        assert [e["token"] for e in got] == [e["token"] for e in want]
+        # batch composition moves float32 sums by ~1e-6
+        assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+        assert [len(e["top_logprobs"]) for e in got] == [2] * 8
+    prompt_tokens = sum(len(_chat_prompt_ids(tokenizer, c)) for c in BATCH)
+    assert data["usage"]["prompt_tokens"] == prompt_tokens and data["usage"]["completion_tokens"] == 16
+    assert data["prompt_token_ids"] is None  # one prompt per conversation (as in vLLM)
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [MESSAGES, []]}, "messages"),
+        ({"stream": True}, "stream"),
+        ({"n": 2}, "n"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": [MESSAGES, [{"role": "nobody", "content": "x"}]]}, "messages.1.0"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),  # refused (not implemented yet), as alone
+    ],
+)
+def test_chat_batch_bad_body_is_400(http: httpx.Client, fields: dict[str, Any], param: str) -> None:
+    resp = http.post("/v1/chat/completions/batch", json={"messages": BATCH, "max_tokens": 2, **fields})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"].startswith(param), resp.json()
+    if param == "logprob_token_ids":
+        single = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **fields})
+        assert single.status_code == 400 and single.json()["error"]["param"] == param
+
+
+# --- POST /invocations (vLLM's single route for SageMaker-style hosting) ----------------------------
+
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "temperature": 0, "max_tokens": 6, "ignore_eos": True},
+        ),
+        ("/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 6, "ignore_eos": True}),
+        ("/v1/embeddings", {"input": PROMPT}),
+    ],
+)
+def test_invocations_answers_as_the_api_route(http: httpx.Client, route: str, body: dict[str, Any]) -> None:
+    direct, via = http.post(route, json=body), http.post("/invocations", json=body)
+    assert direct.status_code == via.status_code == 200, via.text
+    a, b = direct.json(), via.json()
+    for key in ("id", "created"):
+        a.pop(key, None), b.pop(key, None)
+    for out in (a, b):  # the second request hits the prefix cache
+        out.get("usage", {}).pop("prompt_tokens_details", None)
+    if route == "/v1/embeddings":
+        assert b["data"][0]["embedding"] == pytest.approx(a["data"][0]["embedding"], abs=1e-5)
+        a["data"] = b["data"] = None
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"text": "hi"}, "text"),
+        ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
+        ({"messages": 3}, "messages"),
+    ],
+)
+def test_invocations_bad_body_is_400(http: httpx.Client, body: dict[str, Any], param: str | None) -> None:
+    resp = http.post("/invocations", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param

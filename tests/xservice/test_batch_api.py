@@ -246,7 +246,7 @@ def test_api_errors(client: openai.OpenAI, tmp_path: Path) -> None:
     with open(path, "rb") as f:
         file = client.files.create(file=f, purpose="batch")
     with pytest.raises(openai.BadRequestError) as e:
-        client.batches.create(input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=file.id, endpoint="/v1/moderations", completion_window="24h")
     assert e.value.body["param"] == "endpoint"
     with pytest.raises(openai.BadRequestError) as e:
         client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="1h")

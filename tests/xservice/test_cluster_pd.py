@@ -12,6 +12,7 @@ colocated engine's: no token lost or repeated.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import shutil
@@ -217,6 +218,35 @@ def test_prompt_side_outputs_through_the_cluster(cluster: ClusterServer, model_d
     field = out.choices[0].model_extra["prompt_logprobs"]
     assert [field[i][str(ids[i])]["logprob"] for i in range(1, 60)] == pytest.approx(want, abs=1e-4)
     assert cluster.admin()["pd"]["num_requests"] == pd_before + 1
+
+
+def test_structured_output_resumes_on_the_decode_instance(cluster: ClusterServer) -> None:
+    """The prefill instance samples the first token under the grammar; the decode instance goes on
+    with the same document (its matcher resumed past that token) instead of starting a new one."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}},
+        "required": ["id", "ok"],
+        "additionalProperties": False,
+    }
+    client, pd_before = cluster.openai(), cluster.admin()["pd"]["num_requests"]
+    for seed in range(3):
+        out = client.completions.create(
+            model="xllm-tiny",
+            prompt=f"Record {seed}:",
+            max_tokens=60,
+            temperature=1.0,
+            seed=seed,
+            extra_body={
+                "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+                "structured_outputs": {"disable_any_whitespace": True},
+            },
+        )
+        assert out.choices[0].finish_reason == "stop", out.choices[0]
+        jsonschema.validate(json.loads(out.choices[0].text), schema)
+    assert cluster.admin()["pd"]["num_requests"] == pd_before + 3  # all three went through PD
 
 
 def _stream(client: openai.OpenAI, prompt: str, chunks: list[str]) -> str | None:

@@ -38,6 +38,11 @@ def check_structured_outputs(so: Any) -> None:
         _fail(field, f"set exactly one of {', '.join(STRUCTURED_KINDS)} (got {given or 'none'})")
     kind = given[0]
     _check_json_options(so, kind)
+    resume = so.resume_token_ids
+    if resume is not None and (
+        not isinstance(resume, list) or not all(_is_token_id(t, None) for t in resume)
+    ):
+        _fail(field, "'resume_token_ids' must be a list of token ids")
     pattern = so.whitespace_pattern
     if pattern is not None and (not isinstance(pattern, str) or not 0 < len(pattern) <= MAX_CHOICE_CHARS):
         _fail(field, f"'whitespace_pattern' must be a regex of 1..{MAX_CHOICE_CHARS} characters")
@@ -119,6 +124,12 @@ def check_constraints(params: Any, vocab_size: int | None) -> None:
         _fail(used[0], "not supported with beam search")
     if params.structured_outputs is not None:
         check_structured_outputs(params.structured_outputs)
+        resume = params.structured_outputs.resume_token_ids or []
+        bad = next((t for t in resume if not _is_token_id(t, vocab_size)), None)
+        if bad is not None:
+            _fail(
+                "structured_outputs", f"resumed token id {bad!r} is not in the vocabulary [0, {vocab_size})"
+            )
     if params.logit_bias is not None:
         check_logit_bias(params.logit_bias, vocab_size)
     if params.allowed_token_ids is not None:

@@ -45,6 +45,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False  # objects without "additionalProperties" get false
+    # Output tokens this grammar already produced, which are the tail of the prompt: a request resumed
+    # on another instance (PD hand-off, migration). Its matchers consume them before the first step.
+    resume_token_ids: list[int] | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming 'structured_outputs' (cheap checks; compiling is the backend's)."""

@@ -2,5 +2,5 @@
 
 from __future__ import annotations
 
-ARCHS = ("qwen3", "qwen2", "llama")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3")
 SIZES = ("tiny", "small")

@@ -3,7 +3,7 @@ Qwen2 and Qwen3; the differences are flags in ``DecoderConfig``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -63,10 +63,19 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, layer_idx: int) -> None:
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        rotary: RotaryEmbedding,
+        layer_idx: int,
+        mlp: nn.Module | None = None,
+        attn: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, rotary, cfg.sliding_windows[layer_idx], layer_idx)
-        self.mlp = DecoderMLP(cfg)
+        if attn is None:  # another attention (e.g. MLA) only where the model gives one
+            attn = DecoderAttention(cfg, rotary, cfg.sliding_windows[layer_idx], layer_idx)
+        self.self_attn = attn
+        self.mlp = DecoderMLP(cfg) if mlp is None else mlp  # a sparse MoE block in MoE models
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -87,13 +96,29 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        make_mlp: Callable[[int], nn.Module | None] | None = None,
+        make_attention: Callable[[int, RotaryEmbedding], nn.Module | None] | None = None,
+    ) -> None:
+        """``make_mlp(layer_idx)`` / ``make_attention(layer_idx, rotary)``: that layer's feed-forward /
+        attention module, ``None`` for the dense MLP / ``DecoderAttention``."""
         super().__init__()
         self.rotary = RotaryEmbedding(
-            cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, cfg.rope_is_neox
         )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                cfg,
+                self.rotary,
+                i,
+                make_mlp(i) if make_mlp else None,
+                make_attention(i, self.rotary) if make_attention else None,
+            )
+            for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -111,13 +136,21 @@ class DecoderForCausalLM(BaseCausalLM):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.model = DecoderModel(cfg, self.make_mlp, self.make_attention)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     @classmethod
     def config_from_hf(cls, hf_config: dict[str, Any]) -> DecoderConfig:
         return decoder_config_from_hf(hf_config)
+
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
+        """The feed-forward module of layer ``layer_idx``; ``None``: the dense SwiGLU MLP."""
+        return None
+
+    def make_attention(self, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module | None:
+        """The attention module of layer ``layer_idx`` (``forward(positions, x)``); ``None``: GQA."""
+        return None
 
     @classmethod
     def from_hf_config(cls, hf_config: dict[str, Any]) -> DecoderForCausalLM:

@@ -28,6 +28,7 @@ class DecoderConfig:
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    rope_is_neox: bool = True  # rotate halves; False: interleaved pairs (DeepSeek's rope_interleave)
 
 
 def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:

@@ -20,8 +20,8 @@ class ModelInfo:
     hidden_size: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # of one token's KV cache entry (MLA: 1, holding the latent and the RoPE key)
+    head_dim: int  # likewise (MLA: kv_lora_rank + qk_rope_head_dim)
     max_position_embeddings: int
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
@@ -64,6 +64,14 @@ def hf_head_dim(hf: dict[str, Any]) -> int:
     return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
 
 
+def kv_cache_head(hf: dict[str, Any]) -> tuple[int, int]:
+    """``(num_kv_heads, head_dim)`` of one token's KV cache entry: for MLA (``kv_lora_rank`` in the
+    config) one head holding the latent and the RoPE key, else the attention's own heads."""
+    if hf.get("kv_lora_rank"):
+        return 1, int(hf["kv_lora_rank"]) + int(hf["qk_rope_head_dim"])
+    return int(hf.get("num_key_value_heads") or hf["num_attention_heads"]), hf_head_dim(hf)
+
+
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -88,8 +96,8 @@ def read_model_info(model_dir: str) -> ModelInfo:
             hidden_size=int(hf["hidden_size"]),
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=int(hf["num_attention_heads"]),
-            num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-            head_dim=hf_head_dim(hf),
+            num_kv_heads=kv_cache_head(hf)[0],
+            head_dim=kv_cache_head(hf)[1],
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             eos_token_ids=eos,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),

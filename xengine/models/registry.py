@@ -7,6 +7,8 @@ from typing import Any
 
 _MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "xengine.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "xengine.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM": "xengine.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Qwen2ForCausalLM": "xengine.models.qwen2:Qwen2ForCausalLM",
     "LlamaForCausalLM": "xengine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "xengine.models.llama:MistralForCausalLM",

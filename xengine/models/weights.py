@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from xengine.layers.linear import MergedLinear
+from xengine.layers.moe import EXPERT_PROJECTIONS, FusedExperts
 
 # checkpoint module name -> (merged module name, shard index)
 STACKED_MODULES: dict[str, tuple[str, int]] = {
@@ -19,6 +21,8 @@ STACKED_MODULES: dict[str, tuple[str, int]] = {
 }
 # checkpoint entries that hold no weights (old checkpoints saved RoPE buffers)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# one expert's projection in a per-expert MoE checkpoint: "<...>.experts.<e>.<proj>.weight"
+_EXPERT_WEIGHT = re.compile(rf"^(.+\.experts)\.(\d+)\.({'|'.join(EXPERT_PROJECTIONS)})\.weight$")
 
 
 class WeightLoader:
@@ -39,9 +43,13 @@ class WeightLoader:
         self._check_complete()
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        expert_match = _EXPERT_WEIGHT.match(name)
+        if expert_match is not None:
+            self._load_expert(name, tensor, *expert_match.groups())
+            return
         module_path, _, param_name = name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
-        if module_name in STACKED_MODULES:
+        if module_name in STACKED_MODULES and name not in self.params:  # e.g. MLA's own, unmerged q_proj
             merged_name, shard = STACKED_MODULES[module_name]
             merged_path = f"{parent}.{merged_name}" if parent else merged_name
             module = self._submodule(merged_path, name)
@@ -59,7 +67,26 @@ class WeightLoader:
             )
         with torch.no_grad():
             param.copy_(tensor)
-        self._mark(name, 0)
+        for shard in range(self._expected_shards(name)):  # a stacked tensor fills every shard at once
+            self._mark(name, shard)
+
+    def _load_expert(
+        self, name: str, tensor: torch.Tensor, experts_path: str, expert: str, proj: str
+    ) -> None:
+        module = self._submodule(experts_path, name)
+        if not isinstance(module, FusedExperts):
+            raise ValueError(f"checkpoint weight {name!r} is for experts, but {experts_path!r} is not one")
+        param_name, shard = module.load_expert(int(expert), proj, tensor)
+        self._mark(f"{experts_path}.{param_name}", shard)
+
+    def _expected_shards(self, param_name: str) -> int:
+        module_path, _, local_name = param_name.rpartition(".")
+        module = self.model.get_submodule(module_path)
+        if isinstance(module, MergedLinear):
+            return module.num_shards
+        if isinstance(module, FusedExperts):
+            return module.num_shards(local_name)
+        return 1
 
     def _submodule(self, path: str, weight_name: str) -> nn.Module:
         try:
@@ -76,9 +103,7 @@ class WeightLoader:
     def _check_complete(self) -> None:
         missing = []
         for name in self.params:
-            module = self.model.get_submodule(name.rpartition(".")[0])
-            expected = module.num_shards if isinstance(module, MergedLinear) else 1
-            if len(self.loaded.get(name, ())) != expected:
+            if len(self.loaded.get(name, ())) != self._expected_shards(name):
                 missing.append(name)
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")

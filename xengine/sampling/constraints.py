@@ -15,7 +15,7 @@ import torch
 
 from xengine.api.messages import SamplingParams
 from xengine.sampling.penalties import token_mask
-from xengine.structured.bitmask import apply_bitmask
+from xengine.structured.bitmask import apply_bitmask, bitmask_bias
 
 _NEG_INF = float("-inf")
 
@@ -83,12 +83,21 @@ def apply_grammar(
     logits: torch.Tensor, unconstrained: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
 ) -> torch.Tensor:
     """Mask ``rows`` by their bitmask rows; a row left with no finite logit falls back to
-    ``unconstrained`` (the logits before bans and biases) masked by its grammar alone."""
-    if logits is unconstrained:
-        logits = logits.clone()
-    apply_bitmask(logits, bitmask, rows)
-    index = torch.tensor(rows, device=logits.device)
-    dead = logits[index].amax(dim=1) == _NEG_INF
+    ``unconstrained`` (the logits before bans and biases) masked by its grammar alone.
+
+    ``unconstrained`` is never written. When every row is constrained (the common case) this is one
+    out-of-place add and one max over the logits: no copy, no gather."""
+    bias = bitmask_bias(bitmask[: len(rows)], logits.shape[1]).to(logits.device, logits.dtype)
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        logits = logits + bias if logits is unconstrained else logits.add_(bias)
+        best = logits.amax(dim=1)
+    else:
+        if logits is unconstrained:
+            logits = logits.clone()
+        index = torch.tensor(rows, device=logits.device)
+        logits.index_add_(0, index, bias)
+        best = logits[index].amax(dim=1)
+    dead = best == _NEG_INF
     if bool(dead.any()):
         dead_rows = [r for r, d in zip(rows, dead.tolist()) if d]
         dead_masks = bitmask[: len(rows)][dead.cpu()]

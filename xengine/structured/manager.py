@@ -17,6 +17,7 @@ from xengine.request import Request
 from xengine.structured.backend import BaseGrammarBackend
 from xengine.structured.compiler import GrammarCompiler
 from xengine.structured.factory import create_backend
+from xengine.structured.matcher import for_request
 from xengine.structured.waiting import GrammarReady, GrammarWaitQueue
 
 DEFAULT_BACKEND = "llguidance"
@@ -49,15 +50,21 @@ class StructuredOutputs:
     def admit(self, request: Request, catalog: object = None) -> bool:
         """True when ``request`` (constrained) can be scheduled now (its grammar attached); False when it
         waits for its compile. Raises ``ValueError`` naming the field when its compile already failed."""
-        assert request.params.structured_outputs is not None
-        future = self.compiler.submit(grammar_spec(request.params.structured_outputs))
+        so = request.params.structured_outputs
+        assert so is not None
+        resume = so.resume_token_ids or []
+        if resume and request.prompt_token_ids[len(request.prompt_token_ids) - len(resume) :] != resume:
+            raise ValueError(
+                "invalid value for 'structured_outputs': 'resume_token_ids' must be the end of the prompt"
+            )
+        future = self.compiler.submit(grammar_spec(so))
         if not future.done():
             self.waiting.add(request, catalog, future)
             return False
         error = future.exception()
         if error is not None:
             raise ValueError(compile_error_message(error))
-        request.grammar = future.result()
+        request.grammar = for_request(future.result(), resume)
         return True
 
     def take_ready(self, idle: bool) -> list[GrammarReady]:

@@ -7,7 +7,8 @@ after, so with async scheduling step t+1's mask always sees token t (steps run o
 the worker). An ``n > 1`` request's other sequences get their matchers on the step that forks them:
 that is the request's first sampled token, so a fresh matcher is exactly the parent's state.
 Preemption (recompute) drops KV, not the parse state: the matcher stays with the sequence; finishing
-or aborting the sequence releases it.
+or aborting the sequence releases it. A request resumed on this instance after tokens generated
+elsewhere (PD hand-off, migration: they are the tail of its prompt) gets matchers already past them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,30 @@ class GrammarRows:
                 # only possible for a token sampled without the mask applying (a row whose every
                 # allowed id was also banned) or one computed past the sequence's end (async)
                 logger.debug("grammar rejected token %d; the sequence may only end now", token)
+
+
+class ResumedGrammar(BaseCompiledGrammar):
+    """A compiled grammar whose matchers start past ``token_ids``: the output a request resumed on
+    this instance already has (``StructuredOutputsParams.resume_token_ids``). A token the grammar
+    rejects leaves the matcher failed (only eos allowed), never a mask out of step with the text."""
+
+    def __init__(self, grammar: BaseCompiledGrammar, token_ids: list[int]) -> None:
+        self.grammar = grammar
+        self.token_ids = list(token_ids)
+        self.num_ids = grammar.num_ids
+
+    def new_matcher(self) -> BaseGrammarMatcher:
+        matcher = self.grammar.new_matcher()
+        for token in self.token_ids:
+            if not matcher.accept_token(token):
+                logger.debug("grammar rejected resumed token %d; the sequence may only end now", token)
+                break
+        return matcher
+
+
+def for_request(grammar: BaseCompiledGrammar, resume_token_ids: list[int] | None) -> BaseCompiledGrammar:
+    """The grammar a request's sequences use: ``grammar``, resumed past ``resume_token_ids`` if any."""
+    return ResumedGrammar(grammar, resume_token_ids) if resume_token_ids else grammar
 
 
 class SequenceMatchers:

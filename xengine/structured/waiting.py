@@ -12,6 +12,7 @@ from typing import Any
 
 from xengine.request import Request
 from xengine.structured.backend import BaseCompiledGrammar
+from xengine.structured.matcher import for_request
 
 
 @dataclass
@@ -51,7 +52,8 @@ class GrammarWaitQueue:
             del self._waiting[w.request.req_id]
             error = w.future.exception()
             if error is None:
-                w.request.grammar = w.future.result()
+                so = w.request.params.structured_outputs
+                w.request.grammar = for_request(w.future.result(), so.resume_token_ids if so else None)
             out.append(GrammarReady(w.request, w.catalog, error))
         return out
 

@@ -1,6 +1,6 @@
 """Generate small seeded-random checkpoints of real architectures (tests, benchmarks, default model).
 
-``tiny`` (about 1.1-1.3M parameters, 2048-token vocabulary) is for tests; ``small`` (about 56M
+``tiny`` (about 1.1-1.9M parameters, 2048-token vocabulary) is for tests; ``small`` (about 56M
 parameters, 32000-token vocabulary) is for benchmarks and the embedded default model. Weights are
 float32, written by ``transformers`` as safetensors, with a byte-level BPE tokenizer trained here.
 """
@@ -38,6 +38,29 @@ _SHAPES: dict[str, dict[str, Any]] = {
         head_dim=64,
     ),
 }
+# qwen3_moe: enough experts for load balancing to mean something, a dense first layer (mlp_only_layers)
+# so both feed-forward kinds are exercised, experts small enough to keep the parameter budget of the size.
+_MOE: dict[str, dict[str, Any]] = {
+    "tiny": dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=32),
+    "small": dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=48),
+}
+# deepseek_v3: MLA (q and kv low-rank), 32 routed experts in 4 groups (top-2 groups, top-4 experts), one
+# shared expert, a dense first layer (first_k_dense_replace). kv_lora_rank + qk_rope_head_dim is 64 / 256,
+# so a 16-token block of the latent cache is whole 4 KiB pages (xTensor) in float32 and bfloat16.
+_DEEPSEEK: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        q_lora_rank=64, kv_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        n_routed_experts=32, moe_intermediate_size=32,
+    ),
+    "small": dict(
+        q_lora_rank=256, kv_lora_rank=192, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+        n_routed_experts=32, moe_intermediate_size=44,
+    ),
+}  # fmt: skip
+_DEEPSEEK_COMMON = dict(
+    num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+    routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True, num_nextn_predict_layers=0,
+)  # fmt: skip
 _VOCAB = {"tiny": 2048, "small": 32000}
 _CORPUS_CHARS = {"tiny": 400_000, "small": 12_000_000}
 INITIALIZER_RANGE = 0.2
@@ -52,7 +75,7 @@ def tie_embeddings(arch: str, size: str) -> bool:
 def build_config(arch: str, size: str, vocab_size: int | None = None, eos_token_id: int = 2) -> Any:
     """The ``transformers`` config of one (arch, size); ``vocab_size`` defaults to the target size."""
     import torch
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if arch not in ARCHS or size not in SIZES:
         raise ValueError(f"arch must be one of {ARCHS} and size one of {SIZES}, got {arch!r}, {size!r}")
@@ -69,6 +92,13 @@ def build_config(arch: str, size: str, vocab_size: int | None = None, eos_token_
     )
     if arch == "qwen3":
         config = Qwen3Config(**kw)
+    elif arch == "qwen3_moe":
+        moe = dict(_MOE[size], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
+        config = Qwen3MoeConfig(**kw, **moe)
+    elif arch == "deepseek_v3":
+        kw.pop("head_dim")  # MLA: qk_nope_head_dim + qk_rope_head_dim per query head
+        kw["num_key_value_heads"] = kw["num_attention_heads"]  # as DeepSeek's configs: no GQA grouping
+        config = DeepseekV3Config(**kw, **_DEEPSEEK[size], **_DEEPSEEK_COMMON)
     elif arch == "qwen2":
         kw.pop("head_dim")  # Qwen2 derives it: hidden_size / num_attention_heads
         config = Qwen2Config(**kw)
@@ -114,6 +144,7 @@ def make_tiny(arch: str, size: str, out: str | Path, seed: int = 0, progress: bo
     config = build_config(arch, size, vocab_size=info.vocab_size, eos_token_id=info.im_end_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomise_router_biases(model, seed)
     model.generation_config = GenerationConfig(
         bos_token_id=None,
         eos_token_id=[info.im_end_id, info.endoftext_id],
@@ -129,6 +160,17 @@ def make_tiny(arch: str, size: str, out: str | Path, seed: int = 0, progress: bo
     if progress:
         print(f"wrote {arch}/{size} to {out}: {num_params / 1e6:.2f}M parameters", file=sys.stderr)
     return out
+
+
+def _randomise_router_biases(model: Any, seed: int) -> None:
+    """DeepSeek-V3 routers start with a zero ``e_score_correction_bias``; give them seeded values so the
+    bias-corrected expert choice is exercised (real checkpoints carry learned biases)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
 
 
 def _save_quietly(model: Any, out: Path, quiet: bool) -> None:

@@ -288,6 +288,10 @@ class InstancePool:
             min_tokens=max(0, p.min_tokens - len(generated)),
             prompt_logprobs=p.prompt_logprobs if not generated else None,
         )
+        so = p.structured_outputs
+        if so is not None and generated:  # the grammar resumes past what was generated, not at its start
+            resumed = [*(so.resume_token_ids or []), *generated]
+            params.structured_outputs = msgspec.structs.replace(so, resume_token_ids=resumed)
         return AddRequest(
             req_id=f"{req.req_id}~{tag}",
             prompt_token_ids=list(req.prompt_token_ids) + generated,

@@ -47,12 +47,12 @@ class CompletionChoice(APIResponse):
     # beam search only (left out otherwise)
     score: float | None = None
     cumulative_logprob: float | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # with ``prompt_logprobs`` (left out otherwise)
+    prompt_logprobs: PromptLogprobs | None = None  # with ``prompt_logprobs`` (null otherwise, as in vLLM)
 
     @model_serializer(mode="wrap")
     def _drop_beam_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out = handler(self)
-        for key in ("score", "cumulative_logprob", "prompt_logprobs"):
+        for key in ("score", "cumulative_logprob"):
             if out.get(key) is None:
                 out.pop(key, None)
         return out

@@ -164,6 +164,12 @@ class ResponsesRequest(APIRequest):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    # vLLM's sampling extensions, as on the other generation routes
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, as on chat completions
     text: TextConfig | None = None
     stream: bool = False
 

@@ -59,6 +59,10 @@ def _sampling_params(
     params = SamplingParams(
         temperature=_or(body.temperature, 1.0),
         top_p=_or(body.top_p, 1.0),
+        top_k=_or(body.top_k, 0),
+        min_p=_or(body.min_p, 0.0),
+        repetition_penalty=_or(body.repetition_penalty, 1.0),
+        seed=body.seed,
         max_tokens=max_tokens,
         structured_outputs=structured or plan.structured,
     )
@@ -99,7 +103,7 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
     ctx.check_model(body.model)
     resp_id = new_request_id("resp")
     messages = input_messages(body)
-    render = await chat_render(ctx)
+    render = await chat_render(ctx, chat_template_kwargs=body.chat_template_kwargs)
     plan = plan_tools(
         functions_of(body),
         tool_choice_of(body),

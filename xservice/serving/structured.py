@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 BACKEND_NAMES = ("auto", "llguidance", "guidance")  # accepted values of guided_decoding_backend
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _MAX_CHECKED_SPECS = 512
+_MAX_CACHED_SPEC_CHARS = 64 << 10
 
 
 @dataclass
@@ -138,16 +139,24 @@ def structured_outputs(body: SamplingRequest) -> StructuredOutputsParams | None:
     params = StructuredOutputsParams(**fields)
     try:
         params.validate()
-        _check_cached(grammar_spec(params))
+        _check(grammar_spec(params))
     except ValueError as exc:
         reason = str(exc).removeprefix("invalid value for 'structured_outputs': ")
         raise _bad(reason, param) from None
     return params
 
 
+def _check(spec: GrammarSpec) -> None:
+    """``check_spec``, remembered for valid specs of up to 64 KiB (clients repeat their schemas; the
+    bound keeps the memory the remembered specs take under ~32 MiB; errors are not cached)."""
+    if len(spec.source) > _MAX_CACHED_SPEC_CHARS:
+        check_spec(spec)
+    else:
+        _check_cached(spec)
+
+
 @lru_cache(maxsize=_MAX_CHECKED_SPECS)
 def _check_cached(spec: GrammarSpec) -> None:
-    """``check_spec``, remembered for valid specs (clients repeat their schemas; errors are not cached)."""
     check_spec(spec)
 
 
@@ -155,13 +164,21 @@ def logit_bias(body: SamplingRequest) -> dict[int, float] | None:
     """``{"<token id>": bias}`` with integer keys (their range and the values: ``SamplingParams.validate``)."""
     if body.logit_bias is None:
         return None
-    out: dict[int, float] = {}
-    for key, value in body.logit_bias.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise _bad(f"keys must be token ids (integers as strings), got {key!r}", "logit_bias") from None
-    return out
+    bad = [key for key in body.logit_bias if not _is_int(key)]
+    if bad:  # all of them, so a client fixes its request once
+        got = ", ".join(repr(key) for key in bad[:10]) + (
+            f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+        )
+        raise _bad(f"keys must be token ids (integers as strings), got {got}", "logit_bias")
+    return {int(key): value for key, value in body.logit_bias.items()}
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
 
 
 def bad_words_token_ids(words: list[str] | None, tokenizer: Tokenizer) -> list[list[int]] | None:

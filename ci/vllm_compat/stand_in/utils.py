@@ -6,9 +6,14 @@ provides ``RemoteOpenAIServer`` (the fixture vLLM's server tests start their ser
 other name a test imports from ``tests.utils`` comes from vLLM's original module (kept as
 ``tests/vllm_utils.py``) when that imports in this environment.
 
-vLLM server flags are translated: flags ``xllm serve`` has are passed on, flags without meaning
-here (GPU memory, eager mode, dtype of a checkpoint that is float32 anyway) are dropped, and any
-other flag makes the server refuse to start with the flag named, so the test fails for that reason.
+vLLM server flags are translated by the tables below (every flag the suite uses is in one, with its
+reason): flags ``xllm serve`` has are passed on (renamed where needed), flags that only tune vLLM
+internals are dropped, ``--chat-template`` becomes a checkpoint copy carrying the template (xllm reads
+the template from the checkpoint), flags of features xllm lacks are either dropped with the feature
+recorded for the test module (the server still serves everything else; classify.py attributes
+unexplained failures there to the feature) or, where the feature is the module's subject, make
+``RemoteOpenAIServer`` raise "xllm-missing: <feature>" without starting a server. A flag in no table
+raises, so a new vLLM flag cannot be silently mistranslated.
 
 Environment (set by run.py): ``XLLM_COMPAT_PYTHON`` (the interpreter with xllm's dependencies),
 ``XLLM_COMPAT_REPO`` (the xllm tree under test), ``XLLM_COMPAT_MODEL`` (the checkpoint folder),
@@ -18,6 +23,7 @@ Environment (set by run.py): ``XLLM_COMPAT_PYTHON`` (the interpreter with xllm's
 from __future__ import annotations
 
 import atexit
+import hashlib
 import importlib
 import json
 import os
@@ -43,51 +49,77 @@ requires_fp8 = pytest.mark.skip(reason="needs FP8 hardware")
 STARTUP_TIMEOUT_S = 600.0
 MAX_LIVE_SERVERS = 2  # servers are reused across modules by configuration; the oldest is stopped beyond this
 
-# vLLM flags that have no meaning for xllm on this machine: name -> number of values they take
-DROPPED_FLAGS: dict[str, int] = {
-    "--enforce-eager": 0,  # xllm's graph mode is its own setting; eager is the CPU default
-    "--dtype": 1,  # the tiny checkpoint is float32 and runs so
-    "--gpu-memory-utilization": 1,
-    "--attention-backend": 1,
-    "--load-format": 1,  # the checkpoint's weights are random anyway
-    "--trust-remote-code": 0,  # the tiny checkpoint has no remote code (xllm never runs any)
-    "--enable-chunked-prefill": 0,  # always on in xllm
-    "--enable-prefix-caching": 0,  # on by default in xllm
-    "--enable-prompt-tokens-details": 0,  # xllm always reports prompt_tokens_details
-    "--enable-auto-tool-choice": 0,  # xllm offers tool_choice "auto" whenever the template renders tools
-    "--tensor-parallel-size": 1,  # only "1" is used by these tests
-    "--disable-log-stats": 0,
-    "--disable-log-requests": 0,
-    "--tokenizer": 1,  # every tokenizer name maps to the tiny checkpoint's
+# --- vLLM server flags, as data -------------------------------------------------------------------
+# Flags ``xllm serve`` has under the same name (values passed on unchanged).
+SAME_FLAGS = frozenset(
+    {
+        "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--seed", "--api-key",
+        "--trust-request-chat-template", "--tool-call-parser",
+    }
+)  # fmt: skip
+# vLLM flag -> (xllm flag, fixed value or None to pass the vLLM value on)
+RENAMED_FLAGS: dict[str, tuple[str, str | None]] = {
+    "--no-enable-prefix-caching": ("--no-prefix-caching", ""),
+    "--no-async-scheduling": ("--async-scheduling", "false"),
+    "--async-scheduling": ("--async-scheduling", "true"),
 }
-# vLLM flags of optional features xllm lacks (or configures otherwise): dropped, so the server starts
-# and serves every other request; the requests that need the feature then fail on their own.
-FEATURE_FLAGS: dict[str, str] = {
-    "--enable-lora": "LoRA adapters (xllm has none: the base model is served, adapter names get 404)",
+# Flags that only tune vLLM internals (or this CI's hardware) and change no API behaviour: dropped.
+DROPPED_FLAGS: dict[str, str] = {
+    "--enforce-eager": "CUDA-graph switch; xllm on CPU runs eagerly by default (graph mode is its own setting)",
+    "--gpu-memory-utilization": "GPU memory budget",
+    "--attention-backend": "attention kernel choice",
+    "--load-format": "weight loader choice (the tiny checkpoint is safetensors)",
+    "--trust-remote-code": "the tiny checkpoint has no remote code (xllm never runs any)",
+    "--enable-chunked-prefill": "always on in xllm",
+    "--enable-prefix-caching": "on by default in xllm",
+    "--enable-prompt-tokens-details": "xllm always reports usage.prompt_tokens_details",
+    "--enable-auto-tool-choice": "xllm offers tool_choice 'auto' whenever the template renders tools",
+    "--tensor-parallel-size": "parallelism (tests use 1)",
+    "--disable-log-stats": "logging",
+    "--disable-log-requests": "logging",
+    "--tokenizer": "every tokenizer name resolves to the tiny checkpoint's tokenizer",
+    "--port": "the stand-in picks a free port",
+    "--host": "the stand-in binds 127.0.0.1",
+    "--structured-outputs-config.backend": (
+        "structured-output backend choice; xllm's one backend is llguidance ('guidance' in vLLM), "
+        "request and response shapes are the same"
+    ),
+}
+# Flags of features xllm lacks whose tests still talk to the server otherwise: the flag is dropped and
+# the server starts, so each test is judged on its merits; a failure there that no more specific rule
+# explains is classified "xllm-missing: <feature>" (classify.py reads the module -> features map).
+SOFT_FEATURE_FLAGS: dict[str, str] = {
+    "--enable-lora": "LoRA adapters",
     "--lora-modules": "LoRA adapters",
     "--lora-module": "LoRA adapters",
     "--max-lora-rank": "LoRA adapters",
     "--max-cpu-loras": "LoRA adapters",
-    "--reasoning-parser": "reasoning parsers (xllm returns the whole output as content)",
-    "--reasoning-config": "reasoning parsers",
-    "--tool-call-parser": "xllm picks its tool-call parser per model family",
-    "--exclude-tools-when-tool-choice-none": "a vLLM prompt-rendering switch",
-    "--enable-prompt-embeds": "prompt embeddings as input (refused by xllm)",
-    "--limit-mm-per-prompt": "multimodal inputs (text-only models here)",
-    "--chat-template-content-format": "multimodal content formatting",
-    "--speculative-config": "speculative decoding settings",
+    "--reasoning-parser": "reasoning parsers",
+    "--exclude-tools-when-tool-choice-none": "--exclude-tools-when-tool-choice-none",
+    "--enable-per-request-metrics": "per-request 'metrics' response field",
+    "--enable-force-include-usage": "--enable-force-include-usage (usage on every response)",
+    "--return-tokens-as-token-ids": "a server-wide default for return_tokens_as_token_ids",
+    "--root-path": "--root-path (serving under a path prefix)",
+    "--max-logprobs": "--max-logprobs above 20 (xllm's cap is fixed at 20)",
+}
+# Flags whose feature is what the whole module tests: the server is not started and every test there
+# errors with "xllm-missing: <feature>".
+HARD_FEATURE_FLAGS: dict[str, str] = {
+    "--enable-prompt-embeds": "prompt embeddings as input",
     "--tool-server": "MCP / built-in tool servers for /v1/responses",
-    "--skip-tokenizer-init": "xllm always detokenizes (text comes with the token ids)",
-    "--enable-per-request-metrics": "vLLM's per-request 'metrics' response field",
-    "--runner": "xllm serves generation and embeddings from the same server",
-    "--structured-outputs-config": "xllm picks its structured-output backend itself",
+    "--reasoning-config": "thinking-token budgets (reasoning config)",
+    "--speculative-config": "speculative decoding",
+    "--limit-mm-per-prompt": "multimodal inputs",
+    "--chat-template-content-format": "multimodal content formatting",
+    "--skip-tokenizer-init": "serving without a tokenizer",
+    "--runner": "--runner pooling (a pooling-only server)",
+    "--watermark-config": "output watermarking",
+    "override_hf_configs": "overriding the checkpoint's config from the command line",
 }
-# vLLM flag -> xllm flag with another name (None: the xllm flag takes no value)
-RENAMED_FLAGS: dict[str, tuple[str, int]] = {
-    "--no-enable-prefix-caching": ("--no-prefix-caching", 0),
-    "--no-async-scheduling": ("--async-scheduling", -1),  # -1: add the value "false"
-    "--async-scheduling": ("--async-scheduling", -2),  # -2: add the value "true"
-}
+# --dtype values: passed on when xllm has them; fp16 checkpoints run as float32 on CPU in xllm
+DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "auto": "auto", "float16": "auto", "half": "auto"}
+TOOL_PARSERS = frozenset({"hermes", "auto", "none"})  # the families xllm has
+MAX_LOGPROBS = 20  # xllm's fixed cap (xengine.api.messages.MAX_LOGPROBS)
 
 
 def _free_port() -> int:
@@ -110,7 +142,59 @@ def _xllm_flags() -> frozenset[str]:
     return frozenset(tok.strip("[],") for tok in out.split() if tok.startswith(("--", "[--")))
 
 
-def _flag_arity(flag: str, args: list[str], i: int) -> int:
+class MissingFeature(RuntimeError):
+    """A vLLM server flag needs a feature xllm lacks (the message starts with "xllm-missing: ")."""
+
+
+def translate_args(model: str, vllm_args: list[str]) -> tuple[list[str], str, list[str], dict[str, str]]:
+    """For ``vllm serve model *vllm_args``: (xllm serve flags, served model name, flags needing a feature
+    xllm lacks (hard: the server is not started), {flag: feature} of soft-missing features).
+
+    Unknown flags raise: a new vLLM flag must be added to one of the tables above, with its reason."""
+    out: list[str] = []
+    served = model
+    hard: list[str] = []
+    soft: dict[str, str] = {}
+    i = 0
+    while i < len(vllm_args):
+        arg = vllm_args[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected positional vLLM server argument {arg!r}")
+        flag, eq, inline = arg.partition("=")
+        values = [inline] if eq else vllm_args[i + 1 : i + 1 + _flag_arity(vllm_args, i)]
+        i += 1 + (0 if eq else len(values))
+        flag = flag.replace("_", "-")  # vLLM's parser accepts --max_model_len too
+        value = values[0] if values else ""
+        if flag == "--served-model-name":
+            served = value  # xllm serves one name: the first (vLLM reports the first too)
+        elif flag == "--max-model-len":
+            out += [flag, str(_parse_len(value))]
+        elif flag == "--dtype" and "--dtype" in _xllm_flags():
+            out += [flag, DTYPES[value]]
+        elif flag == "--chat-template":
+            out += ["--model", _model_with_template(value)]
+        elif flag == "--tool-call-parser" and value not in TOOL_PARSERS:
+            soft[flag] = f"tool-call parser '{value}'"
+        elif flag == "--max-logprobs" and int(value) <= MAX_LOGPROBS:
+            continue  # within xllm's cap: the same behaviour
+        elif flag in SAME_FLAGS or flag in RENAMED_FLAGS:
+            name, fixed = RENAMED_FLAGS.get(flag, (flag, None))
+            if name not in _xllm_flags():  # an older xllm tree (the "before" run)
+                soft[flag] = f"xllm serve {name}"
+            else:
+                out += [name, *values] if fixed is None else [name, fixed] if fixed else [name]
+        elif flag in DROPPED_FLAGS or flag == "--dtype":
+            continue
+        elif flag in SOFT_FEATURE_FLAGS:
+            soft[flag] = SOFT_FEATURE_FLAGS[flag]
+        elif flag in HARD_FEATURE_FLAGS:
+            hard.append(flag)
+        else:
+            raise ValueError(f"vLLM server flag {flag} is in no table of ci/vllm_compat/stand_in/utils.py")
+    return out, served, hard, soft
+
+
+def _flag_arity(args: list[str], i: int) -> int:
     """How many values follow ``args[i]`` (values never start with "--")."""
     n = 0
     while i + 1 + n < len(args) and not args[i + 1 + n].startswith("--"):
@@ -118,44 +202,35 @@ def _flag_arity(flag: str, args: list[str], i: int) -> int:
     return n
 
 
-def translate_args(model: str, vllm_args: list[str]) -> tuple[list[str], str, list[str]]:
-    """(xllm serve flags, served model name, unsupported vLLM flags) for ``vllm serve model *vllm_args``."""
-    known = _xllm_flags()
-    out: list[str] = []
-    served = model
-    unsupported: list[str] = []
-    i = 0
-    while i < len(vllm_args):
-        arg = vllm_args[i]
-        if not arg.startswith("--"):
-            unsupported.append(arg)
-            i += 1
-            continue
-        flag, _, inline = arg.partition("=")
-        values = [inline] if inline else vllm_args[i + 1 : i + 1 + _flag_arity(flag, vllm_args, i)]
-        i += 1 + (0 if inline else len(values))
-        flag = flag.replace("_", "-")  # vLLM's parser accepts --max_model_len too
-        base = flag.split(".")[0]  # --structured-outputs-config.backend
-        if flag not in known and base in FEATURE_FLAGS:
-            DROPPED.setdefault(base, FEATURE_FLAGS[base])
-            continue
-        if flag == "--served-model-name":
-            served = values[0]  # xllm serves one name: the first (vLLM reports the first too)
-        elif flag in ("--port", "--host", "--seed") or flag in DROPPED_FLAGS:
-            continue  # port and host are ours; the seed is fixed below
-        elif flag == "--max-model-len":
-            out += [flag, str(_parse_len(values[0]))]
-        elif flag in RENAMED_FLAGS:
-            name, kind = RENAMED_FLAGS[flag]
-            out += [name] + (["false"] if kind == -1 else ["true"] if kind == -2 else [])
-        elif flag in known:
-            out += [flag, *values]
-        else:
-            unsupported.append(flag)
-    return out, served, unsupported
+def _model_with_template(template: str) -> str:
+    """xllm takes the chat template from the checkpoint: a copy of the tiny checkpoint (weights linked)
+    whose tokenizer config carries ``template`` (a file path or the template text, as vLLM accepts)."""
+    path = Path(template)
+    text = path.read_text() if len(template) < 4096 and path.is_file() else template
+    src = Path(os.environ["XLLM_COMPAT_MODEL"])
+    dst = (
+        Path(tempfile.gettempdir()) / "xllm-compat-templates" / hashlib.sha256(text.encode()).hexdigest()[:16]
+    )
+    if not (dst / "tokenizer_config.json").is_file():
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.name not in ("tokenizer_config.json", "chat_template.jinja") and not (dst / f.name).exists():
+                (dst / f.name).symlink_to(f)
+        cfg = json.loads((src / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = text
+        (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(dst)
 
 
-DROPPED: dict[str, str] = {}  # feature flags dropped so far (for the report): flag -> why
+# test module -> {vLLM flag: missing feature} its servers were started without (for classify.py)
+MODULE_FEATURES: dict[str, dict[str, str]] = {}
+
+
+def _record_features(soft: dict[str, str]) -> None:
+    current = os.environ.get("PYTEST_CURRENT_TEST", "")  # "path::test[...] (setup)"
+    module = current.split("::")[0]
+    if module:
+        MODULE_FEATURES.setdefault(module, {}).update(soft)
 
 
 def _parse_len(text: str) -> int:
@@ -266,11 +341,16 @@ class RemoteOpenAIServer:
         max_wait_seconds: float | None = None,
         override_hf_configs: dict[str, Any] | None = None,
     ) -> None:
-        flags, served, unsupported = translate_args(model, list(vllm_serve_args))
+        vllm_serve_args = list(vllm_serve_args)
+        if env_dict and env_dict.get("VLLM_API_KEY") and "--api-key" not in vllm_serve_args:
+            vllm_serve_args += ["--api-key", env_dict["VLLM_API_KEY"]]  # vLLM's env form of --api-key
+        flags, served, hard, soft = translate_args(model, vllm_serve_args)
         if override_hf_configs:
-            unsupported.append("override_hf_configs")
-        if unsupported:
-            raise RuntimeError(f"xllm has no equivalent of these vLLM server flags: {' '.join(unsupported)}")
+            hard.append("override_hf_configs")
+        _record_features(soft)
+        if hard:
+            features = "; ".join(f"{HARD_FEATURE_FLAGS[f]} (vLLM server flag {f})" for f in hard)
+            raise MissingFeature(f"xllm-missing: {features}")
         self.api_key = self._api_key(vllm_serve_args)
         self._server = _server_for(flags, served)
         self.host, self.port, self.uds = "127.0.0.1", self._server.port, None

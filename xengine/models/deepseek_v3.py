@@ -1,0 +1,74 @@
+"""DeepSeek-V3: MLA attention over a compressed latent KV cache, dense first layers, then MoE blocks
+with a grouped bias-corrected router and shared experts. Multi-token-prediction layers in the
+checkpoint (``model.layers.{num_hidden_layers}...``) are skipped: this model runs no speculative step."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from xengine.layers.mla import MultiLatentAttention
+from xengine.layers.moe import FusedExperts, GroupedTopkRouter, SharedExpertMoeBlock
+from xengine.layers.rotary import RotaryEmbedding
+from xengine.models.decoder import DecoderForCausalLM, DecoderMLP
+from xengine.models.deepseek_config import DeepseekV3Config, deepseek_v3_config_from_hf
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class DeepseekV3ForCausalLM(DecoderForCausalLM):
+    config: DeepseekV3Config
+
+    @classmethod
+    def config_from_hf(cls, hf_config: dict[str, Any]) -> DeepseekV3Config:
+        return deepseek_v3_config_from_hf(hf_config)
+
+    def make_attention(self, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
+        cfg = self.config
+        return MultiLatentAttention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.q_lora_rank,
+            cfg.kv_lora_rank,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.attention_scale,
+            cfg.attention_bias,
+            rotary,
+            layer_idx,
+        )
+
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
+        cfg = self.config
+        if not cfg.sparse_layers[layer_idx]:
+            return None
+        router = GroupedTopkRouter(
+            cfg.hidden_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+        experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        shared_size = cfg.moe_intermediate_size * cfg.n_shared_experts
+        shared = DecoderMLP(dataclasses.replace(cfg, intermediate_size=shared_size))
+        return SharedExpertMoeBlock(router, experts, shared)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        num_layers = self.config.num_layers
+
+        def main_layers_only() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                match = _LAYER.match(name)
+                if match is None or int(match.group(1)) < num_layers:
+                    yield name, tensor
+
+        super().load_weights(main_layers_only())
