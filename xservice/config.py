@@ -95,6 +95,11 @@ class ServiceConfig:
         "How tool calls are found in model output for tool_choice 'auto': a parser family ('hermes': Qwen2.5, "
         "Qwen3, Hermes), 'none', or 'auto' (from the chat template's call syntax, else the architecture).",
     )
+    reasoning_parser: str = _f(
+        "none",
+        "How a thinking model's reasoning is split out of chat output into 'reasoning' / 'reasoning_content': "
+        "'qwen3' (Qwen3; honours enable_thinking), 'deepseek_r1' (DeepSeek-R1), or 'none'.",
+    )
     trust_request_chat_template: bool = _f(
         False,
         "Accept 'chat_template' in chat requests (a Jinja template, run sandboxed on the server).",
@@ -132,6 +137,10 @@ class ServiceConfig:
 
         if self.tool_call_parser not in setting_names():
             raise ValueError(f"service.tool_call_parser must be one of {', '.join(setting_names())}")
+        from xservice.serving.reasoning.registry import setting_names as reasoning_names
+
+        if self.reasoning_parser not in reasoning_names():
+            raise ValueError(f"service.reasoning_parser must be one of {', '.join(reasoning_names())}")
 
     def restart_policy(self) -> RestartPolicy:
         """The supervisor's restart policy from these settings."""

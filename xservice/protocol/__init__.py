@@ -16,6 +16,7 @@ from xservice.protocol.chat import (
     TopLogprob,
 )
 from xservice.protocol.common import (
+    CompletionTokensDetails,
     DetokenizeResponse,
     ModelCard,
     ModelList,
@@ -60,6 +61,7 @@ __all__ = [
     "PromptInput",
     "PromptLogprob",
     "PromptLogprobs",
+    "CompletionTokensDetails",
     "PromptTokensDetails",
     "SamplingRequest",
     "StreamOptions",

@@ -49,7 +49,6 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, str] = {
     "web_search_options": "web search is not available",
     "verbosity": "this server has no verbosity control",
     "reasoning_effort": "this server has no reasoning-effort control",
-    "include_reasoning": "reasoning parsers are not implemented",
     "mm_processor_kwargs": "multimodal inputs are not supported by this server's models",
     "best_of": "'best_of' is served on /v1/completions",
     "use_beam_search": "beam search is served on /v1/completions",
@@ -81,6 +80,9 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[dict[str, Any]] | None = None  # the template's 'documents' variable (RAG templates)
     continue_final_message: bool = False  # the prompt ends inside the last message, which is continued
     echo: bool = False  # with continue_final_message: the content starts with the continued message
+    # With a reasoning parser (service.reasoning_parser): false drops the reasoning from the response
+    # (its tokens still count in usage); without one there is nothing to split and it changes nothing.
+    include_reasoning: bool = True
 
 
 class TopLogprob(APIResponse):
@@ -100,11 +102,15 @@ class ChatLogprobs(APIResponse):
 class ChatResponseMessage(APIResponse):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # With a reasoning parser: the thinking text, under vLLM 0.33's name and the older / DeepSeek API's
+    # name (both left out when there is none).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None  # left out when the model called no tool
 
     @model_serializer(mode="wrap")
     def _drop_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "tool_calls")
+        return _drop_none(handler(self), "tool_calls", "reasoning", "reasoning_content")
 
 
 class ChatChoice(APIResponse):
@@ -132,6 +138,8 @@ class ChatDelta(APIResponse):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # with a reasoning parser (vLLM 0.33's name) ...
+    reasoning_content: str | None = None  # ... and the same text under the older / DeepSeek API's name
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from xservice.protocol.base import APIResponse, now
 
@@ -27,20 +27,44 @@ class PromptTokensDetails(APIResponse):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(APIResponse):
+    """With a reasoning parser (``service.reasoning_parser``): how many output tokens were reasoning."""
+
+    reasoning_tokens: int = 0
+
+
 class Usage(APIResponse):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # left out without a reasoning parser
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    def of(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        reasoning_tokens: int | None = None,
+    ) -> Usage:
+        details = (
+            None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        )
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=details,
         )
+
+    @model_serializer(mode="wrap")
+    def _drop_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("completion_tokens_details") is None:
+            out.pop("completion_tokens_details", None)
+        return out
 
 
 class ModelCard(APIResponse):

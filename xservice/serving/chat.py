@@ -29,6 +29,7 @@ from xservice.serving.logprobs import TokenText, chat_logprobs
 from xservice.serving.params import build_sampling_params, check_n, check_stream_options, resolve_max_tokens
 from xservice.serving.prompt_logprobs import check_prompt_logprobs, prompt_logprobs_field
 from xservice.serving.prompts import chat_prompt_ids
+from xservice.serving.reasoning.tokens import count_reasoning_tokens
 from xservice.serving.streaming import (
     ClientDisconnected,
     disconnected_response,
@@ -94,8 +95,25 @@ async def _generation(
     return Generation(ctx, req_id, prompt_ids, params, body.priority, rename=rename, arrival=arrival)
 
 
-def _usage(gen: Generation) -> Usage:
-    return Usage.of(len(gen.prompt_ids), gen.num_completion_tokens, gen.state.num_cached_tokens)
+def _usage(gen: Generation, reasoning_tokens: int | None = None) -> Usage:
+    return Usage.of(
+        len(gen.prompt_ids), gen.num_completion_tokens, gen.state.num_cached_tokens, reasoning_tokens
+    )
+
+
+async def _reasoning_tokens(ctx: ServingContext, gen: Generation, output: ChatOutput) -> int | None:
+    """All choices' reasoning tokens (None without a reasoning parser: usage then has no details)."""
+    if output.reasoning is None:
+        return None
+    skip = gen.params.skip_special_tokens
+
+    async def decode(ids: list[int]) -> str:
+        return await ctx.text.decode(ids, skip_special_tokens=skip)
+
+    total = 0
+    for out in gen.outputs:
+        total += await count_reasoning_tokens(decode, list(out.token_ids), output.reasoning.span(out.text))
+    return total
 
 
 async def create_chat_completion(
@@ -118,11 +136,16 @@ async def create_chat_completion(
         return disconnected_response()
     finally:
         ticket.release()
-    return JSONResponse(dump(_response(ctx, body, gen, output)))
+    reasoning_tokens = await _reasoning_tokens(ctx, gen, output)
+    return JSONResponse(dump(_response(ctx, body, gen, output, reasoning_tokens)))
 
 
 def _response(
-    ctx: ServingContext, body: ChatCompletionRequest, gen: Generation, output: ChatOutput
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    gen: Generation,
+    output: ChatOutput,
+    reasoning_tokens: int | None = None,
 ) -> ChatCompletionResponse:
     token_text = TokenText(ctx.tokenizer, body.return_tokens_as_token_ids)
     num_top = body.top_logprobs or 0
@@ -151,7 +174,7 @@ def _response(
         id=gen.req_id,
         model=ctx.model_name,
         choices=choices,
-        usage=_usage(gen),
+        usage=_usage(gen, reasoning_tokens),
         prompt_token_ids=prompt_ids,
         prompt_logprobs=prompt_logprobs,
     )
@@ -187,20 +210,28 @@ async def _stream(
     streams = [output.choice_stream() for _ in range(body.n)]
     for i, stream in enumerate(streams):
         content, calls, _ = stream.step(output.echo)
-        if content or calls:
-            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=content, tool_calls=calls))], i)
+        if content or calls or stream.reasoning:
+            delta = ChatDelta(content=content, tool_calls=calls, **_reasoning_fields(stream.reasoning))
+            yield chunk([ChatChunkChoice(index=i, delta=delta)], i)
     async for delta in gen.stream():
         num_tokens[delta.index] += len(delta.token_ids)
         logprobs = None
         if body.logprobs and delta.token_ids:
             logprobs = chat_logprobs(token_text, delta.token_ids, delta.logprobs, delta.top_logprobs, num_top)
         shows_tokens = delta.token_ids and (body.return_token_ids or body.continuous_usage)
-        content, calls, finish_reason = streams[delta.index].step(delta.text, delta.finish_reason)
-        if not (content or calls) and finish_reason is None and logprobs is None and not shows_tokens:
+        stream = streams[delta.index]
+        content, calls, finish_reason = stream.step(delta.text, delta.finish_reason)
+        reasoning = stream.reasoning
+        if (
+            not (content or calls or reasoning)
+            and finish_reason is None
+            and logprobs is None
+            and not shows_tokens
+        ):
             continue
         choice = ChatChunkChoice(
             index=delta.index,
-            delta=ChatDelta(content=content, tool_calls=calls),
+            delta=ChatDelta(content=content, tool_calls=calls, **_reasoning_fields(reasoning)),
             logprobs=logprobs,
             finish_reason=finish_reason,
             stop_reason=delta.stop_reason,
@@ -208,4 +239,9 @@ async def _stream(
         )
         yield chunk([choice], delta.index)
     if body.include_usage:
-        yield chunk([], usage=_usage(gen))
+        yield chunk([], usage=_usage(gen, await _reasoning_tokens(ctx, gen, output)))
+
+
+def _reasoning_fields(text: str | None) -> dict[str, str | None]:
+    """A delta's reasoning under both names (vLLM 0.33's ``reasoning``, the older ``reasoning_content``)."""
+    return {"reasoning": text, "reasoning_content": text}

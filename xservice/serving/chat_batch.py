@@ -84,6 +84,7 @@ async def create_batch_chat_completion(
         raise
     choices: list[dict[str, Any]] = []
     prompt = completion = cached = 0
+    reasoning: int | None = None  # summed when the responses carry it (a reasoning parser is on)
     for i, resp in enumerate(responses):
         if resp.status_code != 200:  # e.g. the client disconnected
             return resp
@@ -94,8 +95,11 @@ async def create_batch_chat_completion(
         prompt += usage["prompt_tokens"]
         completion += usage["completion_tokens"]
         cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        details = usage.get("completion_tokens_details")
+        if details is not None:
+            reasoning = (reasoning or 0) + details.get("reasoning_tokens", 0)
     merged = ChatCompletionResponse.model_validate(
         {**data, "id": new_request_id("chatcmpl"), "choices": choices, "prompt_token_ids": None}
     )
-    merged.usage = Usage.of(prompt, completion, cached)
+    merged.usage = Usage.of(prompt, completion, cached, reasoning)
     return JSONResponse(dump(merged))

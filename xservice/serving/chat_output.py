@@ -1,4 +1,5 @@
-"""A chat choice's output text → its message: the echoed prefix, then tool calls parsed out of it.
+"""A chat choice's output text → its message: the echoed prefix, the reasoning split out (with a
+reasoning parser), then tool calls parsed out of the content that is left.
 
 Non-streaming messages are the streamed events added up (one parser per choice either way), so a
 stream's deltas reassemble into exactly the non-streamed message (call ids aside).
@@ -6,7 +7,7 @@ stream's deltas reassemble into exactly the non-streamed message (call ids aside
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from xservice.errors import InvalidRequestError
@@ -14,6 +15,8 @@ from xservice.protocol import ChatCompletionRequest, ChatResponseMessage
 from xservice.protocol.tools import DeltaFunction, DeltaToolCall, ToolCall, ToolCallFunction
 from xservice.serving.chat_render import ChatRender, chat_render
 from xservice.serving.prompts import message_dicts
+from xservice.serving.reasoning.registry import ReasoningPlan, plan_reasoning
+from xservice.serving.reasoning.splitter import ThinkSplitter
 from xservice.serving.tools.base import BaseToolParser, CallStart, ParsedOutput, TextDelta, ToolEvent
 from xservice.serving.tools.plan import ToolPlan, plan_tools
 
@@ -28,14 +31,26 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
 
 @dataclass(frozen=True)
 class ChatOutput:
-    """The per-request rules: ``echo`` (the continued message's text, prefixed) and the tool plan."""
+    """The per-request rules: ``echo`` (the continued message's text, prefixed), the tool plan and the
+    reasoning plan (None: the output is not split)."""
 
     plan: ToolPlan
     echo: str = ""
+    reasoning: ReasoningPlan | None = None
 
     def message(self, text: str, reason: str | None) -> tuple[ChatResponseMessage, str | None]:
         """The whole message of a choice whose output is ``text`` and its finish reason."""
         text = self.echo + text
+        if self.reasoning is None:
+            return self._content_message(text, reason)
+        thinking, content = self.reasoning.split(text)
+        message, reason = self._content_message(content or "", reason)
+        if content is None and not message.tool_calls:
+            message.content = None  # as vLLM: the output stopped right after (or inside) the reasoning
+        message.reasoning = message.reasoning_content = thinking
+        return message, reason
+
+    def _content_message(self, text: str, reason: str | None) -> tuple[ChatResponseMessage, str | None]:
         parser = self.plan.new_parser()
         if parser is None:
             return ChatResponseMessage(content=text), reason
@@ -52,19 +67,32 @@ class ChatOutput:
         )
 
     def choice_stream(self) -> ChoiceStream:
-        return ChoiceStream(self.plan.new_parser())
+        splitter = self.reasoning.new_splitter() if self.reasoning is not None else None
+        include = self.reasoning is None or self.reasoning.include
+        return ChoiceStream(self.plan.new_parser(), splitter, include)
 
 
 class ChoiceStream:
-    """One streamed choice: text deltas in, (content, tool-call deltas, finish reason) out."""
+    """One streamed choice: text deltas in, (content, tool-call deltas, finish reason) out; with a
+    reasoning splitter, the reasoning text of the step is in ``reasoning`` after each ``step``."""
 
-    def __init__(self, parser: BaseToolParser | None) -> None:
+    def __init__(
+        self, parser: BaseToolParser | None, splitter: ThinkSplitter | None = None, include: bool = True
+    ) -> None:
         self.parser = parser
+        self.splitter = splitter
+        self.include = include  # include_reasoning
         self.has_calls = False
+        self.reasoning: str | None = None
 
     def step(
         self, text: str, reason: str | None = None
     ) -> tuple[str | None, list[DeltaToolCall] | None, str | None]:
+        if self.splitter is not None:
+            pieces = self.splitter.feed(text) + (self.splitter.finish() if reason is not None else [])
+            thinking = "".join(t for part, t in pieces if part == "reasoning")
+            self.reasoning = (thinking or None) if self.include else None
+            text = "".join(t for part, t in pieces if part == "content")
         if self.parser is None:
             return text or None, None, reason
         events = self.parser.feed(text)
@@ -115,4 +143,20 @@ async def chat_options(ctx: ServingContext, body: ChatCompletionRequest) -> tupl
                 param="echo",
             )
         echo = message_dicts(body.messages[-1:])[0]["content"] if body.messages else ""
-    return render.with_tools(plan.tools), ChatOutput(plan, echo)
+    reasoning = plan_reasoning(ctx.reasoning_family, body.chat_template_kwargs, body.include_reasoning)
+    if reasoning is not None and (plan.structured is not None or _json_or_choice_constraint(body)):
+        # The constraint covers the whole output from its first token, leaving no room to think, and
+        # splitting would file the constrained text (which opens no <think>) as reasoning. A regex or
+        # grammar may spell the tags out: its output is split as usual.
+        reasoning = replace(reasoning, thinking=False)
+    return render.with_tools(plan.tools), ChatOutput(plan, echo, reasoning)
+
+
+def _json_or_choice_constraint(body: ChatCompletionRequest) -> bool:
+    """Whether the request constrains its output to JSON or to one of a list of choices."""
+    rf, so = body.response_format, body.structured_outputs
+    if rf is not None and rf.type != "text":
+        return True
+    if so is not None and (so.json_ is not None or so.json_object or so.choice is not None):
+        return True
+    return body.guided_json is not None or body.guided_choice is not None

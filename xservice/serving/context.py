@@ -15,6 +15,8 @@ from fastapi import Request
 from xservice.config import XllmConfig
 from xservice.errors import EngineUnavailableError, ModelNotFoundError, RateLimitError
 from xservice.metrics import ServiceMetrics
+from xservice.serving.reasoning.registry import ReasoningFamily
+from xservice.serving.reasoning.registry import resolve_family as resolve_reasoning_family
 from xservice.serving.text_workers import TextWorkers
 from xservice.serving.tools.registry import ToolParserFamily, resolve_family
 
@@ -74,6 +76,11 @@ class ServingContext:
         """The served model's tool-call parser family (``service.tool_call_parser``); None: no parser."""
         setting = self.config.service.tool_call_parser
         return resolve_family(setting, self.tokenizer.chat_template, self.config.model.model)
+
+    @cached_property
+    def reasoning_family(self) -> ReasoningFamily | None:
+        """The reasoning parser family (``service.reasoning_parser``); None: outputs are not split."""
+        return resolve_reasoning_family(self.config.service.reasoning_parser)
 
     def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is empty or the served model's name."""

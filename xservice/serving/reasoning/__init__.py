@@ -1,0 +1,1 @@
+"""Reasoning parsers: a thinking model's ``<think>...</think>`` text split out of the content."""
