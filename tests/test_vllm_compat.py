@@ -76,7 +76,7 @@ def test_classify() -> None:
         f"{p}a/test_x.py::test_internal": {"outcome": "not-run", "kind": "vllm-internal"},
         f"{p}a/test_x.py::test_logprob_token_ids": {
             "outcome": "failed",
-            "message": "400 - logprob_token_ids: not implemented yet",
+            "message": "400 - invalid value for 'logprob_token_ids': each id must be in [0, 2048)",
         },
         f"{p}a/test_y.py::test_embeds": {
             "outcome": "error",
@@ -90,7 +90,7 @@ def test_classify() -> None:
     assert rows == {
         "test_ok": "passed",
         "test_internal": "vllm-internal",
-        "test_logprob_token_ids": "xllm-missing: logprob_token_ids",
+        "test_logprob_token_ids": "model-specific",
         "test_embeds": "xllm-missing: prompt embeddings as input",
         "test_think": "xllm-missing: reasoning parsers",
         "test_new": "unclassified",

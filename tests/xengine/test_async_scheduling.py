@@ -31,6 +31,7 @@ def _params() -> list[SamplingParams]:
         SamplingParams(temperature=0.8, seed=4, max_tokens=25, min_p=0.05, frequency_penalty=1.5),
         SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, presence_penalty=0.5),
         SamplingParams(n=4, temperature=0.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=6, max_tokens=18, logprobs=0, logprob_token_ids=[5, 9, 2]),
     ]
 
 
@@ -41,7 +42,7 @@ def _outputs(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    return random_prompts([3, 17, 40, 9, 70, 1, 25, 33], seed=21)
+    return random_prompts([3, 17, 40, 9, 70, 1, 25, 33, 12], seed=21)
 
 
 def test_sampling_penalties_logprobs_and_n_are_identical(tiny_qwen3: Path, prompts) -> None:

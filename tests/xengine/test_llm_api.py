@@ -135,6 +135,21 @@ def test_greedy_logprobs_match_hf(llm, oracle, prompt, k):
     assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
 
 
+def test_logprob_token_ids_replace_the_top_k(llm, oracle, prompt):
+    """Rows asking for ids (of different lengths) and a top-k row share one batch; each gets its own."""
+    ids = [[7, 3, 11], [42]]
+    params = [greedy(ignore_eos=True, logprobs=5, logprob_token_ids=i) for i in ids]
+    outs = llm.generate([prompt] * 3, [*params, greedy(ignore_eos=True, logprobs=2)], use_tqdm=False)
+    logprobs = oracle.logits(prompt + outs[0].outputs[0].token_ids).log_softmax(dim=-1)
+    for asked, out in zip(ids, outs):
+        for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            row = logprobs[len(prompt) - 1 + i]
+            assert set(entry) == {token, *asked}
+            assert all(abs(lp - row[t].item()) <= 1e-4 for t, lp in entry.items())
+    top = outs[2].outputs[0].logprobs[0]
+    assert list(top) == logprobs[len(prompt) - 1].topk(2).indices.tolist()
+
+
 def test_sampled_logprobs_have_the_top_k(llm, prompt):
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=NUM, ignore_eos=True, logprobs=3)
     out = one(llm, prompt, params)

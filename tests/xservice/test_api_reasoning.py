@@ -142,3 +142,90 @@ def test_json_constraints_leave_no_room_for_reasoning(client) -> None:
     assert getattr(message, "reasoning", None) is None
     reasoning, content, _ = _streamed(client, extra_body=compact, response_format=fmt)
     assert (reasoning, content) == ("", message.content)
+
+
+# ---------------------------------------------------------------- reasoning in input messages
+
+# Renders both names, so a test sees that each reaches the template under both keys (as in vLLM).
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% if m.reasoning_content is string %}[rc:{{ m.reasoning_content }}]{% endif %}"
+    "{% if m.reasoning is string %}[r:{{ m.reasoning }}]{% endif %}"
+    "{{ m.content }}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thttp(tools_server):
+    """Raw HTTP to the server that trusts request chat templates."""
+    with tools_server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf(tools_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tools_model_dir))
+
+
+def _history(**thinking: str | None) -> list[dict]:
+    return [*USER, {"role": "assistant", "content": "2", **thinking}, {"role": "user", "content": "And 2+2?"}]
+
+
+def _tokenize(http, messages: list[dict], **body) -> list[int]:
+    resp = http.post("/tokenize", json={"messages": messages, **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["tokens"]
+
+
+def _hf_ids(hf, messages: list[dict], **kw) -> list[int]:
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    return hf(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "thinking",
+    [
+        {"reasoning": "one and one"},
+        {"reasoning_content": "one and one"},
+        {"reasoning": "one and one", "reasoning_content": "one and one"},
+        {"reasoning": None, "reasoning_content": "one and one"},
+    ],
+)
+def test_reasoning_in_messages_reaches_the_template(thttp, hf, thinking: dict) -> None:
+    both = _history(reasoning="one and one", reasoning_content="one and one")  # what the template sees
+    got = _tokenize(thttp, _history(**thinking), chat_template=REASONING_TEMPLATE)
+    assert got == _hf_ids(hf, both, chat_template=REASONING_TEMPLATE)
+    assert "[rc:one and one][r:one and one]2" in hf.decode(got)
+    # the model's own (Qwen3-style) template: same prompt as transformers renders, and served by chat
+    ids = _tokenize(thttp, _history(**thinking))
+    assert ids == _hf_ids(hf, both)
+    assert "<|im_start|>assistant\n<think>\none and one\n</think>\n\n2<|im_end|>" in hf.decode(ids)
+    resp = thttp.post("/v1/chat/completions", json={"messages": _history(**thinking), "max_tokens": 1})
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == len(ids), resp.text
+
+
+def test_null_reasoning_renders_as_none(thttp, hf) -> None:
+    got = _tokenize(thttp, _history(reasoning=None, reasoning_content=None), chat_template=REASONING_TEMPLATE)
+    assert got == _hf_ids(hf, _history(), chat_template=REASONING_TEMPLATE)
+    assert "[r" not in hf.decode(got)
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([{"role": "user", "content": "hi", "reasoning": "x"}], "messages.0.reasoning"),
+        (
+            [{"role": "system", "content": "s", "reasoning_content": "x"}, *USER],
+            "messages.0.reasoning_content",
+        ),
+        (_history(reasoning="a", reasoning_content="b"), "messages.1.reasoning_content"),
+        (_history(reasoning=["a"]), "messages.1.reasoning"),
+    ],
+)
+def test_bad_reasoning_in_messages_is_a_400(thttp, messages: list[dict], param: str) -> None:
+    for route, extra in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
+        resp = thttp.post(route, json={"messages": messages, **extra})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param, resp.text

@@ -7,6 +7,7 @@ Greedy tokens of a truncated prompt are checked against HF ``transformers`` on t
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
+from tests.xengine.conftest import HFOracle
 
 PROMPT = "Once upon a time there was"
 MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
@@ -343,7 +346,7 @@ def test_chat_batch_answers_each_conversation(
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"messages": [MESSAGES, [{"role": "nobody", "content": "x"}]]}, "messages.1.0"),
         ({"max_tokens": "5"}, "max_tokens"),
-        ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),  # refused (not implemented yet), as alone
+        ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),  # without logprobs: a 400, as alone
     ],
 )
 def test_chat_batch_bad_body_is_400(http: httpx.Client, fields: dict[str, Any], param: str) -> None:
@@ -395,3 +398,89 @@ def test_invocations_bad_body_is_400(http: httpx.Client, body: dict[str, Any], p
     resp = http.post("/invocations", json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+# --- logprob_token_ids ------------------------------------------------------------------------------
+
+LABEL_IDS = [3, 7, 100]
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> Iterator[HFOracle]:
+    oracle = HFOracle(model_dir)
+    yield oracle
+    del oracle
+    gc.collect()
+
+
+def _hf_rows(hf: HFOracle, prompt_ids: list[int], token_ids: list[int]):
+    """Row i: HF's full-vocabulary logprobs of output token i."""
+    full = hf.logits(prompt_ids + token_ids).log_softmax(-1)
+    return full[len(prompt_ids) - 1 : -1]
+
+
+def test_completion_logprob_token_ids_match_hf(client: openai.OpenAI, server, hf: HFOracle) -> None:
+    fields = {"logprob_token_ids": LABEL_IDS, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    out = client.completions.create(model=server.model_name, prompt=PROMPT, logprobs=5, **_extra(**fields))
+    choice = out.choices[0]
+    rows = _hf_rows(hf, choice.prompt_token_ids, choice.token_ids)
+    assert len(choice.logprobs.top_logprobs) == 8
+    for token_id, top, row in zip(choice.token_ids, choice.logprobs.top_logprobs, rows):
+        # exactly the chosen token and the asked ids (not the top 5), each at its HF logprob
+        assert set(top) == {f"token_id:{t}" for t in [token_id, *LABEL_IDS]}
+        for t in {token_id, *LABEL_IDS}:
+            assert top[f"token_id:{t}"] == pytest.approx(row[t].item(), abs=1e-4)
+    stream = client.completions.create(
+        model=server.model_name, prompt=PROMPT, logprobs=5, stream=True, **_extra(**fields)
+    )
+    tops = [
+        t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs
+    ]
+    assert [set(t) for t in tops] == [set(t) for t in choice.logprobs.top_logprobs]
+
+
+def test_chat_logprob_token_ids_match_hf(client: openai.OpenAI, server, hf: HFOracle) -> None:
+    fields = {"logprob_token_ids": LABEL_IDS, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    # top_logprobs sets no count with logprob_token_ids (as in vLLM): 1 here, 4 ids come back
+    out = client.chat.completions.create(
+        model=server.model_name, messages=MESSAGES, logprobs=True, top_logprobs=1, **_extra(**fields)
+    )
+    choice = out.choices[0]
+    rows = _hf_rows(hf, out.prompt_token_ids, choice.token_ids)
+    for token_id, entry, row in zip(choice.token_ids, choice.logprobs.content, rows):
+        ids = [int(e.token.removeprefix("token_id:")) for e in entry.top_logprobs]
+        assert ids == list(dict.fromkeys([token_id, *LABEL_IDS]))  # the chosen token first, each id once
+        for t, e in zip(ids, entry.top_logprobs):
+            assert e.logprob == pytest.approx(row[t].item(), abs=1e-4)
+    stream = client.chat.completions.create(
+        model=server.model_name, messages=MESSAGES, logprobs=True, stream=True, **_extra(**fields)
+    )
+    content = [
+        e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [[e.token for e in x.top_logprobs] for x in content] == [
+        [e.token for e in x.top_logprobs] for x in choice.logprobs.content
+    ]
+
+
+@pytest.mark.parametrize(
+    "route,fields",
+    [
+        ("/v1/completions", {"logprobs": 1, "logprob_token_ids": [10**7]}),  # not in the vocabulary
+        ("/v1/completions", {"logprobs": 1, "logprob_token_ids": [-1]}),
+        ("/v1/completions", {"logprobs": 1, "logprob_token_ids": []}),
+        ("/v1/completions", {"logprobs": 1, "logprob_token_ids": [1] * 129}),
+        ("/v1/completions", {"logprob_token_ids": [1]}),  # needs logprobs
+        ("/v1/completions", {"logprobs": 1, "logprob_token_ids": [1], "echo": True, "max_tokens": 0}),
+        ("/v1/completions", {"logprob_token_ids": [1], "use_beam_search": True}),
+        ("/v1/chat/completions", {"logprob_token_ids": [1]}),  # needs logprobs: true
+        ("/v1/chat/completions", {"logprobs": True, "logprob_token_ids": [10**7]}),
+        ("/v1/chat/completions", {"logprobs": True, "logprob_token_ids": "1"}),
+    ],
+)
+def test_bad_logprob_token_ids_is_400(http: httpx.Client, route: str, fields: dict[str, Any]) -> None:
+    body = {"max_tokens": 2, **fields}
+    body.update({"prompt": PROMPT} if route == "/v1/completions" else {"messages": MESSAGES})
+    resp = http.post(route, json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "logprob_token_ids", resp.json()

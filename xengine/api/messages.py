@@ -20,6 +20,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # Bounds enforced on every request, whatever the entry point (offline API, HTTP, batch).
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on ``logprob_token_ids``
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
@@ -98,6 +99,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's ``logprob_token_ids``: with ``logprobs`` set, each step reports the logprobs of exactly these
+    # ids (in this order) as the alternatives instead of the top-k: a fixed label set (classification,
+    # scoring) is read whatever its tokens' ranks.
+    logprob_token_ids: list[int] | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the field and its allowed range."""
@@ -166,9 +171,25 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 name,
                 f"must be in [0, {MAX_LOGPROBS}]",
             )
+        self._validate_logprob_token_ids(vocab_size)
         check_constraints(self, vocab_size)  # structured outputs, logit_bias, allow-list, bad words
         if self.use_beam_search or self.catalog is not None:
             self._validate_beam()
+
+    def _validate_logprob_token_ids(self, vocab_size: int | None) -> None:
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        _check(
+            isinstance(ids, list) and 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS,
+            "logprob_token_ids",
+            f"must be a list of 1..{MAX_LOGPROB_TOKEN_IDS} token ids",
+        )
+        for t in ids:
+            ok = isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size)
+            _check(ok, "logprob_token_ids", f"each id must be in [0, {vocab_size})")
+        _check(self.logprobs is not None, "logprob_token_ids", "requires 'logprobs'")
+        _check(self.max_tokens != 0, "logprob_token_ids", "needs generated tokens (max_tokens > 0)")
 
     def _validate_beam(self) -> None:
         _check(self.use_beam_search, "use_beam_search", "must be true when 'catalog' is set")
@@ -199,6 +220,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(no_penalty, "repetition_penalty", "penalties are not supported with beam search")
         _check(self.logprobs is None, "logprobs", "not supported with beam search (each output has a score)")
         _check(self.prompt_logprobs is None, "prompt_logprobs", "not supported with beam search")
+        _check(self.logprob_token_ids is None, "logprob_token_ids", "not supported with beam search")
         _check(self.max_tokens != 0, "max_tokens", "must be positive with beam search")
         if self.catalog is not None:
             _check(

@@ -203,12 +203,15 @@ class ModelRunner:
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_logprob_token_ids.tolist() if result.top_logprob_token_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        picked = result.token_id_logprobs.tolist() if result.token_id_logprobs is not None else None
         for row, (req, _) in enumerate(rows):
             sample = SampledToken(token_ids[row])
             k = req.params.logprobs
             if k is not None and logprobs is not None:
                 sample.logprob = logprobs[row]
                 pairs = zip(top_ids[row][:k], top_lps[row][:k]) if top_ids is not None else []
+                if req.params.logprob_token_ids is not None and picked is not None:
+                    pairs = zip(req.params.logprob_token_ids, picked[row])  # the asked ids replace the top-k
                 sample.top_logprobs = [TokenLogprob(t, lp) for t, lp in pairs]
             out.sampled.setdefault(req.seq_id, []).append(sample)
 

@@ -45,6 +45,8 @@ class SamplingMetadata:
     # grammar masks, set by the runner right before sampling: row i of the bitmask is logits row rows[i]
     grammar_bitmask: torch.Tensor | None = None
     grammar_rows: list[int] | None = None
+    # per row, the ids whose logprobs are reported (``SamplingParams.logprob_token_ids``); None = no row
+    logprob_token_ids: list[list[int] | None] | None = None
 
     @staticmethod
     def uses_history(params: SamplingParams) -> bool:
@@ -125,6 +127,7 @@ class SamplingMetadata:
             logit_bias=LogitBias.from_params(params, device),
             allowed_token_ids=_or_none([p.allowed_token_ids for p in params]),
             bad_words=_or_none([p.bad_words_token_ids or [] for p in params]),
+            logprob_token_ids=_or_none([p.logprob_token_ids for p in params]),
         )
 
 

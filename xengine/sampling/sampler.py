@@ -34,6 +34,8 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # float32 [B], logprob of the sampled token
     top_logprob_token_ids: torch.Tensor | None  # int64 [B, k]
     top_logprobs: torch.Tensor | None  # float32 [B, k], sorted descending
+    # float32 [B, m]: row i's logprobs of ``meta.logprob_token_ids[i]`` (padded; None: no row asked)
+    token_id_logprobs: torch.Tensor | None = None
 
 
 class Sampler:
@@ -51,7 +53,10 @@ class Sampler:
                 sampled = torch.where(is_greedy, logits.argmax(dim=1), sampled)
         if logprobs is None:
             return SamplerOutput(sampled, None, None, None)
-        return _with_logprobs(sampled, logprobs, meta.max_num_logprobs)
+        out = _with_logprobs(sampled, logprobs, meta.max_num_logprobs)
+        if meta.logprob_token_ids is not None:
+            out.token_id_logprobs = gather_token_logprobs(logprobs, meta.logprob_token_ids)
+        return out
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -116,3 +121,11 @@ def _with_logprobs(sampled: torch.Tensor, logprobs: torch.Tensor, num_top: int) 
     num_top = min(num_top, logprobs.shape[1])
     top_logprobs, top_ids = torch.topk(logprobs, num_top, dim=1)
     return SamplerOutput(sampled, chosen, top_ids, top_logprobs)
+
+
+def gather_token_logprobs(logprobs: torch.Tensor, token_ids: list[list[int] | None]) -> torch.Tensor:
+    """Row i's logprobs of ``token_ids[i]`` as one [B, m] gather (rows are padded with id 0; a row
+    without ids reads nothing from its padding)."""
+    width = max(len(ids or ()) for ids in token_ids)
+    index = [(ids or []) + [0] * (width - len(ids or ())) for ids in token_ids]
+    return logprobs.gather(1, torch.tensor(index, dtype=torch.int64, device=logprobs.device))

@@ -51,5 +51,4 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "request_id": "the server assigns request ids",
     "prompt_embeds": "prompt embeddings are not accepted as input",
     "structural_tag": "structural tags are not supported; use 'response_format' or 'structured_outputs'",
-    "logprob_token_ids": "not implemented yet",
 }

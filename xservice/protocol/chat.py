@@ -40,6 +40,10 @@ class ChatMessage(APIRequest):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # calls an earlier assistant turn made
+    # An earlier assistant turn's thinking, as our responses carry it (multi-turn clients send it back);
+    # both names reach the template as both keys, as in vLLM (Qwen3's reads 'reasoning_content').
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 CHAT_UNSUPPORTED_FIELDS: dict[str, str] = {

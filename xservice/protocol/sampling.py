@@ -50,6 +50,9 @@ class SamplingRequest(APIRequest):
     priority: Literal["online", "offline"] = "online"
     # vLLM's extension: per prompt token its logprob and the top-k alternatives (not with stream)
     prompt_logprobs: int | None = None
+    # vLLM's extension: with logprobs on, each token's alternatives are the chosen token and exactly these
+    # ids (not the top-k; ``top_logprobs`` / ``logprobs`` then sets no count)
+    logprob_token_ids: list[int] | None = None
     # vLLM extensions: token ids in the response, logprob tokens as "token_id:<id>", prompt
     # truncation (keep ``truncate_prompt_tokens`` tokens; -1: the context less one) and detokenization
     return_token_ids: bool = False

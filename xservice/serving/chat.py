@@ -148,7 +148,7 @@ def _response(
     reasoning_tokens: int | None = None,
 ) -> ChatCompletionResponse:
     token_text = TokenText(ctx.tokenizer, body.return_tokens_as_token_ids)
-    num_top = body.top_logprobs or 0
+    num_top = None if body.logprob_token_ids else (body.top_logprobs or 0)
     choices = []
     for out in gen.outputs:
         logprobs = None
@@ -203,7 +203,7 @@ async def _stream(
         )
 
     token_text = TokenText(ctx.tokenizer, body.return_tokens_as_token_ids)
-    num_top = body.top_logprobs or 0
+    num_top = None if body.logprob_token_ids else (body.top_logprobs or 0)
     for i in range(body.n):
         prompt_ids = gen.prompt_ids if body.return_token_ids and i == 0 else None  # on the first chunk
         yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))], i, prompt_ids)

@@ -70,15 +70,21 @@ def chat_logprobs(
     token_ids: list[int],
     logprobs: list[float] | None,
     tops: TopLogprobs | None,
-    num_top: int,
+    num_top: int | None,
 ) -> ChatLogprobs:
-    """``ChatLogprobs`` of ``token_ids``; ``num_top`` alternatives per token."""
+    """``ChatLogprobs`` of ``token_ids``; ``num_top`` alternatives per token. ``num_top`` None
+    (``logprob_token_ids``): the chosen token, then every id the engine reported, each id once."""
     content: list[ChatTokenLogprob] = []
     logprobs = logprobs or []
     tops = tops or []
     for i, token_id in enumerate(token_ids):
         text = token_text(token_id)
-        alts = tops[i][:num_top] if i < len(tops) else []
+        alts = tops[i] if i < len(tops) else []
+        if num_top is None:
+            chosen = [(token_id, logprobs[i])] if i < len(logprobs) else []
+            alts = list(dict(chosen + [(t, v) for t, v in alts if t != token_id]).items())
+        else:
+            alts = alts[:num_top]
         content.append(
             ChatTokenLogprob(
                 token=text,

@@ -97,6 +97,7 @@ def build_sampling_params(
         logit_bias=limits.logit_bias,
         allowed_token_ids=limits.allowed_token_ids,
         bad_words_token_ids=limits.bad_words_token_ids,
+        logprob_token_ids=body.logprob_token_ids,
     )
     try:
         params.validate(vocab_size)

@@ -134,7 +134,24 @@ def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
                 "Only assistant messages have 'tool_calls'.", param=f"messages.{i}.tool_calls"
             )
         out["tool_calls"] = [_tool_call_dict(call) for call in msg.tool_calls]
+    reasoning = _reasoning(i, msg)
+    if reasoning is not None:
+        out["reasoning"] = out["reasoning_content"] = reasoning
     return out
+
+
+def _reasoning(i: int, msg: ChatMessage) -> str | None:
+    """An assistant turn's thinking under either name (vLLM 0.33's ``reasoning``, the older / DeepSeek
+    API's ``reasoning_content``); two different texts would leave the template guessing, so they are a 400."""
+    for name in ("reasoning", "reasoning_content"):
+        if getattr(msg, name) is not None and msg.role != "assistant":
+            raise InvalidRequestError(f"Only assistant messages have '{name}'.", param=f"messages.{i}.{name}")
+    if None not in (msg.reasoning, msg.reasoning_content) and msg.reasoning != msg.reasoning_content:
+        raise InvalidRequestError(
+            "'reasoning' and 'reasoning_content' are two names of one field; they must not differ.",
+            param=f"messages.{i}.reasoning_content",
+        )
+    return msg.reasoning if msg.reasoning is not None else msg.reasoning_content
 
 
 def _tool_call_dict(call: MessageToolCall) -> dict[str, Any]:
