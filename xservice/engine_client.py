@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -377,9 +378,11 @@ class EngineClient:
 
     def _send(self, msg: EngineInput) -> None:
         try:
-            self._push.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            sent = self._push.send(self._encoder.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise EngineDeadError(f"cannot reach the engine: {e}") from e
+        if isinstance(sent, asyncio.Future):  # an asyncio socket reports a failed send on its future
+            sent.add_done_callback(lambda fut, kind=type(msg).__name__: _log_send_failure(kind, fut))
 
     async def _call(self, method: str, timeout_s: float) -> UtilityResult:
         return await self._call_msg(lambda call_id: UtilityCall(call_id, method), timeout_s)
@@ -479,3 +482,14 @@ class EngineClient:
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
+
+
+def _log_send_failure(kind: str, fut: asyncio.Future) -> None:
+    """A frame that never left: logged (not left as "Future exception was never retrieved"). A lost
+    request is then caught by the stream ledger's audit, which fails or migrates it."""
+    if fut.cancelled() or fut.exception() is None:
+        return
+    level = logging.DEBUG if kind == "Shutdown" else logging.WARNING  # the engine may be gone already
+    logging.getLogger("xservice.engine_client").log(
+        level, "a %s frame did not reach the engine: %s", kind, fut.exception()
+    )
