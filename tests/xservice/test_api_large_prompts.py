@@ -140,7 +140,7 @@ def test_huge_prompts_do_not_stall_streams_or_health(big_server, max_chars: int)
         tok, tok_s = post_json(http, "/tokenize", {"prompt": under})
         chat_body = {"messages": [{"role": "user", "content": under}]}
         chat, chat_s = post_json(http, "/v1/chat/completions", chat_body)
-        refused, refused_s = post_json(http, "/v1/completions", {"prompt": over, "max_tokens": 1})
+        refused, _ = post_json(http, "/v1/completions", {"prompt": over, "max_tokens": 1})
         end = time.monotonic()
         gap, health = probes.max_token_gap(start, end), probes.max_health_latency(start, end)
 
@@ -162,15 +162,12 @@ def test_huge_prompts_do_not_stall_streams_or_health(big_server, max_chars: int)
     assert body["count"] == len(body["tokens"]) > MAX_MODEL_LEN
     # Over the bound: refused from its length alone.
     assert refused.status_code == 400
+    # the length-bound message (characters), not the token-count one: it was never tokenized
     assert f"{len(over)} characters" in refused.json()["error"]["message"]
-    assert refused_s < tokenize_s / 2, (refused_s, tokenize_s)
+    assert "in the prompt" not in refused.json()["error"]["message"]
 
 
-def test_over_the_bound_is_refused_without_tokenizing(big_server, max_chars: int, tokenizer) -> None:
-    sample = words_text(1_000_000)
-    t0 = time.monotonic()
-    tokenizer.encode(sample)
-    per_char_s = (time.monotonic() - t0) / len(sample)
+def test_over_the_bound_is_refused_without_tokenizing(big_server, max_chars: int) -> None:
     huge = words_text(20_000_000)  # ~5x the bound; tokenizing it would take seconds
     cases = [
         ("/v1/completions", {"prompt": huge, "max_tokens": 1}, "prompt"),
@@ -181,14 +178,15 @@ def test_over_the_bound_is_refused_without_tokenizing(big_server, max_chars: int
     ]
     with big_server.client(timeout=GUARD_S) as http:
         for path, body, param in cases:
-            resp, elapsed = post_json(http, path, body)
+            resp, _ = post_json(http, path, body)
             assert resp.status_code == 400, (path, resp.text[:300])
             err = resp.json()["error"]
             assert err["param"] == param and err["code"] == "context_length_exceeded", err
             assert f"maximum context length is {MAX_MODEL_LEN} tokens" in err["message"]
             assert f"({max_chars} characters" in err["message"], err["message"]
-            # The chat template is rendered (cheap); the tokenizer never runs.
-            assert elapsed < len(huge) * per_char_s / 2, (path, elapsed, len(huge) * per_char_s)
+            # Refused from its length (the chat template is rendered, cheap); the tokenizer never ran:
+            # a tokenized prompt is refused with its token count "in the prompt" / "in the messages".
+            assert "in the prompt" not in err["message"] and "in the messages" not in err["message"]
 
 
 def test_huge_detokenize(big_server, tokenizer) -> None:

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from xservice.errors import InvalidRequestError
 from xservice.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from xservice.serving.chat_render import ChatRender, chat_render
+from xservice.serving.chat_render import ChatRender, chat_render_of
 from xservice.serving.context import ServingContext, get_ctx
 from xservice.serving.prompts import chat_prompt_ids, check_text_chars, check_token_ids
 from xservice.serving.tools.plan import chat_param, check_functions, rendered_tools
@@ -44,14 +44,7 @@ def _check_no_chat_fields(body: TokenizeRequest) -> None:
 
 async def tokenize_render(ctx: ServingContext, body: TokenizeRequest) -> ChatRender:
     """The template options of a chat /tokenize request (tools rendered as a chat request would)."""
-    render = await chat_render(
-        ctx,
-        chat_template=body.chat_template,
-        chat_template_kwargs=body.chat_template_kwargs,
-        documents=body.documents,
-        continue_final_message=body.continue_final_message,
-        add_generation_prompt=body.add_generation_prompt,
-    )
+    render = await chat_render_of(ctx, body)
     if not body.tools:
         return render
     functions = [tool.function for tool in body.tools]

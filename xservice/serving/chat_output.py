@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from xservice.errors import InvalidRequestError
 from xservice.protocol import ChatCompletionRequest, ChatResponseMessage
 from xservice.protocol.tools import DeltaFunction, DeltaToolCall, ToolCall, ToolCallFunction
-from xservice.serving.chat_render import ChatRender, chat_render
+from xservice.serving.chat_render import ChatRender, chat_render_of
 from xservice.serving.prompts import message_dicts
 from xservice.serving.reasoning.registry import ReasoningPlan, plan_reasoning
 from xservice.serving.reasoning.splitter import ThinkSplitter
@@ -122,14 +122,7 @@ def chat_deltas(events: list[ToolEvent]) -> tuple[str | None, list[DeltaToolCall
 
 async def chat_options(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[ChatRender, ChatOutput]:
     """The request's template options (tools included) and output rules; 400s name the field."""
-    render = await chat_render(
-        ctx,
-        chat_template=body.chat_template,
-        chat_template_kwargs=body.chat_template_kwargs,
-        documents=body.documents,
-        continue_final_message=body.continue_final_message,
-        add_generation_prompt=body.add_generation_prompt,
-    )
+    render = await chat_render_of(ctx, body)
     functions = [tool.function for tool in body.tools or []]
     plan = plan_tools(
         functions, body.tool_choice, body.parallel_tool_calls, ctx.tool_family, render.template_vars

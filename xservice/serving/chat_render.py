@@ -108,3 +108,16 @@ async def chat_render(
         documents=documents,
         continue_final_message=continue_final_message,
     )
+
+
+async def chat_render_of(ctx: ServingContext, body: Any) -> ChatRender:
+    """``chat_render`` with the template options of a chat body (a chat completion, a chat-style
+    ``/tokenize``): the fields of the same names."""
+    return await chat_render(
+        ctx,
+        chat_template=body.chat_template,
+        chat_template_kwargs=body.chat_template_kwargs,
+        documents=body.documents,
+        continue_final_message=body.continue_final_message,
+        add_generation_prompt=body.add_generation_prompt,
+    )
