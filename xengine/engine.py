@@ -9,8 +9,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from memory.xtensor import XTensorKVLayout
 from ops.platforms import resolve_platform, set_platform
 from xengine.api.config import EngineConfig
@@ -28,9 +26,10 @@ from xengine.api.messages import (
 from xengine.beam.catalog import CatalogRegistry
 from xengine.kv_setup import build_kv
 from xengine.kv_transfer import KVTransferManager
-from xengine.loader import load_model
+from xengine.loader import load_model, resolve_dtype
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
 from xengine.models.registry import get_model_class
+from xengine.parallel.group import start_expert_parallel
 from xengine.pipeline import StepPipeline
 from xengine.request import PRIORITY_RANK, Request
 from xengine.runner.model_runner import ModelRunner
@@ -40,7 +39,6 @@ from xengine.structured.manager import StructuredOutputs, compile_error_message
 
 logger = logging.getLogger("xengine.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_DEFAULT_LEN = 8192
 # this many steps in a row whose forward failed for every request: the engine itself is broken
 MAX_CONSECUTIVE_FAILED_STEPS = 3
@@ -90,19 +88,35 @@ class Engine:
         self.platform.set_num_threads(config.device.num_threads)
         self.model_info = info = read_model_info(model_dir)
         check_max_model_len(config.model.max_model_len, model_dir, info)  # before loading weights
-        self.dtype = self._resolve_dtype(config.model.dtype, info.torch_dtype)
+        # expert parallel: the workers start and join before the model is built (it holds only its experts)
+        self.parallel = start_expert_parallel(config, self.platform)
+        try:
+            self._load(config, info, model_dir)
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.shutdown()
+            raise
+
+    def _load(self, config: EngineConfig, info: ModelInfo, model_dir: str) -> None:
+        """Weights, KV memory, runner, scheduler: everything of the instance after its processes exist."""
+        self.dtype = resolve_dtype(self.platform, config.model.dtype, info.torch_dtype)
         device = self.platform.torch_device()
         self.model = load_model(model_dir, self.dtype, device)
+        cache = config.cache
+        if self.parallel is not None:
+            cache = self.parallel.check_model_and_cache(cache)
         max_len = config.model.max_model_len or min(info.max_position_embeddings, _MAX_DEFAULT_LEN)
         caps, execution = self.platform.capabilities, config.execution
         self.graph_mode = caps.default_graph_mode if execution.graph_mode == "auto" else execution.graph_mode
         self.async_scheduling = execution.async_enabled(caps.default_async_scheduling)
         kv = self.kv_setup = build_kv(
-            config.cache, config.scheduler, info, self.dtype, self.platform, max_len, self.async_scheduling
+            cache, config.scheduler, info, self.dtype, self.platform, max_len, self.async_scheduling
         )
         spec, kv_caches, num_blocks = kv.spec, kv.kv_caches, kv.manager.pool.num_blocks
         self.max_model_len, self._len_limit = kv.max_model_len, kv.len_limit
         self.model.set_max_model_len(self.max_model_len)
+        if self.parallel is not None:  # every worker holds a KV pool of the same geometry
+            self.parallel.setup(num_blocks, spec.block_size, self.max_model_len)
         self.kv = kv.manager
         self.runner = ModelRunner(
             self.model,
@@ -114,6 +128,7 @@ class Engine:
             config.model.seed,
             max_model_len=self.max_model_len,
             graph_mode=self.graph_mode,
+            parallel=self.parallel,
         )
         self.runner.capture_graphs(config.execution.buckets())
         self.scheduler = Scheduler(
@@ -145,11 +160,6 @@ class Engine:
             pid=os.getpid(),
             hidden_size=info.hidden_size,
         )
-
-    def _resolve_dtype(self, requested: str, checkpoint: str | None) -> torch.dtype:
-        name = requested if requested != "auto" else (checkpoint or "float32")
-        dtype = _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
-        return self.platform.default_dtype_for(dtype)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: AddRequest) -> None:
@@ -258,6 +268,7 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[CompletionDelta]:
+        self.check_workers()
         self._admit_compiled()
         if self.pipeline is not None:
             return self._step_async(self.pipeline)
@@ -307,7 +318,11 @@ class Engine:
             if failed_once:  # (it already raised as a whole, on the async worker)
                 raise RuntimeError("the step failed on the async worker")
             out = self.runner.execute(plan)
-        except Exception:  # noqa: BLE001 - isolated below; re-raised if the engine itself is broken
+        except Exception as e:  # noqa: BLE001 - isolated below; re-raised if the engine itself is broken
+            if self.parallel is not None:  # the workers ran (part of) it: the group is out of step
+                if self.parallel.scan(wait_s=1.0) is not None:  # a peer's death shows as a socket error
+                    raise EngineBrokenError(self.parallel.failure) from e
+                raise EngineBrokenError(f"an expert-parallel step failed: {type(e).__name__}: {e}") from e
             logger.exception("step failed for %d sequence(s); retrying each request alone", len(plan.seqs))
             plan, out, error = self._execute_each_request(plan)
             if plan.is_empty:
@@ -387,6 +402,17 @@ class Engine:
         self.runner.release(finished)
         return deltas
 
+    # ------------------------------------------------------------------ processes
+    def check_workers(self) -> None:
+        """``EngineBrokenError`` when an expert-parallel worker of this instance has exited."""
+        if self.parallel is not None and self.parallel.scan() is not None:
+            raise EngineBrokenError(self.parallel.failure)
+
+    def shutdown(self) -> None:
+        """Stop this instance's worker processes (a one-process engine has none)."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
+
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
         s = self.scheduler
@@ -408,6 +434,7 @@ class Engine:
             xtensor=self._xtensor_stats(),
             async_scheduling=self.async_scheduling,
             graph=GraphStatsMsg(**dataclasses.asdict(self.runner.graph.stats)),
+            moe=self.parallel.stats() if self.parallel is not None else None,
         )
 
     def _xtensor_stats(self) -> XTensorStatsMsg | None:
@@ -424,6 +451,11 @@ class Engine:
         return self.kv_transfer.export(export_id, token_ids)
 
     def kv_import(self, source: KVExportInfo, token_ids: list[int], pin_id: str) -> KVImportResult:
+        if self.parallel is not None:
+            raise ValueError(
+                "KV import into an expert-parallel instance is not supported yet (its workers would not "
+                "receive the blocks); run decode instances with expert_parallel_size 1"
+            )
         return self.kv_transfer.import_(source, token_ids, pin_id)
 
     def kv_release(self, pin_id: str) -> bool:

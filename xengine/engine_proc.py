@@ -83,6 +83,7 @@ class EngineProc:
             while not self._done():
                 self._recv_inputs(0 if self._has_work() else IDLE_POLL_MS)
                 self._check_parent()
+                self._engine.check_workers()  # an expert-parallel worker gone: the instance is down
                 if self._has_work() and not self._parent_gone:
                     self._step()
                 self._check_drain_deadline()
@@ -287,7 +288,10 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: i
             signal.signal(sig, lambda *_: proc.begin_shutdown())
         proc.send(Ready(engine.info))
         logger.info("engine ready (pid %d)", os.getpid())
-        return proc.run()
+        try:
+            return proc.run()
+        finally:
+            engine.shutdown()
     finally:
         inp.close(linger=0)
         out.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,8 +105,20 @@ class LLM:
         elif fields:
             raise TypeError(f"give either config= or engine fields, not both: {sorted(fields)}")
         self.engine = Engine(config)
+        # expert parallel: the worker processes stop with this object (or at interpreter exit)
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.tokenizer = Tokenizer.from_dir(config.model.model)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (``expert_parallel_size > 1``); idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # ------------------------------------------------------------------ public API
     def generate(

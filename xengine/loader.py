@@ -13,11 +13,13 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from ops.platforms import Platform
 from xengine.layers.linear import pack_linears
 from xengine.models.base import BaseCausalLM
 from xengine.models.info import hf_architecture, load_json, read_hf_config
 from xengine.models.registry import get_model_class
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -69,3 +71,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Base
     model.requires_grad_(False)
     pack_linears(model)  # the platform's faster GEMM layout, where it has one
     return model
+
+
+def resolve_dtype(platform: Platform, requested: str, checkpoint: str | None) -> torch.dtype:
+    """``model.dtype`` ("auto": the checkpoint's ``torch_dtype``) as the platform runs it."""
+    name = requested if requested != "auto" else (checkpoint or "float32")
+    dtype = _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+    return platform.default_dtype_for(dtype)

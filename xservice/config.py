@@ -1,7 +1,7 @@
 """Service configuration and the top-level config file (``xllm serve --config FILE``).
 
 A YAML file maps 1:1 onto ``XllmConfig``: sections ``service``, ``model``, ``cache``,
-``scheduler``, ``device``, ``batch``. Unknown keys are an error. Torch-free.
+``scheduler``, ``device``, ``execution``, ``parallel``, ``batch``, ``cluster``. Unknown keys are an error. Torch-free.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from xengine.api.config import (
     EngineConfig,
     ExecutionConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     _f,
     from_dict,
@@ -184,6 +185,7 @@ class XllmConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
@@ -195,6 +197,7 @@ class XllmConfig:
             scheduler=self.scheduler,
             device=self.device,
             execution=self.execution,
+            parallel=self.parallel,
         )
 
     def validate(self) -> None:
@@ -211,6 +214,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "device": DeviceConfig,
     "execution": ExecutionConfig,
+    "parallel": ParallelConfig,
     "batch": BatchConfig,
     "cluster": ClusterConfig,
 }

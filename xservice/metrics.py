@@ -124,6 +124,20 @@ class ServiceMetrics:
         self.graph_replays = Gauge(
             "xllm_graph_replays", "Engine steps run through a captured graph.", registry=r
         )
+        self.moe_balancedness = Gauge(
+            "xllm_moe_balancedness",
+            "Expert parallel: mean / max tokens per rank over EPLB's window, per MoE layer (1 = even).",
+            ["layer"],
+            registry=r,
+        )
+        self.moe_eplb_swaps = Gauge(
+            "xllm_moe_eplb_swaps", "Expert placements switched by EPLB since the engine started.", registry=r
+        )
+        self.moe_comm_exposed = Gauge(
+            "xllm_moe_comm_exposed_seconds",
+            "Expert parallel: time rank 0 was blocked on MoE all-to-all / all-gather since start.",
+            registry=r,
+        )
         self.success = Counter(
             "xllm_request_success_total",
             "Finished sequences by finish reason.",
@@ -215,6 +229,11 @@ class ServiceMetrics:
                 self.xtensor_pages.labels(state=state).set(getattr(xt, f"num_{state}"))
             self.xtensor_map_calls.labels(op="map").set(xt.num_maps)
             self.xtensor_map_calls.labels(op="unmap").set(xt.num_unmaps)
+        if stats.moe is not None:
+            for layer, value in enumerate(stats.moe.balancedness):
+                self.moe_balancedness.labels(layer=str(layer)).set(value)
+            self.moe_eplb_swaps.set(stats.moe.num_swaps)
+            self.moe_comm_exposed.set(stats.moe.comm_exposed_s)
         queries = stats.prefix_cache_queries
         self.prefix_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
 

@@ -48,7 +48,7 @@ class ClusterServer:
         engine: dict[str, dict[str, Any]] | None = None,  # per-section overrides of ENGINE
     ) -> None:
         self.port = _free_port()
-        cfg = {k: {**v, **(engine or {}).get(k, {})} for k, v in ENGINE.items()}
+        cfg = {k: {**ENGINE.get(k, {}), **(engine or {}).get(k, {})} for k in {*ENGINE, *(engine or {})}}
         cfg["model"]["model"] = str(model_dir)
         cfg["service"] = {"host": "127.0.0.1", "port": self.port, "log_level": "warning", **(service or {})}
         cfg["cluster"] = cluster

@@ -179,18 +179,76 @@ class ExecutionConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    expert_parallel_size: int = _f(
+        1,
+        "Worker processes of one engine instance for MoE models (expert parallel): experts are sharded across "
+        "them and tokens move by all-to-all dispatch/combine over torch.distributed (gloo on CPU, nccl / hccl "
+        "on devices); attention and dense layers run replicated. 1: one process.",
+    )
+    tensor_parallel_size: int = _f(
+        1, "Tensor parallelism for attention/dense layers (only 1 is implemented: they run replicated)."
+    )
+    enable_dual_batch_overlap: bool = _f(
+        False,
+        "Split each MoE layer's tokens into two micro-batches so one's all-to-all is in flight while the other "
+        "computes its experts (needs expert_parallel_size > 1). Off by default: on CPU (gloo) it did not "
+        "measure faster (benchmarks/moe_ep.py).",
+    )
+    enable_eplb: bool = _f(
+        False,
+        "Expert-parallel load balancing: count tokens per physical expert, periodically compute a new "
+        "placement (replicating hot experts) and swap expert weights through a double buffer at one step "
+        "boundary on all ranks (needs expert_parallel_size > 1).",
+    )
+    num_redundant_experts: int = _f(
+        0,
+        "Extra expert slots (replicas of hot experts) across all ranks; experts + these must divide evenly.",
+    )
+    eplb_interval: int = _f(200, "Steps between two rebalancing decisions (EPLB).")
+    eplb_window: int = _f(100, "Steps of expert-load history a rebalancing decision looks at (EPLB).")
+
+    def validate(self) -> None:
+        if self.expert_parallel_size < 1:
+            raise ValueError("parallel.expert_parallel_size must be >= 1")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                "parallel.tensor_parallel_size > 1 is not implemented yet: attention and dense layers run "
+                "replicated on every expert-parallel worker; use tensor_parallel_size 1"
+            )
+        if self.num_redundant_experts < 0:
+            raise ValueError("parallel.num_redundant_experts must be >= 0")
+        if self.eplb_interval < 1 or self.eplb_window < 1:
+            raise ValueError("parallel.eplb_interval and parallel.eplb_window must be >= 1")
+        single = self.expert_parallel_size == 1
+        for flag, on in (
+            ("enable_dual_batch_overlap", self.enable_dual_batch_overlap),
+            ("enable_eplb", self.enable_eplb),
+            ("num_redundant_experts", self.num_redundant_experts > 0),
+        ):
+            if on and single:
+                raise ValueError(
+                    f"parallel.{flag} needs expert_parallel_size > 1 (set --expert-parallel-size)"
+                )
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("parallel.num_redundant_experts needs enable_eplb (--enable-eplb)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
         self.execution.validate()
+        self.parallel.validate()
 
 
 def replace_section(cfg: Any, section: str, **changes: Any) -> Any:
@@ -221,6 +279,7 @@ def _dataclass_type(ftype: Any) -> type | None:
         "SchedulerConfig": SchedulerConfig,
         "DeviceConfig": DeviceConfig,
         "ExecutionConfig": ExecutionConfig,
+        "ParallelConfig": ParallelConfig,
         "EngineConfig": EngineConfig,
     }
     if isinstance(ftype, str):

@@ -131,6 +131,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # execution: async scheduling on/off, and the graph runner's mode and counters
     async_scheduling: bool = False
     graph: GraphStatsMsg | None = None
+    moe: MoeStatsMsg | None = None  # expert-parallel instances only
 
 
 class GraphStatsMsg(msgspec.Struct, kw_only=True):
@@ -154,6 +155,24 @@ class XTensorStatsMsg(msgspec.Struct, kw_only=True):
     num_live_mappings: int = 0
     num_slots: int = 0
     map_seconds: float = 0.0
+
+
+class MoeStatsMsg(msgspec.Struct, kw_only=True):
+    """Expert parallelism of an instance: communication rank 0 waited on, and EPLB's balance."""
+
+    expert_parallel_size: int = 1
+    dual_batch_overlap: bool = False
+    num_moe_layers: int = 0
+    num_steps: int = 0
+    comm_exposed_s: float = 0.0  # rank 0, summed: time blocked on all-to-all / all-gather
+    comm_bytes_sent: int = 0
+    eplb: bool = False
+    num_redundant_experts: int = 0
+    balancedness: list[float] = []  # per MoE layer: mean / max tokens per rank over the window
+    balancedness_before: list[float] = []  # at the last rebalancing decision
+    num_swaps: int = 0
+    last_swap_s: float = 0.0
+    last_load_s: float = 0.0
 
 
 class EngineInfo(msgspec.Struct, kw_only=True):

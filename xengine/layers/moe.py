@@ -15,6 +15,8 @@ from torch import nn
 
 from ops.moe import fused_experts, route, route_grouped
 from xengine.layers.linear import Linear
+from xengine.parallel.ep_moe import ExpertShard, ep_fused_experts
+from xengine.parallel.state import get_expert_parallel
 
 # per-expert checkpoint projection -> (stacked parameter, shard within the expert's rows)
 EXPERT_PROJECTIONS: dict[str, tuple[str, int]] = {
@@ -22,6 +24,7 @@ EXPERT_PROJECTIONS: dict[str, tuple[str, int]] = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
+_PROJECTION_OF = {target: name for name, target in EXPERT_PROJECTIONS.items()}
 
 
 class FusedExperts(nn.Module):
@@ -31,13 +34,39 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # expert parallel: this rank holds only the experts of its physical slots (``ExpertShard``)
+        ep = get_expert_parallel()
+        self.shard = ExpertShard(ep, num_experts, hidden_size, intermediate_size) if ep else None
+        rows = self.shard.num_slots if self.shard else num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(rows, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(rows, hidden_size, intermediate_size))
+        if self.shard is not None:
+            self.shard.module = self
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        if self.shard is not None:
+            return ep_fused_experts(hidden, topk_weights, topk_ids, self.shard.layer_index)
         return fused_experts(hidden, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
+
+    def load_stacked(self, param_name: str, tensor: torch.Tensor) -> None:
+        """A checkpoint's whole stacked tensor (HF's fused ``gate_up_proj`` / ``down_proj``, every expert)."""
+        param = getattr(self, param_name)
+        if tuple(tensor.shape) != (self.num_experts, *param.shape[1:]):
+            raise ValueError(
+                f"experts {param_name}: expected shape {(self.num_experts, *param.shape[1:])}, "
+                f"got {tuple(tensor.shape)}"
+            )
+        if self.shard is None:
+            with torch.no_grad():
+                param.copy_(tensor)
+            return
+        rows = param.shape[1] if param_name == "down_proj" else self.intermediate_size
+        for expert in range(self.num_experts):
+            for part in range(1 if param_name == "down_proj" else 2):
+                piece = tensor[expert, part * rows : (part + 1) * rows]
+                self.load_expert(expert, _PROJECTION_OF[(param_name, part)], piece)
 
     def num_shards(self, param_name: str) -> int:
         """Checkpoint tensors that fill ``param_name`` when loaded expert by expert."""
@@ -51,13 +80,15 @@ class FusedExperts(nn.Module):
         param_name, part = EXPERT_PROJECTIONS[projection]
         param = getattr(self, param_name)
         rows = self.intermediate_size if param_name == "gate_up_proj" else param.shape[1]
-        target = param[expert, part * rows : (part + 1) * rows]
-        if tuple(tensor.shape) != tuple(target.shape):
+        expected = (rows, param.shape[2])
+        if tuple(tensor.shape) != expected:
             raise ValueError(
-                f"expert {expert} {projection}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}"
+                f"expert {expert} {projection}: expected shape {expected}, got {tuple(tensor.shape)}"
             )
+        slots = [expert] if self.shard is None else self.shard.load(expert, param_name, part, rows, tensor)
         with torch.no_grad():
-            target.copy_(tensor)
+            for slot in slots:
+                param[slot, part * rows : (part + 1) * rows].copy_(tensor)
         shards_per_expert = 2 if param_name == "gate_up_proj" else 1
         return param_name, expert * shards_per_expert + part
 

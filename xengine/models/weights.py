@@ -61,12 +61,16 @@ class WeightLoader:
         param = self.params.get(name)
         if param is None:
             raise ValueError(f"checkpoint has unexpected weight {name!r} for {type(self.model).__name__}")
-        if param.shape != tensor.shape:
+        owner = self.model.get_submodule(module_path) if module_path else self.model
+        if isinstance(owner, FusedExperts):  # every expert stacked: the module keeps the ones it holds
+            owner.load_stacked(param_name, tensor)
+        elif param.shape != tensor.shape:
             raise ValueError(
                 f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
             )
-        with torch.no_grad():
-            param.copy_(tensor)
+        else:
+            with torch.no_grad():
+                param.copy_(tensor)
         for shard in range(self._expected_shards(name)):  # a stacked tensor fills every shard at once
             self._mark(name, shard)
 

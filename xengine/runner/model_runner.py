@@ -12,6 +12,7 @@ from graph.forward_context import forward_context
 from memory.kv_layout import BaseKVLayout
 from ops.platforms import Platform
 from xengine.api.messages import TokenLogprob
+from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
 from xengine.runner.input_batch import ModelInputs, build_inputs
 from xengine.runner.prompt_outputs import PromptOutputRows, build_prompt_rows, compute_prompt_outputs
@@ -36,6 +37,7 @@ class ModelRunner:
         default_seed: int = 0,
         max_model_len: int | None = None,
         graph_mode: str = "eager",
+        parallel: ExpertParallelGroup | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -46,6 +48,7 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len  # positions the model's tables cover (None: unchecked)
+        self.parallel = parallel  # expert parallel: the workers run each forward with this rank
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.matchers = SequenceMatchers()  # structured outputs: one grammar matcher per sequence
@@ -85,6 +88,8 @@ class ModelRunner:
         inputs = step.inputs
         if prev_rows is not None:
             inputs.input_ids = _resolve(inputs.input_ids, prev_rows)
+        if self.parallel is not None:
+            self.parallel.publish(inputs, step.plan.block_copies)
         t0 = time.perf_counter()
         with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens):
             hidden = self.graph.run(inputs.input_ids, inputs.positions)

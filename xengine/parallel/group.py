@@ -1,0 +1,204 @@
+"""One engine instance as N processes: rank 0 is the engine itself, ranks 1..N-1 are workers it starts.
+
+``ExpertParallelGroup.start`` spawns the workers (``python -m xengine.parallel.worker``), joins them in a
+``torch.distributed`` group (the platform's backend for the MoE collectives; gloo for the control
+broadcasts, which have no timeout because workers wait on them while the engine is idle) and then
+supervises them: a worker that exits is noticed within ``POLL_S``; the engine's next step (or its idle
+loop) raises ``WorkerDiedError`` and the instance goes down as a whole, so the service migrates or fails
+its requests. A worker blocked in a collective with a dead peer gets a connection error at once (gloo),
+and every worker dies with the engine (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ops.platforms import Platform
+from xengine.api.config import CacheConfig, EngineConfig, ParallelConfig
+from xengine.api.messages import MoeStatsMsg
+from xengine.parallel.eplb import NONE, Eplb
+from xengine.parallel.state import ExpertParallel, set_expert_parallel
+from xengine.parallel.step_message import KIND_SETUP, KIND_STOP, publish_control, publish_step
+from xengine.runner.input_batch import ModelInputs
+
+logger = logging.getLogger("xengine.parallel")
+
+DATA_TIMEOUT = timedelta(seconds=300)  # one MoE collective: a peer that neither answers nor dies
+CONTROL_TIMEOUT = timedelta(days=3650)  # workers wait for the next step as long as the engine idles
+POLL_S = 0.2
+STOP_WAIT_S = 10.0
+
+
+class WorkerDiedError(RuntimeError):
+    """An expert-parallel worker of this engine instance exited: the instance cannot run steps."""
+
+
+def init_expert_parallel(
+    rank: int, world_size: int, init_method: str, backend: str, cfg: ParallelConfig
+) -> ExpertParallel:
+    """Join the group (blocks until every rank has) and make it this process's expert-parallel state."""
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=DATA_TIMEOUT
+    )
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    ep = ExpertParallel(
+        rank,
+        world_size,
+        dist.group.WORLD,
+        control,
+        dual_batch_overlap=cfg.enable_dual_batch_overlap,
+        num_redundant=cfg.num_redundant_experts,
+        window=cfg.eplb_window if cfg.enable_eplb else 1,
+    )
+    if cfg.enable_eplb:
+        ep.eplb = Eplb(ep, cfg.eplb_interval)
+    set_expert_parallel(ep)
+    return ep
+
+
+class ExpertParallelGroup:
+    """Rank 0's handle on the group: publishes each step, supervises and stops the workers."""
+
+    def __init__(self, ep: ExpertParallel, procs: list[subprocess.Popen]) -> None:
+        self.ep = ep
+        self.procs = procs
+        self.failure: str | None = None
+        self._stopping = False
+        self._monitor = threading.Thread(target=self._watch, name="ep-supervisor", daemon=True)
+        self._monitor.start()
+
+    @classmethod
+    def start(cls, config: EngineConfig, backend: str) -> ExpertParallelGroup:
+        """Spawn ``expert_parallel_size - 1`` workers and join them as rank 0."""
+        world = config.parallel.expert_parallel_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        config_json = json.dumps(dataclasses.asdict(config))
+        procs = []
+        for rank in range(1, world):
+            cmd = [sys.executable, "-m", "xengine.parallel.worker", "--rank", str(rank), "--world-size"]
+            cmd += [str(world), "--init-method", init_method, "--backend", backend]
+            cmd += ["--num-threads", str(torch.get_num_threads()), "--parent-pid", str(os.getpid())]
+            procs.append(subprocess.Popen([*cmd, "--config-json", config_json]))
+        logger.info("expert parallel: started %d worker(s) (pids %s)", len(procs), [p.pid for p in procs])
+        try:
+            ep = init_expert_parallel(0, world, init_method, backend, config.parallel)
+        except Exception:
+            for p in procs:
+                p.kill()
+            raise
+        return cls(ep, procs)
+
+    def check_model_and_cache(self, cache: CacheConfig) -> CacheConfig:
+        """After the model is built: it must have MoE layers; the KV layout is paged on every rank."""
+        if not self.ep.layers:
+            raise ValueError(
+                "expert_parallel_size > 1 needs a mixture-of-experts model (e.g. Qwen3MoeForCausalLM, "
+                "DeepseekV3ForCausalLM); this one has no expert layers"
+            )
+        return dataclasses.replace(cache, kv_layout="paged")
+
+    def stats(self) -> MoeStatsMsg:
+        ep, eplb = self.ep, self.ep.eplb
+        return MoeStatsMsg(
+            expert_parallel_size=ep.world_size,
+            dual_batch_overlap=ep.dual_batch_overlap,
+            num_moe_layers=len(ep.layers),
+            num_steps=ep.comm.num_steps,
+            comm_exposed_s=ep.comm.exposed_s,
+            comm_bytes_sent=ep.comm.bytes_sent,
+            eplb=eplb is not None,
+            num_redundant_experts=ep.num_redundant,
+            balancedness=list(eplb.balancedness) if eplb else [],
+            balancedness_before=list(eplb.balancedness_before) if eplb else [],
+            num_swaps=eplb.num_swaps if eplb else 0,
+            last_swap_s=eplb.last_swap_s if eplb else 0.0,
+            last_load_s=eplb.last_load_s if eplb else 0.0,
+        )
+
+    def setup(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        """Tell the workers the KV pool's geometry (rank 0 sized it) so every rank holds the same KV."""
+        publish_control(self.ep.control_group, KIND_SETUP, (num_blocks, block_size, max_model_len))
+
+    def publish(self, inputs: ModelInputs, block_copies: list[tuple[int, int]]) -> None:
+        """Before rank 0's forward: send the step to the workers, then begin it here as they do."""
+        self.check()
+        step = self.ep.step_index + 1
+        action = self.ep.eplb.action_for(step) if self.ep.eplb is not None else NONE
+        publish_step(self.ep.control_group, inputs, block_copies, step, action)
+        self.ep.begin_step(step, action)
+
+    def check(self) -> None:
+        if self.scan() is not None:
+            raise WorkerDiedError(self.failure)
+
+    def scan(self, wait_s: float = 0.0) -> str | None:
+        """Why the group is down (a worker exited), looking for up to ``wait_s``; None while all run."""
+        deadline = time.monotonic() + wait_s
+        while self.failure is None and not self._stopping:
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None and self.failure is None:
+                    self.failure = (
+                        f"expert-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}; "
+                        "this engine instance is down"
+                    )
+                    logger.error("%s", self.failure)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        return self.failure
+
+    def _watch(self) -> None:
+        while not self._stopping and self.scan() is None:
+            time.sleep(POLL_S)
+
+    def shutdown(self) -> None:
+        """Stop the workers (a stop message, then a kill for any that does not exit) and leave the group."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.failure is None:
+            try:
+                publish_control(self.ep.control_group, KIND_STOP)
+            except Exception as e:  # noqa: BLE001 - a worker already gone: kill the rest below
+                logger.warning("expert parallel: stop message failed: %s", e)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        set_expert_parallel(None)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_expert_parallel(config: EngineConfig, platform: Platform) -> ExpertParallelGroup | None:
+    """The instance's worker group when ``parallel.expert_parallel_size > 1``, else None."""
+    if config.parallel.expert_parallel_size == 1:
+        return None
+    if config.cache.kv_layout == "xtensor":
+        raise ValueError(
+            "cache.kv_layout 'xtensor' is not supported with expert_parallel_size > 1 yet (the workers' KV "
+            "pools are paged); use --kv-layout paged"
+        )
+    return ExpertParallelGroup.start(config, platform.capabilities.dist_backend)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

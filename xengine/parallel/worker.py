@@ -1,0 +1,101 @@
+"""An expert-parallel worker: rank 1..N-1 of one engine instance (started by ``ExpertParallelGroup``).
+
+It builds the same model as rank 0 but holds only its own experts, allocates a KV pool of the geometry
+rank 0 sends, then runs every step rank 0 publishes: the same inputs, the same replicated attention,
+its share of the MoE all-to-alls. It samples nothing and talks to nobody but the group.
+
+``python -m xengine.parallel.worker --rank R --world-size N --init-method tcp://HOST:PORT
+--backend gloo --config-json JSON``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from graph.base import create_graph_runner
+from graph.forward_context import forward_context
+from memory.kv_layout import KVCacheSpec, PagedKVLayout
+from ops.platforms import resolve_platform, set_platform
+from xengine.api.config import EngineConfig, from_dict
+from xengine.engine_proc import set_parent_death_signal
+from xengine.loader import load_model, resolve_dtype
+from xengine.models.info import read_model_info
+from xengine.parallel.group import init_expert_parallel
+from xengine.parallel.step_message import KIND_SETUP, KIND_STOP, receive
+
+logger = logging.getLogger("xengine.parallel.worker")
+
+
+@torch.inference_mode()
+def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: str, backend: str) -> int:
+    platform = resolve_platform(config.device.device)
+    set_platform(platform)
+    ep = init_expert_parallel(rank, world_size, init_method, backend, config.parallel)
+    info = read_model_info(config.model.model)
+    dtype = resolve_dtype(platform, config.model.dtype, info.torch_dtype)
+    device = platform.torch_device()
+    model = load_model(config.model.model, dtype, device)
+    setup = receive(ep.control_group, device)
+    if setup.kind != KIND_SETUP:  # the engine failed to start after loading its model
+        return 0 if setup.kind == KIND_STOP else 1
+    num_blocks, block_size, max_model_len = setup.values
+    model.set_max_model_len(max_model_len)
+    spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, block_size, dtype)
+    layout = PagedKVLayout()
+    kv_caches = layout.allocate(spec, num_blocks, device)
+    caches = layout.attention_caches(kv_caches)
+    caps = platform.capabilities
+    execution = config.execution
+    mode = caps.default_graph_mode if execution.graph_mode == "auto" else execution.graph_mode
+    graph = create_graph_runner(mode, platform.name, model.forward_tokens)
+    graph.capture(execution.buckets(), device)
+    logger.info("expert-parallel worker rank %d/%d ready (pid %d)", rank, world_size, os.getpid())
+    while True:
+        msg = receive(ep.control_group, device)
+        if msg.kind == KIND_STOP:
+            break
+        inputs = msg.inputs
+        assert inputs is not None
+        ep.begin_step(msg.step_index, msg.eplb_action)
+        layout.copy_blocks(kv_caches, msg.block_copies)
+        with forward_context(inputs.meta, caches, inputs.num_tokens):
+            graph.run(inputs.input_ids, inputs.positions)
+        platform.synchronize()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m xengine.parallel.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--init-method", required=True)
+    p.add_argument("--backend", required=True)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--config-json", required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s ep-worker[{args.rank}] %(message)s")
+    set_parent_death_signal(signal.SIGKILL)  # never outlive the engine
+    if args.parent_pid is not None and os.getppid() != args.parent_pid:
+        return 1  # the engine died before the signal was armed
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    config = from_dict(EngineConfig, json.loads(args.config_json))
+    try:
+        return run_worker(config, args.rank, args.world_size, args.init_method, args.backend)
+    except Exception:
+        logger.exception("expert-parallel worker rank %d failed", args.rank)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
