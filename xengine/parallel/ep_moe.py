@@ -74,6 +74,14 @@ class ExpertShard:
             [r + [r[0]] * (width - len(r)) for r in replicas], dtype=torch.int64, device="cpu"
         )
 
+    def to_device(self, device: torch.device) -> None:
+        """Routing tables and load counters next to the tokens (built on the host, with the model)."""
+        if self.replica_table.device != device:
+            self.replica_table = self.replica_table.to(device)
+            self.replica_count = self.replica_count.to(device)
+            self.expert_load = self.expert_load.to(device)
+            self.rank_load = self.rank_load.to(device)
+
     def load(self, expert: int, param_name: str, part: int, rows: int, tensor: torch.Tensor) -> list[int]:
         """A checkpoint piece of ``expert``: the local slots to copy it into (EPLB also keeps it on the host)."""
         if self.ep.eplb is not None:
@@ -88,11 +96,15 @@ class ExpertShard:
 
     def to_physical(self, topk_ids: torch.Tensor, first_token: int) -> torch.Tensor:
         """Logical expert ids ``[t, k]`` -> physical slots, replicas taken round-robin by token."""
+        self.to_device(topk_ids.device)
         if int(self.replica_table.shape[1]) == 1:
             return self.replica_table[topk_ids, 0]
         t, k = topk_ids.shape
+        dev = topk_ids.device
         # token + slot: consecutive tokens alternate replicas whatever slot the expert was chosen in
-        spread = torch.arange(first_token, first_token + t, dtype=torch.int64).unsqueeze(1) + torch.arange(k)
+        spread = torch.arange(first_token, first_token + t, device=dev).unsqueeze(1) + torch.arange(
+            k, device=dev
+        )
         return self.replica_table[topk_ids, spread % self.replica_count[topk_ids]]
 
 
@@ -159,7 +171,8 @@ def _micro_batch(
     )
     ep.comm.bytes_sent += send_rows.numel() * send_rows.element_size()
     # rows arrive source-major, slot-minor: group them by local slot for the grouped matmul
-    slot_of_row = torch.arange(s).repeat(n).repeat_interleave(recv_per_slot.reshape(-1))
+    slot_of_row = torch.arange(s, device=recv_per_slot.device).repeat(n)
+    slot_of_row = slot_of_row.repeat_interleave(recv_per_slot.reshape(-1))
     perm = torch.argsort(slot_of_row, stable=True)
     module = shard.module
     out = moe.expert_swiglu(

@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ops.platforms import current_platform
 from xengine.parallel.eplb_policy import (
     Placement,
     balancedness,
@@ -69,7 +70,8 @@ class Eplb:
             if action == REBALANCE:
                 self._decide(expert_load)
         elif action == SWITCH_CHECK:
-            flag = torch.tensor([1 if self._ready.is_set() else 0], dtype=torch.int64)
+            device = self.ep.layers[0].rank_load.device  # the data group's device (nccl: the GPU)
+            flag = torch.tensor([1 if self._ready.is_set() else 0], dtype=torch.int64, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.ep.group)
             if int(flag.item()):
                 self._switch()
@@ -111,6 +113,7 @@ class Eplb:
                         standby = shard.standby[name] = torch.empty_like(getattr(shard.module, name))
                     idx = torch.tensor(local, dtype=torch.int64)
                     standby.copy_(shard.host[name].index_select(0, idx), non_blocking=True)
+        current_platform().synchronize()  # the copies are done before the ranks agree to switch
         self.last_load_s = time.perf_counter() - t0
         self._ready.set()
 
@@ -126,7 +129,9 @@ class Eplb:
                 active = param.data
                 param.data = shard.standby[name]
                 shard.standby[name] = active
+            device = shard.replica_table.device
             shard.set_placement(placement.phy_to_log[i])
+            shard.to_device(device)
             shard.rank_load.zero_()  # balancedness from here on measures the new placement
         self.pending = None
         self._ready.clear()
