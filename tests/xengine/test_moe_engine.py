@@ -9,11 +9,13 @@ deepseek_v3`` (MLA latent cache, 32 grouped experts + a shared one). The default
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -97,27 +99,22 @@ def test_offline_llm_generates_text_like_hf(make_model_dir, hf_oracle, arch: str
         assert got.text == llm.tokenizer.decode(got.token_ids, skip_special_tokens=True) and got.text
 
 
-def test_serve_answers_a_chat_request(make_model_dir, hf_oracle, tmp_path: Path) -> None:
-    """``xllm serve --model <moe folder>``; the openai client's greedy chat answer is HF's."""
-    from xengine.api.text.tokenizer import Tokenizer
-
-    moe_dir = make_model_dir("qwen3_moe")
+@contextlib.contextmanager
+def serve_moe(moe_dir: Path, log_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``xllm serve --model <moe_dir> FLAGS`` on the tiny test preset: yields (process, base URL), then stops it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "xservice", "serve", "--config", str(TINY_PRESET), "--model", str(moe_dir)]
-    log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
-        server = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+        server = subprocess.Popen(
+            [*cmd, *flags], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True
+        )
         try:
             url = next(
                 (ln.split(" at ", 1)[1].strip() for ln in server.stdout if ln.startswith("xllm serving")),
                 None,
             )
             assert url, f"server exited with {server.wait()}:\n{log_path.read_text()[-3000:]}"
-            messages = [{"role": "user", "content": "Name a color."}]
-            client = openai.OpenAI(base_url=url, api_key="unused", http_client=httpx.Client(timeout=120))
-            reply = client.chat.completions.create(
-                model=moe_dir.name, messages=messages, temperature=0.0, max_tokens=10
-            )
+            yield server, url
         finally:
             server.send_signal(signal.SIGTERM)
             try:
@@ -126,10 +123,31 @@ def test_serve_answers_a_chat_request(make_model_dir, hf_oracle, tmp_path: Path)
                 server.kill()
                 server.wait()
             server.stdout.close()
+
+
+def hf_chat_answer(
+    moe_dir: Path, hf_oracle, messages: list[dict], max_tokens: int
+) -> tuple[int, list[int], str]:
+    """(prompt tokens, HF's greedy answer tokens, its text) for a chat request to the tiny qwen3_moe."""
+    from xengine.api.text.tokenizer import Tokenizer
+
     tok = Tokenizer.from_dir(moe_dir)
     prompt = tok.encode(
         tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
     )
-    expected = hf_oracle("qwen3_moe").greedy(prompt, 10, ignore_eos=False)
-    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(expected)
-    assert reply.choices[0].message.content == tok.decode(expected, skip_special_tokens=True)
+    expected = hf_oracle("qwen3_moe").greedy(prompt, max_tokens, ignore_eos=False)
+    return len(prompt), expected, tok.decode(expected, skip_special_tokens=True)
+
+
+def test_serve_answers_a_chat_request(make_model_dir, hf_oracle, tmp_path: Path) -> None:
+    """``xllm serve --model <moe folder>``; the openai client's greedy chat answer is HF's."""
+    moe_dir = make_model_dir("qwen3_moe")
+    messages = [{"role": "user", "content": "Name a color."}]
+    with serve_moe(moe_dir, tmp_path / "serve.log") as (_, url):
+        client = openai.OpenAI(base_url=url, api_key="unused", http_client=httpx.Client(timeout=120))
+        reply = client.chat.completions.create(
+            model=moe_dir.name, messages=messages, temperature=0.0, max_tokens=10
+        )
+    num_prompt, expected, text = hf_chat_answer(moe_dir, hf_oracle, messages, 10)
+    assert reply.usage.prompt_tokens == num_prompt and reply.usage.completion_tokens == len(expected)
+    assert reply.choices[0].message.content == text

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,13 +18,12 @@ import openai
 import pytest
 
 from tests.xengine.test_engine_parity import BLOCK_SIZE, MAX_TOKENS, make_prompts
+from tests.xengine.test_moe_engine import hf_chat_answer, serve_moe
 from xengine.api.messages import AddRequest, SamplingParams
 from xengine.engine import EngineBrokenError
 from xengine.llm import LLM
 
 ARCHS = ("qwen3_moe", "deepseek_v3")
-ROOT = Path(__file__).resolve().parents[2]
-TINY_PRESET = ROOT / "configs" / "cpu-tiny-test.yaml"
 CHUNKED = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
 # (arch, mode name, LLM kwargs); DBO: dual-batch overlap
 MODES = {
@@ -170,63 +168,36 @@ def test_serve_with_expert_parallel_answers_then_survives_a_killed_worker(
     """``xllm serve --model <moe> --expert-parallel-size 2``: HF's greedy chat answer through the openai
     client; EP metrics in /metrics; a worker killed mid-stream ends that stream with an error event (no
     hang), the supervisor relaunches the instance and it answers again."""
-    from xengine.api.text.tokenizer import Tokenizer
-
     moe_dir = make_model_dir("qwen3_moe")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "xservice", "serve", "--config", str(TINY_PRESET), "--model", str(moe_dir)]
-    cmd += ["--expert-parallel-size", "2", "--engine-restart-backoff-s", "0.5"]
-    log_path = tmp_path / "serve.log"
     messages = [{"role": "user", "content": "Name a color."}]
-    with log_path.open("w") as log:
-        server = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
-        try:
-            url = next(
-                (ln.split(" at ", 1)[1].strip() for ln in server.stdout if ln.startswith("xllm serving")),
-                None,
-            )
-            assert url, f"server exited with {server.wait()}:\n{log_path.read_text()[-3000:]}"
-            client = openai.OpenAI(
-                base_url=url, api_key="unused", max_retries=0, http_client=httpx.Client(timeout=120)
-            )
-            reply = client.chat.completions.create(
-                model=moe_dir.name, messages=messages, temperature=0.0, max_tokens=10
-            )
-            metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
-            assert "xllm_moe_comm_exposed_seconds" in metrics
-            stream = client.completions.create(
-                model=moe_dir.name, prompt="once upon a time", max_tokens=200, stream=True,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            with pytest.raises(openai.APIError, match="worker rank 1"):
-                for i, _ in enumerate(stream):
-                    if i == 3:
-                        os.kill(_worker_of(server.pid), signal.SIGKILL)
-            deadline = time.monotonic() + 120  # a hang guard, not a timing claim
-            while True:
-                try:
-                    again = client.chat.completions.create(
-                        model=moe_dir.name, messages=messages, temperature=0.0, max_tokens=10
-                    )
-                    break
-                except openai.APIStatusError as e:
-                    assert e.status_code == 503 and time.monotonic() < deadline, str(e)
-                    time.sleep(0.5)
-        finally:
-            server.send_signal(signal.SIGTERM)
+    flags = ("--expert-parallel-size", "2", "--engine-restart-backoff-s", "0.5")
+    with serve_moe(moe_dir, tmp_path / "serve.log", *flags) as (server, url):
+        client = openai.OpenAI(
+            base_url=url, api_key="unused", max_retries=0, http_client=httpx.Client(timeout=120)
+        )
+        reply = client.chat.completions.create(
+            model=moe_dir.name, messages=messages, temperature=0.0, max_tokens=10
+        )
+        assert "xllm_moe_comm_exposed_seconds" in httpx.get(url.removesuffix("/v1") + "/metrics").text
+        stream = client.completions.create(
+            model=moe_dir.name, prompt="once upon a time", max_tokens=200, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        with pytest.raises(openai.APIError, match="worker rank 1"):
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    os.kill(_worker_of(server.pid), signal.SIGKILL)
+        deadline = time.monotonic() + 120  # a hang guard, not a timing claim
+        while True:
             try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-            server.stdout.close()
-    tok = Tokenizer.from_dir(moe_dir)
-    prompt = tok.encode(
-        tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
-    )
-    expected = tok.decode(
-        hf_oracle("qwen3_moe").greedy(prompt, 10, ignore_eos=False), skip_special_tokens=True
-    )
+                again = client.chat.completions.create(
+                    model=moe_dir.name, messages=messages, temperature=0.0, max_tokens=10
+                )
+                break
+            except openai.APIStatusError as e:
+                assert e.status_code == 503 and time.monotonic() < deadline, str(e)
+                time.sleep(0.5)
+    _, _, expected = hf_chat_answer(moe_dir, hf_oracle, messages, 10)
     assert reply.choices[0].message.content == expected == again.choices[0].message.content
 
 

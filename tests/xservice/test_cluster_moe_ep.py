@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_cluster_serving import HEARTBEAT_S, PROMPTS, TTL_S, ClusterServer, _stream, complete, wait_until
+from test_cluster_serving import HEARTBEAT_S, TTL_S, ClusterServer, complete, start_streams, wait_until
 from test_cluster_store import EtcdServer, etcd  # noqa: F401 - the module-scoped etcd fixture
 
 
@@ -49,18 +48,12 @@ def _worker_pid(engine_pid: int) -> int:
 def test_kill_9_of_a_worker_mid_stream_migrates_to_the_other_instance(cluster: ClusterServer) -> None:
     client = cluster.openai()
     baseline: dict[str, Any] = {}
-    threads = [
-        threading.Thread(target=_stream, args=(client, p, baseline, str(i))) for i, p in enumerate(PROMPTS)
-    ]
-    [t.start() for t in threads]
+    threads = start_streams(client, baseline)
     [t.join(120) for t in threads]
     assert not [k for k in baseline if k.endswith(":error")], baseline
 
     faulty: dict[str, Any] = {}
-    threads = [
-        threading.Thread(target=_stream, args=(client, p, faulty, str(i))) for i, p in enumerate(PROMPTS)
-    ]
-    [t.start() for t in threads]
+    threads = start_streams(client, faulty)
     wait_until(lambda: all(len(faulty.get(str(i), ())) >= 3 for i in range(4)), 60, "streams to start")
     victim = max(cluster.instances().values(), key=lambda i: i["num_inflight"])
     assert victim["num_inflight"] > 0

@@ -237,24 +237,24 @@ def _stream(client: openai.OpenAI, prompt: str, out: dict[str, Any], key: str) -
         out[key + ":error"] = repr(e)
 
 
+def start_streams(client: openai.OpenAI, out: dict[str, Any]) -> list[threading.Thread]:
+    """One streaming completion per prompt of ``PROMPTS``, each on its thread, collected into ``out``."""
+    threads = [threading.Thread(target=_stream, args=(client, p, out, str(i))) for i, p in enumerate(PROMPTS)]
+    [t.start() for t in threads]
+    return threads
+
+
 def test_kill_9_mid_stream_migrates_requests_without_losing_or_repeating_tokens(
     cluster: ClusterServer,
     etcd: EtcdServer,  # noqa: F811
 ) -> None:
     client = cluster.openai()
     baseline: dict[str, Any] = {}
-    threads = [
-        threading.Thread(target=_stream, args=(client, p, baseline, str(i))) for i, p in enumerate(PROMPTS)
-    ]
-    [t.start() for t in threads]
-    [t.join(120) for t in threads]
+    [t.join(120) for t in start_streams(client, baseline)]
     assert not [k for k in baseline if k.endswith(":error")], baseline
 
     faulty: dict[str, Any] = {}
-    threads = [
-        threading.Thread(target=_stream, args=(client, p, faulty, str(i))) for i, p in enumerate(PROMPTS)
-    ]
-    [t.start() for t in threads]
+    threads = start_streams(client, faulty)
     wait_until(lambda: all(len(faulty.get(str(i), ())) >= 3 for i in range(4)), 60, "streams to start")
     victim = max(cluster.instances().values(), key=lambda i: i["num_inflight"])
     assert victim["num_inflight"] > 0
