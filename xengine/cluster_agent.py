@@ -2,10 +2,12 @@
 
 ``ClusterAgent`` runs in a daemon thread with its own asyncio loop, so the engine loop never
 waits on the metadata store. Every ``heartbeat_interval_s`` it keeps its lease alive and writes
-its ``LoadReport`` and (when the prefix cache changed) a ``KVEventBatch``. When the store is
-unreachable it retries with backoff; when its lease expired meanwhile it registers again under a
-new lease and republishes its whole KV set. Registration is fenced: the instance key is created
-in a transaction and never taken over from another live incarnation of the same name.
+its ``LoadReport`` (with the raw prefill and step samples the engine thread observed since the last
+one: ``observe_prefill`` / ``observe_step``) and (when the prefix cache changed) a
+``KVEventBatch``. When the store is unreachable it retries with backoff; when its lease expired
+meanwhile it registers again under a new lease and republishes its whole KV set. Registration is
+fenced: the instance key is created in a transaction and never taken over from another live
+incarnation of the same name.
 
 The store clients are ``xengine.api.cluster.store`` (torch-free), imported lazily.
 """
@@ -27,6 +29,7 @@ logger = logging.getLogger("xengine.cluster_agent")
 MAX_BACKOFF_S = 5.0
 FULL_KV_EVERY_S = 20.0  # republish the whole KV set now and then, healing any lost batch
 EWMA_ALPHA = 0.2
+MAX_PENDING_SAMPLES = 4096  # per kind, while reports cannot be sent (the oldest go first)
 
 
 class RegistrationConflictError(RuntimeError):
@@ -53,6 +56,10 @@ class ClusterAgent:
         self._load_fn = load_fn
         self._events: collections.deque[tuple[list[int], list[int]]] = collections.deque()
         self._hashes: set[int] = set()
+        # raw performance samples (``keys.LoadReport.prefills`` / ``steps``): appended by the engine
+        # thread, drained by this agent's (deque append / popleft are atomic)
+        self._prefills: collections.deque[list[float]] = collections.deque(maxlen=MAX_PENDING_SAMPLES)
+        self._steps: collections.deque[list[float]] = collections.deque(maxlen=MAX_PENDING_SAMPLES)
         self._need_full = True
         self._last_full = 0.0
         self._kv_seq = 0
@@ -83,6 +90,14 @@ class ClusterAgent:
 
     def observe_tpot(self, ms: float) -> None:
         self.tpot_ms = ms if self.tpot_ms is None else (1 - EWMA_ALPHA) * self.tpot_ms + EWMA_ALPHA * ms
+
+    def observe_prefill(self, uncached_tokens: int, queue_s: float, compute_s: float) -> None:
+        """A request's first token came (engine thread; O(1)): one ``LoadReport.prefills`` sample."""
+        self._prefills.append([uncached_tokens, queue_s, compute_s])
+
+    def observe_step(self, num_seqs: int, context_tokens: int, prefill_tokens: int, step_s: float) -> None:
+        """A non-empty step ran (engine thread; O(1)): one ``LoadReport.steps`` sample."""
+        self._steps.append([num_seqs, context_tokens, prefill_tokens, step_s])
 
     # ------------------------------------------------------------------ agent thread
 
@@ -161,6 +176,8 @@ class ClusterAgent:
             ttft_ms=self.ttft_ms,
             tpot_ms=self.tpot_ms,
             sent_at=time.time(),
+            prefills=_take_samples(self._prefills, keys.MAX_SAMPLES),
+            steps=_take_samples(self._steps, keys.MAX_SAMPLES),
         )
         await store.put(keys.key(self.key_prefix, "load", self.record.name), keys.encode(report), self._lease)
 
@@ -213,3 +230,12 @@ class ClusterAgent:
             await store.revoke(self._lease)
         except Exception:  # noqa: BLE001 - the lease expires on its own
             logger.debug("lease revoke failed", exc_info=True)
+
+
+def _take_samples(pending: collections.deque[list[float]], limit: int) -> list[list[float]]:
+    """Every pending sample, or an even subsample of ``limit`` of them (all of the interval, not only
+    its end, stays represented)."""
+    taken = [pending.popleft() for _ in range(len(pending))]  # only this thread pops: never empty
+    if len(taken) <= limit:
+        return taken
+    return [taken[i * len(taken) // limit] for i in range(limit)]

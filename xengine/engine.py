@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from memory.xtensor import XTensorKVLayout
@@ -33,7 +33,7 @@ from xengine.parallel.group import start_expert_parallel
 from xengine.pipeline import StepPipeline
 from xengine.request import PRIORITY_RANK, Request
 from xengine.runner.model_runner import ModelRunner
-from xengine.scheduler.plan import ScheduledSeq, SchedulePlan, StepOutput
+from xengine.scheduler.plan import ScheduledSeq, SchedulePlan, StepOutput, StepSample
 from xengine.scheduler.scheduler import Scheduler
 from xengine.structured.manager import StructuredOutputs, compile_error_message
 
@@ -74,6 +74,13 @@ class StepTiming:
     num_seqs: int
     num_tokens: int
     host_s: float | None = None  # async: engine-thread time of the step, waiting excluded
+    # of the same plan as ``num_seqs`` (``SchedulePlan.token_counts``): KV tokens attended, prefill tokens
+    context_tokens: int = 0
+    prefill_tokens: int = 0
+    # the non-empty steps whose outputs were applied in this call (sync: this one, ``step_s`` =
+    # ``total_s``; async: the step that was in flight, and a sync plan's own, ``step_s`` measured from
+    # the previous completion while busy: ``PipelineTiming.completed``)
+    completed: list[StepSample] = field(default_factory=list)
 
 
 class Engine:
@@ -277,9 +284,11 @@ class Engine:
         if self.kv_transfer.num_pins:
             self.kv_transfer.release_admitted(self.kv.block_tables)
         forward_s = 0.0
+        counts = (0, 0)
         if not plan.is_empty:
             plan, out = self._execute(plan)
             forward_s = out.forward_s
+            counts = plan.token_counts()  # before update moves num_computed_tokens
             self.scheduler.update(plan, out)
             self.num_steps += 1
         elif self.scheduler.waiting and self.kv.num_free_blocks == self.kv.pool.num_blocks:
@@ -287,8 +296,10 @@ class Engine:
             # fail the head instead of spinning
             self.scheduler.fail(self.scheduler.waiting[0], "length")
         deltas = self._collect_deltas()
+        total_s = time.perf_counter() - t0
+        completed = [StepSample(len(plan.seqs), *counts, total_s)] if plan.seqs else []
         self.last_step_timing = StepTiming(
-            time.perf_counter() - t0, forward_s, len(plan.seqs), plan.num_batched_tokens
+            total_s, forward_s, len(plan.seqs), plan.num_batched_tokens, None, *counts, completed
         )
         return deltas
 
@@ -304,8 +315,9 @@ class Engine:
             deltas += self._collect_deltas()
         timing = pipeline.last_timing
         self.last_step_timing = StepTiming(
-            time.perf_counter() - t0, timing.forward_s, len(plan.seqs), plan.num_batched_tokens, timing.host_s
-        )
+            time.perf_counter() - t0, timing.forward_s, len(plan.seqs), plan.num_batched_tokens, timing.host_s,
+            *timing.counts, timing.completed,
+        )  # fmt: skip
         return deltas
 
     def _execute(self, plan: SchedulePlan, failed_once: bool = False) -> tuple[SchedulePlan, StepOutput]:

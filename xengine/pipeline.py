@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -26,7 +26,7 @@ from memory.kv_cache_manager import KVCacheManager
 from xengine.api.messages import CompletionDelta
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.in_flight import rewind
-from xengine.scheduler.plan import SchedulePlan, StepOutput
+from xengine.scheduler.plan import SchedulePlan, StepOutput, StepSample
 from xengine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 class _InFlight:
     plan: SchedulePlan
     future: Future[StepOutput]
+    counts: tuple[int, int]  # plan.token_counts(), taken at schedule time
+    started_at: float  # perf_counter: the previous step's completion, or this step's schedule when idle
 
 
 @dataclass
@@ -43,6 +45,10 @@ class PipelineTiming:
     host_s: float  # engine-thread time of the step() call, waiting excluded
     wait_s: float  # engine-thread time spent waiting for the worker
     forward_s: float  # the finished step's forward + logits time (on the worker)
+    # the steps whose outputs the engine thread received in this call; ``step_s``: from the previous
+    # step's completion (the engine was busy) or from this step's scheduling (it was idle) to its own
+    completed: list[StepSample] = field(default_factory=list)
+    counts: tuple[int, int] = (0, 0)  # token_counts() of the plan scheduled in this call
 
 
 class PipelinedEngine(Protocol):
@@ -79,6 +85,8 @@ class StepPipeline:
         t0 = time.perf_counter()
         wait_s = 0.0
         plan = e.scheduler.schedule()
+        counts = plan.token_counts()
+        completed: list[StepSample] = []
         # nothing fits although nothing runs and the whole pool is free: the head can never run
         self.head_stuck = (
             plan.is_empty
@@ -89,6 +97,7 @@ class StepPipeline:
         prepared = e.runner.prepare(plan) if not plan.is_empty else None
         prev, self._in_flight = self._in_flight, None
         prev_out = None
+        started_at = t0
         if prev is not None:
             t_wait = time.perf_counter()
             try:
@@ -97,10 +106,13 @@ class StepPipeline:
                 wait_s += time.perf_counter() - t_wait
                 self._recover(prev.plan, plan, t0, wait_s)
                 return plan, e._collect_deltas()
-            wait_s += time.perf_counter() - t_wait
+            started_at = time.perf_counter()
+            wait_s += started_at - t_wait
+            completed.append(StepSample(len(prev.plan.seqs), *prev.counts, started_at - prev.started_at))
         if prepared is not None:
             prev_rows = prev_out.sampled_rows if prev_out is not None else None
-            self._in_flight = _InFlight(plan, self._executor.submit(e.runner.run, prepared, prev_rows))
+            future = self._executor.submit(e.runner.run, prepared, prev_rows)
+            self._in_flight = _InFlight(plan, future, counts, started_at)
         forward_s = 0.0
         if prev is not None and prev_out is not None:
             e.scheduler.update(prev.plan, prev_out)
@@ -108,11 +120,14 @@ class StepPipeline:
         if plan.sync and self._in_flight is not None:  # its outcome decides the next step
             t_wait = time.perf_counter()
             out = self._wait_current()
-            wait_s += time.perf_counter() - t_wait
+            t_done = time.perf_counter()
+            wait_s += t_done - t_wait
             if out is not None:
                 e.scheduler.update(plan, out)
                 forward_s += out.forward_s
-        self.last_timing = PipelineTiming(time.perf_counter() - t0 - wait_s, wait_s, forward_s)
+                completed.append(StepSample(len(plan.seqs), *counts, t_done - started_at))
+        host_s = time.perf_counter() - t0 - wait_s
+        self.last_timing = PipelineTiming(host_s, wait_s, forward_s, completed, counts)
         return plan, e._collect_deltas()
 
     def _wait_current(self) -> StepOutput | None:

@@ -1,4 +1,5 @@
-"""The ``xllm`` command line: ``serve``, ``chat``, ``model make-tiny``, ``batch``, ``run-batch``, ``engine``.
+"""The ``xllm`` command line: ``serve``, ``chat``, ``model make-tiny``, ``batch``, ``run-batch``, ``engine``,
+``cluster status``.
 
 Each subcommand lives in ``xservice/commands/`` as a ``register(subparsers)`` function that adds its
 parser and sets ``run=<function(args) -> int>``; add new ones to ``COMMANDS``. User errors raise
@@ -15,6 +16,7 @@ from typing import Any
 
 from xservice.commands.batch import register_batch, register_run_batch
 from xservice.commands.chat import register_chat
+from xservice.commands.cluster import register_cluster
 from xservice.commands.common import EXIT_USAGE, CliError, load_cli_config
 from xservice.commands.engine import register_engine
 from xservice.commands.model import register_model
@@ -27,6 +29,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     register_batch,
     register_run_batch,
     register_engine,
+    register_cluster,
 )
 
 __all__ = ["COMMANDS", "CliError", "build_parser", "load_cli_config", "main"]

@@ -59,6 +59,12 @@ class ModelNotFoundError(NotFoundError):
     default_code = "model_not_found"
 
 
+class ConflictError(APIError):
+    """The request is valid but the current state refuses it (409)."""
+
+    default_code = "conflict"
+
+
 class RequestTooLargeError(APIError):
     default_code = "request_too_large"
 
@@ -86,6 +92,7 @@ _STATUS: list[tuple[type[APIError], int, str]] = [
     (InvalidRequestError, 400, "invalid_request_error"),
     (AuthenticationError, 401, "authentication_error"),
     (NotFoundError, 404, "invalid_request_error"),
+    (ConflictError, 409, "invalid_request_error"),
     (RequestTooLargeError, 413, "invalid_request_error"),
     (RateLimitError, 429, "rate_limit_error"),
     (EngineUnavailableError, 503, "service_unavailable"),

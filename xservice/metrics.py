@@ -144,6 +144,12 @@ class ServiceMetrics:
             ["finished_reason"],
             registry=r,
         )
+        self.slo = Counter(
+            "xllm_request_slo_total",
+            "Finished requests that set an SLO (body 'slo' or x-slo-* headers), by whether they met it.",
+            ["result"],
+            registry=r,
+        )
         self.errors = Counter(
             "xllm_request_errors_total", "Error responses by HTTP status.", ["code"], registry=r
         )
@@ -206,8 +212,13 @@ class ServiceMetrics:
         r.register(VllmNamesCollector(sources, lambda: self.model_name))
 
     def watch_engine(self, client: Any) -> None:
-        """Export ``client``'s health and supervisor counters (read at each scrape)."""
+        """Export ``client``'s health and supervisor counters (read at each scrape), and dynamic PD's
+        pools, flips and predictor errors when ``client`` is an instance pool running it."""
         self.registry.register(_EngineHealthCollector(client))
+        if getattr(client, "dynamic", None) is not None:
+            from xservice.cluster.pd_metrics import DynamicPDCollector
+
+            self.registry.register(DynamicPDCollector(client.dynamic))
 
     def record_error(self, status: int) -> None:
         self.errors.labels(code=str(status)).inc()
@@ -323,9 +334,13 @@ class RequestTimer:
             self._scheduled = True
             self.metrics.queue_time.observe(queue_time_s)
 
-    def finish(self, max_seq_tokens: int) -> None:
-        """Observe E2E and TPOT; ``max_seq_tokens`` is the longest sequence's length."""
+    def finish(self, max_seq_tokens: int) -> tuple[float | None, float | None]:
+        """Observe E2E and TPOT; ``max_seq_tokens`` is the longest sequence's length. Returns (TTFT,
+        TPOT) in seconds (None: no token / a single one)."""
         now = time.monotonic()
         self.metrics.e2e.observe(now - self.arrival)
+        tpot = None
         if self.first_token is not None and max_seq_tokens > 1:
-            self.metrics.tpot.observe((now - self.first_token) / (max_seq_tokens - 1))
+            tpot = (now - self.first_token) / (max_seq_tokens - 1)
+            self.metrics.tpot.observe(tpot)
+        return (None if self.first_token is None else self.first_token - self.arrival), tpot

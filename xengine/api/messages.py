@@ -32,6 +32,14 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # ---------------------------------------------------------------- service -> engine
 
 
+class RequestSLO(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A request's own latency objectives (ms; None: the service's default). The service routes by them
+    (dynamic PD) and counts whether they were met; the engine does not use them."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
 class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     req_id: str
     prompt_token_ids: list[int]
@@ -39,6 +47,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     priority: Priority = "online"
     arrival_time: float = 0.0
     pooling: PoolingParams | None = None  # set: an embedding request (``params.max_tokens`` must be 0)
+    slo: RequestSLO | None = None  # service-side objectives (``xservice/serving/slo.py``)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +56,30 @@ class SchedulePlan:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    def token_counts(self) -> tuple[int, int]:
+        """``(context_tokens, prefill_tokens)`` of this step, for performance models: the KV tokens
+        its sequences attend (the sum of their lengths once it ran) and the tokens it computes beyond
+        one per decoding sequence (a decoding sequence computes exactly one token past its prompt;
+        prompt chunks, one-token prompts and recomputation after preemption count as prefill).
+        Call it before ``scheduler.update`` applies the step (``end`` of a sequence not advanced at
+        schedule time is read off its ``num_computed_tokens``)."""
+        context = prefill = 0
+        for s in self.seqs:
+            end = s.end
+            context += end
+            if s.num_new_tokens != 1 or end <= s.req.num_prompt_tokens:
+                prefill += s.num_new_tokens
+        return context, prefill
+
+
+class StepSample(NamedTuple):
+    """One step that ran, for the instance's performance model (``keys.LoadReport.steps``)."""
+
+    num_seqs: int
+    context_tokens: int
+    prefill_tokens: int
+    step_s: float  # the time the step took as the engine's caller sees it (see ``StepTiming``)
 
 
 @dataclass

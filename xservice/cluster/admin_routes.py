@@ -1,7 +1,9 @@
 """``GET /v1/admin/instances``: every engine instance with its role, health and load.
 
 Works in both modes: over an ``InstancePool`` (cluster) it lists the registry; over a single
-``EngineClient`` it shows that one engine as instance ``local`` (role ``mixed``).
+``EngineClient`` it shows that one engine as instance ``local`` (role ``mixed``). With dynamic PD it
+also shows the pools, each instance's pool and predictors, and the flips with their reasons; and
+``POST /v1/admin/instances/{name}/role`` flips an instance by hand (``{"role": "prefill" | "decode"}``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict
 
+from xservice.errors import ConflictError, InvalidRequestError, NotFoundError
 from xservice.serving.context import ServingContext, get_ctx
 
 router = APIRouter()
@@ -38,3 +42,26 @@ async def admin_instances(ctx: ServingContext = Depends(get_ctx)) -> dict[str, A
         "num_inflight": client.num_inflight,
     }
     return {"mode": "single", "instances": [instance]}
+
+
+class FlipRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str
+    reason: str = ""
+
+
+@router.post("/v1/admin/instances/{name}/role")
+async def admin_flip(name: str, body: FlipRequest, ctx: ServingContext = Depends(get_ctx)) -> dict[str, Any]:
+    dynamic = getattr(ctx.engine_client, "dynamic", None)
+    if dynamic is None:
+        raise InvalidRequestError("Roles flip only with dynamic PD (cluster.pd_mode: dynamic).", param="role")
+    if body.role not in ("prefill", "decode"):
+        raise InvalidRequestError("'role' must be 'prefill' or 'decode'.", param="role")
+    try:
+        flip = dynamic.manual_flip(name, body.role, body.reason)
+    except KeyError:
+        raise NotFoundError(f"No healthy instance named {name!r}.") from None
+    except ValueError as e:
+        raise ConflictError(str(e)) from None
+    return {"instance": flip.name, "role": flip.to_role, "reason": flip.reason, "pools": dynamic.pools()}

@@ -15,6 +15,7 @@ from xengine.api.paths import default_cluster_key_file
 from xengine.api.security import ClusterKey, load_or_create_key_file
 
 STORES = ("embedded", "etcd")
+PD_MODES = ("static", "dynamic")
 LAUNCHERS = ("local", "ray", "external")
 
 
@@ -40,6 +41,32 @@ class ClusterConfig:
     lease_ttl_s: float = _f(3.0, "Instance registration lease TTL; a dead instance is gone after it.")
     heartbeat_interval_s: float = _f(0.5, "How often instances renew their lease and report load/KV events.")
     migrate_on_failure: bool = _f(True, "Re-run in-flight requests of a dead instance on a healthy one.")
+    pd_mode: str = _f(
+        "static",
+        "PD disaggregation: 'static' (roles fixed at launch) or 'dynamic' (xLLM §3.2: roles are service-side "
+        "pools P, D, P→D, D→P kept in the metadata store; SLO-aware routing with TTFT/TPOT predictors; "
+        "instances flip role with zero wait; docs/dynamic_pd.md). Dynamic needs prefill and decode instances.",
+    )
+    ttft_slo_ms: float = _f(
+        1000.0, "Dynamic PD: default time-to-first-token SLO (a request may set its own)."
+    )
+    tpot_slo_ms: float = _f(
+        100.0, "Dynamic PD: default time-per-output-token SLO (a request may set its own)."
+    )
+    min_decode_instances: int = _f(2, "Dynamic PD: never flip below this many decode-side instances.")
+    min_prefill_instances: int = _f(1, "Dynamic PD: never flip below this many prefill-side instances.")
+    flip_cooldown_s: float = _f(
+        5.0, "Dynamic PD: an instance does not flip again, nor the cluster the other way, within this time."
+    )
+    flip_min_interval_s: float = _f(1.0, "Dynamic PD: at most one flip per this many seconds cluster-wide.")
+    prefill_idle_s: float = _f(
+        3.0,
+        "Dynamic PD: a prefill instance busy under 20% of this window while decode is busy flips to decode.",
+    )
+    tpot_miss_sustain_s: float = _f(
+        1.0, "Dynamic PD: how long observed TPOT must miss its SLO before a flip."
+    )
+    startup_profile: bool = _f(True, "Dynamic PD: probe each instance when it joins to seed its predictors.")
     engine_host: str = _f("127.0.0.1", "Address instances bind their ZMQ sockets to (loopback by default).")
     instance_startup_timeout_s: float = _f(600.0, "How long to wait for every instance to register.")
     auth: bool = _f(
@@ -108,8 +135,36 @@ class ClusterConfig:
 
         if self.routing_policy not in POLICIES:
             raise ValueError(f"cluster.routing_policy must be one of {', '.join(POLICIES)}")
+        self._validate_pd_mode(specs)
         if not (0 < self.heartbeat_interval_s < self.lease_ttl_s):
             raise ValueError("cluster: need 0 < heartbeat_interval_s < lease_ttl_s")
+
+    def _validate_pd_mode(self, specs: list[tuple[str, str]]) -> None:
+        if self.pd_mode not in PD_MODES:
+            raise ValueError(f"cluster.pd_mode must be one of {', '.join(PD_MODES)}")
+        if self.pd_mode != "dynamic":
+            return
+        if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
+            raise ValueError("cluster.ttft_slo_ms and cluster.tpot_slo_ms must be > 0")
+        if self.min_decode_instances < 1 or self.min_prefill_instances < 1:
+            raise ValueError("cluster.min_decode_instances and cluster.min_prefill_instances must be >= 1")
+        if self.external or not specs:
+            return
+        roles = [role for _, role in specs]
+        if "mixed" in roles:
+            raise ValueError(
+                "cluster.pd_mode 'dynamic' pools prefill and decode instances: give every instance the role "
+                "prefill or decode (its starting pool), not mixed"
+            )
+        if (
+            roles.count("prefill") < self.min_prefill_instances
+            or roles.count("decode") < self.min_decode_instances
+        ):
+            raise ValueError(
+                f"cluster.pd_mode 'dynamic' needs at least {self.min_prefill_instances} prefill and "
+                f"{self.min_decode_instances} decode instance(s) at launch (cluster.min_prefill_instances, "
+                "cluster.min_decode_instances)"
+            )
 
     @property
     def store_url(self) -> str:

@@ -14,6 +14,11 @@ Per request (``n == 1``, no beam search), with ``PDPolicy`` choosing the instanc
    ``max_tokens - 1``; the prompt's whole blocks are prefix-cache hits there, so D recomputes only
    the partial last block and the first token. Its deltas are streamed under the original id.
 
+With dynamic PD (``cluster.pd_mode: dynamic``, ``xservice/cluster/dynamic_pd.py``) the instances are
+chosen by predicted TTFT / TPOT against the SLOs (a prefill may first flip a decode instance to
+prefill), and the prefill instance may keep the decode itself (no export / import at all) when it
+can hold the TPOT SLO.
+
 Failures: P dies before its token → the prefill is re-dispatched to another prefill instance
 (none left: the whole request runs on a decode instance, plain). P dies (or the transfer fails)
 after the token but before D imported → the prefill is redone on another prefill instance for its
@@ -27,10 +32,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -38,6 +44,9 @@ from xengine.api.messages import AddRequest, CompletionDelta, KVExportInfo, Prom
 from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.engine_client import EngineDeadError
 from xservice.policies import DECODE_ROLES, InstanceSnapshot, PDPolicy, RouteRequest
+
+if TYPE_CHECKING:
+    from xservice.cluster.dynamic_pd import DynamicPD
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +67,7 @@ class PDCounters:
     num_requests: int = 0  # requests that ran PD disaggregated
     num_prefill_retries: int = 0  # prefills re-dispatched or redone after a prefill instance failed
     num_fallbacks: int = 0  # requests (or decode halves) that ran without a KV transfer
+    num_kept_on_prefill: int = 0  # dynamic PD: decoded on the prefill instance (no transfer needed)
 
 
 class PDPool(Protocol):
@@ -65,6 +75,8 @@ class PDPool(Protocol):
 
     clients: dict[str, RemoteEngineClient]
     migrate: bool
+    dynamic: DynamicPD | None
+    info: Any
 
     def snapshots(self) -> list[InstanceSnapshot]: ...
 
@@ -82,6 +94,7 @@ class PDPool(Protocol):
         prefer: Sequence[Sequence[str]] = ...,
         client: RemoteEngineClient | None = None,
         num_cached_tokens: int | None = None,
+        observe: Callable[[str, CompletionDelta], None] | None = None,
     ) -> AsyncIterator[CompletionDelta]: ...
 
     def continuation(self, req: AddRequest, generated: list[int], tag: str) -> AddRequest | None: ...
@@ -120,12 +133,55 @@ class PDDispatcher:
         yield delta
         if done:
             return
+        dynamic = pool.dynamic
+        if dynamic is not None:
+            context = len(req.prompt_token_ids) + len(generated)
+            if dynamic.pick_decode(req, client.name, context).name == client.name:
+                # the prefill instance keeps decoding it: no KV transfer (its prompt blocks are cached there)
+                self.counters.num_kept_on_prefill += 1
+                sub = pool.continuation(req, generated, "d0")
+                assert sub is not None
+                async for delta in self._decode(req, sub, generated, client, cached):
+                    yield delta
+                return
         export = await self._export(req, client)
         decode, sub_id = await self._import(req, export)
         sub = pool.continuation(req, generated, sub_id)
         assert sub is not None  # the first token did not finish the request
-        async for delta in pool.stream(req, sub, generated, DECODE_ROLES, decode, cached):
+        async for delta in self._decode(req, sub, generated, decode, cached):
             yield delta
+
+    async def _decode(
+        self,
+        req: AddRequest,
+        sub: AddRequest,
+        generated: list[int],
+        client: RemoteEngineClient | None,
+        cached: int,
+    ) -> AsyncIterator[CompletionDelta]:
+        """Stream the decode half; with dynamic PD, the monitor sees its instance and token gaps."""
+        dynamic = self.pool.dynamic
+        if dynamic is None:
+            async for delta in self.pool.stream(req, sub, generated, DECODE_ROLES, client, cached):
+                yield delta
+            return
+        mon, tpot_slo = dynamic.monitor, dynamic.slo_for(req).tpot_s
+        on: list[str] = []
+
+        def observe(name: str, delta: CompletionDelta) -> None:
+            if not on or on[-1] != name:
+                if on:
+                    mon.decode_done(on[-1], req.req_id)
+                on.append(name)
+                mon.decode_started(name, req.req_id, len(sub.prompt_token_ids))
+            mon.decode_tokens(name, req.req_id, len(delta.new_token_ids), tpot_slo, time.monotonic())
+
+        try:
+            async for delta in self.pool.stream(req, sub, generated, DECODE_ROLES, client, cached, observe):
+                yield delta
+        finally:
+            if on:
+                mon.decode_done(on[-1], req.req_id)
 
     async def _first_token(self, req: AddRequest) -> tuple[CompletionDelta, RemoteEngineClient] | None:
         """Prefill ``req`` on a prefill instance for its first token; None when none is left.
@@ -135,12 +191,12 @@ class PDDispatcher:
         p = req.params
         params = msgspec.structs.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
         for attempt in itertools.count(1):
-            client = self._pick_prefill()
+            client = self._pick_prefill(req=req)
             if client is None:
                 return None
             sub = msgspec.structs.replace(req, req_id=f"{req.req_id}~p{attempt}", params=params)
             try:
-                deltas = await self._run(req, client, sub)
+                deltas = await self._run_prefill(req, client, sub)
             except EngineDeadError:
                 if not self.pool.migrate:
                     raise
@@ -162,6 +218,31 @@ class PDDispatcher:
             return delta, client
         raise AssertionError("unreachable")
 
+    async def _run_prefill(
+        self, req: AddRequest, client: RemoteEngineClient, sub: AddRequest
+    ) -> list[CompletionDelta]:
+        """``_run``, with dynamic PD's monitor counting it in the instance's queue until its token."""
+        dynamic = self.pool.dynamic
+        if dynamic is None:
+            return await self._run(req, client, sub)
+        uncached = self._uncached(req).get(client.name, len(req.prompt_token_ids))
+        dynamic.monitor.prefill_sent(client.name, sub.req_id, uncached)
+        got = False
+        try:
+            deltas = await self._run(req, client, sub)
+            got = any(d.new_token_ids for d in deltas)
+            return deltas
+        finally:
+            dynamic.monitor.prefill_done(client.name, sub.req_id, got)
+
+    def _uncached(self, req: AddRequest) -> dict[str, int]:
+        """Per healthy instance, the prompt tokens its prefix cache does not hold."""
+        request = self.pool.route_request(req.prompt_token_ids)
+        matched = request.matched_blocks or {}
+        block = self.pool.info.block_size
+        n = len(req.prompt_token_ids)
+        return {s.name: n - min(n - 1, matched.get(s.name, 0) * block) for s in self.pool.snapshots()}
+
     async def _run(
         self, req: AddRequest, client: RemoteEngineClient, sub: AddRequest
     ) -> list[CompletionDelta]:
@@ -178,7 +259,7 @@ class PDDispatcher:
         )
         for attempt in range(1, MAX_KV_ATTEMPTS + 1):
             if client is None:
-                client = self._pick_prefill()
+                client = self._pick_prefill(req=req)
                 if client is None:
                     return None
                 sub = msgspec.structs.replace(req, req_id=f"{req.req_id}~r{attempt}", params=kv_only)
@@ -257,12 +338,22 @@ class PDDispatcher:
 
     # ------------------------------------------------------------------ instance choice
 
-    def _pick_prefill(self, not_: RemoteEngineClient | None = None) -> RemoteEngineClient | None:
+    def _pick_prefill(
+        self, not_: RemoteEngineClient | None = None, req: AddRequest | None = None
+    ) -> RemoteEngineClient | None:
+        dynamic = self.pool.dynamic
+        if dynamic is not None and req is not None:
+            choice = dynamic.pick_prefill(req, self._uncached(req), not_.name if not_ is not None else None)
+            return self.pool.clients.get(choice.name) if choice.name is not None else None
         snapshots = [s for s in self.pool.snapshots() if not_ is None or s.name != not_.name]
         name = self.policy.select_prefill(snapshots)
         return self.pool.clients[name] if name is not None else None
 
     def _pick_decode(self, req: AddRequest) -> RemoteEngineClient | None:
+        dynamic = self.pool.dynamic
+        if dynamic is not None:
+            name = dynamic.pick_decode(req, None, len(req.prompt_token_ids) + 1).name
+            return self.pool.clients.get(name) if name is not None else None
         request = self.pool.route_request(req.prompt_token_ids)
         name = self.policy.select_decode(request, self.pool.snapshots())
         return self.pool.clients[name] if name is not None else None

@@ -24,13 +24,14 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
 
 from xengine.api.messages import AddRequest, CompletionDelta, EngineStats, GraphStatsMsg, XTensorStatsMsg
 from xengine.api.security import ClusterKey
+from xservice.cluster.dynamic_pd import DynamicPD
 from xservice.cluster.kv_index import prompt_block_hashes
 from xservice.cluster.pd import PDDispatcher
 from xservice.cluster.registry import InstanceRegistry, InstanceState
@@ -53,11 +54,16 @@ class InstancePool:
         migrate: bool = True,
         pd_policy: PDPolicy | None = None,
         key: ClusterKey | None = None,
+        dynamic: DynamicPD | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.migrate = migrate
         self.pd = PDDispatcher(self, pd_policy or PDPolicy())
+        self.dynamic = dynamic  # dynamic PD: roles are service-side and flip (``dynamic_pd.py``)
+        if dynamic is not None:
+            dynamic.attach(lambda: self.clients, lambda: [s.name for s in self.snapshots()])
+            registry.load_listeners.append(dynamic.monitor.ingest)
         self.service_id = uuid.uuid4().hex  # sent to every instance in a Hello (see engine_server)
         self.key = key  # the cluster key every instance authenticates us with (None: auth off)
         self.supervisor: InstanceSupervisor | None = None  # relaunches launched instances (serve.py)
@@ -106,6 +112,8 @@ class InstancePool:
                     self.clients[name] = client
                     self._inflight.setdefault(name, 0)
                     self.num_routed.setdefault(name, 0)
+                    if self.dynamic is not None:
+                        self.dynamic.instance_joined(client)
                     self._changed.set()
                     return
                 break
@@ -170,7 +178,7 @@ class InstancePool:
             out.append(
                 InstanceSnapshot(
                     name=name,
-                    role=client.record.role,
+                    role=self.role_of(name, client),
                     num_inflight=self._inflight.get(name, 0),
                     num_running=load.num_running if load else 0,
                     num_waiting=load.num_waiting if load else 0,
@@ -178,6 +186,11 @@ class InstancePool:
                 )
             )
         return out
+
+    def role_of(self, name: str, client: RemoteEngineClient) -> str:
+        """The instance's current role: its dynamic PD pool role, else the one it registered with."""
+        role = self.dynamic.role(name) if self.dynamic is not None else None
+        return role or client.record.role
 
     def route(
         self, prompt_token_ids: list[int], prefer: Sequence[Sequence[str]] = PLAIN_ROLES
@@ -236,12 +249,13 @@ class InstancePool:
         prefer: Sequence[Sequence[str]] = PLAIN_ROLES,
         client: RemoteEngineClient | None = None,
         num_cached_tokens: int | None = None,
+        observe: Callable[[str, CompletionDelta], None] | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """Stream ``sub`` (``req`` itself or its continuation after ``generated``) on ``client`` or a
         routed instance; when that instance dies, continue on another one (recompute).
 
         ``generated`` is extended with every token yielded; deltas carry ``req``'s id and prompt size
-        (and ``num_cached_tokens`` when given).
+        (and ``num_cached_tokens`` when given). ``observe(instance name, delta)`` sees each delta.
         """
         migrated = False
         while True:
@@ -256,6 +270,8 @@ class InstancePool:
                         if sub is not req:
                             delta = self._as_original(delta, req, num_cached_tokens)
                         generated.extend(delta.new_token_ids)
+                        if observe is not None:
+                            observe(name, delta)
                         yield delta
                 return
             except EngineDeadError:
@@ -378,6 +394,8 @@ class InstancePool:
 
     async def close(self, drain_timeout_s: float = 0.0) -> None:
         self._closed = True
+        if self.dynamic is not None:
+            await self.dynamic.close()
         for client in list(self.clients.values()) + list(self._pending.values()):
             await client.close()
         self.clients.clear()
@@ -390,10 +408,13 @@ class InstancePool:
         for name, state in sorted(self.registry.instances.items()):
             client = self.clients.get(name)
             rec = state.record
+            dynamic = self.dynamic.instance_view(name) if self.dynamic is not None else {}
             out.append(
                 {
                     "name": name,
                     "role": rec.role,
+                    "pool": None,
+                    **dynamic,
                     "healthy": bool(state.healthy and client is not None and client.is_alive),
                     "incarnation": rec.incarnation,
                     "pid": rec.pid,
@@ -419,6 +440,7 @@ class InstancePool:
             "num_migrations": self.num_migrations,
             "num_stale_rejected": self.registry.num_stale_rejected,
             "pd": dataclasses.asdict(self.pd.counters),
+            "dynamic_pd": self.dynamic.view() if self.dynamic is not None else {"enabled": False},
         }
 
 

@@ -66,6 +66,7 @@ class InstanceRegistry:
         self._revision = 0
         self._dirty_kv: set[str] = set()
         self._listeners: list[Listener] = []
+        self.load_listeners: list[Callable[[str, keys.LoadReport], None]] = []  # every accepted report
         self._tasks: list[asyncio.Task] = []
         self._synced = asyncio.Event()
 
@@ -162,6 +163,8 @@ class InstanceRegistry:
             if state is not None:
                 state.load, state.last_heartbeat = report, now
                 self._revive(name, state)
+                for listener in self.load_listeners:
+                    listener(name, report)
         elif kind == "kv_events" and event.kind == "put":
             batch = keys.decode(event.value, keys.KVEventBatch)
             state = self._current(name, batch)

@@ -29,12 +29,16 @@ from typing import Any
 from xengine.api.cluster.store import BaseMetadataStore, StoreUnavailableError
 from xengine.api.security import ClusterKey
 from xservice.cluster.config import ClusterConfig
+from xservice.cluster.dynamic_pd import DynamicPD
 from xservice.cluster.launchers import BaseLauncher, InstanceSpec, make_launcher
+from xservice.cluster.monitor import RuntimeMonitor
 from xservice.cluster.pool import InstancePool
 from xservice.cluster.registry import InstanceRegistry
+from xservice.cluster.roles import RoleTable
 from xservice.cluster.supervisor import InstanceSupervisor
 from xservice.config import XllmConfig
 from xservice.policies import PDPolicy, make_policy
+from xservice.policies.dynamic_pd import SLO, DynamicPDPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +82,19 @@ async def serve_cluster(
     key = cl.cluster_key()
     async with open_service_store(cl, key) as (store, engine_store_url):
         registry = InstanceRegistry(store, cl.key_prefix, cl.lease_ttl_s, cl.heartbeat_interval_s)
+        dynamic = await make_dynamic_pd(cl, store)
         pool = InstancePool(
             registry,
             make_policy(cl.routing_policy, cl.cache_match_weight),
             cl.migrate_on_failure,
             PDPolicy(cl.cache_match_weight),
             key,
+            dynamic,
         )
         pool.hang_timeout_s = cfg.service.engine_hang_timeout_s
         launcher: BaseLauncher | None = None
         watcher: asyncio.Task | None = None
+        flipper = asyncio.get_running_loop().create_task(dynamic.run()) if dynamic is not None else None
         try:
             try:
                 await registry.start()
@@ -123,13 +130,44 @@ async def serve_cluster(
             await pool.wait_for(list(specs), cl.instance_startup_timeout_s)
             return await serve_http(cfg, sock, pool, tokenizer, phases)
         finally:
-            if watcher is not None:
-                watcher.cancel()
-                await asyncio.gather(watcher, return_exceptions=True)
+            for task in (watcher, flipper):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             await pool.close()
             if launcher is not None:
                 await asyncio.to_thread(launcher.stop_all)
             await registry.close()
+
+
+async def make_dynamic_pd(cl: ClusterConfig, store: BaseMetadataStore) -> DynamicPD | None:
+    """Dynamic PD's controller, with the roles a previous service stored restored (None: static PD)."""
+    if cl.pd_mode != "dynamic":
+        return None
+    roles = RoleTable(store, cl.key_prefix)
+    try:
+        restored = await roles.load({n: r for n, r in cl.instance_specs() if r in ("prefill", "decode")})
+    except StoreUnavailableError as e:
+        raise StoreUnavailableError(
+            f"{e}; start one (ci/etcd.sh start) or check cluster.etcd_endpoint"
+        ) from e
+    if restored:
+        print(
+            "xllm: dynamic PD: roles restored from the store: "
+            + ", ".join(f"{n}: {r.role} ({r.num_flips} flip(s))" for n, r in sorted(restored.items())),
+            file=sys.stderr,
+            flush=True,
+        )
+    policy = DynamicPDPolicy(
+        min_decode=cl.min_decode_instances,
+        min_prefill=cl.min_prefill_instances,
+        cooldown_s=cl.flip_cooldown_s,
+        min_interval_s=cl.flip_min_interval_s,
+        idle_s=cl.prefill_idle_s,
+        sustain_s=cl.tpot_miss_sustain_s,
+    )
+    slo = SLO(cl.ttft_slo_ms / 1000, cl.tpot_slo_ms / 1000)
+    return DynamicPD(roles, policy, slo, RuntimeMonitor(cl.prefill_idle_s), cl.startup_profile)
 
 
 async def _wait_for_external(cl: ClusterConfig, pool: InstancePool, registry: InstanceRegistry) -> None:

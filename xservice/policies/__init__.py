@@ -1,6 +1,8 @@
-"""Pure, I/O-free service policies over snapshots: routing, PD pairing, engine restarts."""
+"""Pure, I/O-free service policies over snapshots: routing, PD pairing, dynamic PD, engine restarts."""
 
+from xservice.policies.dynamic_pd import SLO, DynamicPDPolicy, Flip, FlipHistory, PDInstance
 from xservice.policies.pd import PDPair, PDPolicy
+from xservice.policies.predictors import TPOTPredictor, TTFTPredictor
 from xservice.policies.restart import RestartPolicy
 from xservice.policies.routing import (
     DECODE_ROLES,
@@ -16,7 +18,14 @@ from xservice.policies.routing import (
 )
 
 __all__ = [
+    "SLO",
     "DECODE_ROLES",
+    "DynamicPDPolicy",
+    "Flip",
+    "FlipHistory",
+    "PDInstance",
+    "TPOTPredictor",
+    "TTFTPredictor",
     "PLAIN_ROLES",
     "POLICIES",
     "BaseRoutingPolicy",

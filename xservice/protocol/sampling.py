@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Union
 
+from pydantic import Field
+
 from xservice.protocol.base import IGNORED_FIELDS, UNSUPPORTED_FIELDS, APIRequest
 from xservice.protocol.structured import ResponseFormat, StructuredOutputsRequest
 
@@ -20,6 +22,14 @@ class StreamOptions(APIRequest):
     include_usage: bool = False
     # with include_usage: every chunk also carries the usage so far (vLLM's extension)
     continuous_usage_stats: bool = False
+
+
+class SLORequest(APIRequest):
+    """Per-request latency objectives (xllm extension; also the ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``
+    headers): dynamic PD routes to meet them and ``xllm_request_slo_total`` counts whether they were."""
+
+    ttft_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    tpot_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class SamplingRequest(APIRequest):
@@ -48,6 +58,7 @@ class SamplingRequest(APIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: Literal["online", "offline"] = "online"
+    slo: SLORequest | None = None  # xllm's extension: this request's TTFT / TPOT objectives
     # vLLM's extension: per prompt token its logprob and the top-k alternatives (not with stream)
     prompt_logprobs: int | None = None
     # vLLM's extension: with logprobs on, each token's alternatives are the chosen token and exactly these

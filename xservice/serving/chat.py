@@ -30,6 +30,7 @@ from xservice.serving.params import build_sampling_params, check_n, check_stream
 from xservice.serving.prompt_logprobs import check_prompt_logprobs, prompt_logprobs_field
 from xservice.serving.prompts import chat_prompt_ids
 from xservice.serving.reasoning.tokens import count_reasoning_tokens
+from xservice.serving.slo import request_slo
 from xservice.serving.streaming import (
     ClientDisconnected,
     disconnected_response,
@@ -127,6 +128,7 @@ async def create_chat_completion(
     req_id = new_request_id("chatcmpl")
     render, output = await chat_options(ctx, body)
     gen = await _generation(ctx, body, req_id, arrival, render, output)
+    gen.slo = request_slo(body, request)
     ticket = ctx.admit()
     if body.stream:
         return sse_response(_stream(ctx, body, gen, output), ticket, ctx.metrics)

@@ -35,6 +35,7 @@ from xservice.serving.prompt_logprobs import (
     prompt_only_max_tokens,
 )
 from xservice.serving.prompts import completion_prompts
+from xservice.serving.slo import request_slo
 from xservice.serving.streaming import (
     ClientDisconnected,
     disconnected_response,
@@ -195,6 +196,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     _check_fields(body)
     req_id = new_request_id("cmpl")
     gens, prompt_texts = await _generations(ctx, body, req_id, arrival)
+    slo = request_slo(body, request)
+    for gen in gens:
+        gen.slo = slo
     ticket = ctx.admit()
     if body.stream:
         return sse_response(_stream(ctx, body, req_id, gens, prompt_texts), ticket, ctx.metrics)

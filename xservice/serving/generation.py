@@ -6,12 +6,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from xengine.api.messages import AddRequest, PoolingParams, Priority, SamplingParams
+from xengine.api.messages import AddRequest, PoolingParams, Priority, RequestSLO, SamplingParams
 from xengine.api.text.output_processor import RequestOutputState, SeqDelta, SeqOutput
 from xservice.engine_client import EngineDeadError
 from xservice.errors import APIError, EngineUnavailableError, InternalError, from_value_error
 from xservice.metrics import RequestTimer
 from xservice.serving.context import ServingContext
+from xservice.serving.slo import slo_met
 
 
 class Generation:
@@ -32,6 +33,7 @@ class Generation:
         rename: dict[str, str] | None = None,
         arrival: float | None = None,
         pooling: PoolingParams | None = None,
+        slo: RequestSLO | None = None,
     ) -> None:
         self.ctx = ctx
         self.req_id = req_id
@@ -41,6 +43,7 @@ class Generation:
         self.rename = rename  # engine field name -> API field name, for engine-side 400s
         self.arrival = time.monotonic() if arrival is None else arrival  # when the HTTP request came in
         self.pooling = pooling  # an embedding request (``state.embedding`` once finished)
+        self.slo = slo  # its own TTFT / TPOT objectives (``xservice/serving/slo.py``)
         self.state = RequestOutputState(req_id, ctx.tokenizer, params, prompt_ids)
 
     @property
@@ -63,6 +66,7 @@ class Generation:
             priority=self.priority,
             arrival_time=time.time(),
             pooling=self.pooling,
+            slo=self.slo,
         )
         deltas = ctx.engine_client.generate(req)
         try:
@@ -98,8 +102,10 @@ class Generation:
 
     def _record_success(self, timer: RequestTimer) -> None:
         outputs = self.state.outputs
-        timer.finish(max((len(o.token_ids) for o in outputs), default=0))
+        ttft, tpot = timer.finish(max((len(o.token_ids) for o in outputs), default=0))
         m = self.ctx.metrics
+        if self.slo is not None:
+            m.slo.labels(result="met" if slo_met(self.slo, ttft, tpot) else "missed").inc()
         for o in outputs:
             m.success.labels(finished_reason=o.finish_reason or "unknown").inc()
             m.request_generation_tokens.observe(len(o.token_ids))

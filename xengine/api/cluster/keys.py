@@ -4,6 +4,7 @@
 ``<prefix>/load/<name>``       ``LoadReport``       each heartbeat, under the lease
 ``<prefix>/kv_events/<name>``  ``KVEventBatch``     each heartbeat with KV changes, under the lease
 ``<prefix>/kv/<name>``         ``KVSnapshot``       the service's persisted global KV index (no lease)
+``<prefix>/roles/<name>``      ``RoleRecord``       dynamic PD: the instance's pool and flips (no lease)
 
 Every record but the instance's own carries the writer's ``incarnation`` (a uuid per engine
 process start); readers drop records whose incarnation is not the registered one.
@@ -17,7 +18,7 @@ import msgspec
 
 Role = Literal["prefill", "decode", "mixed"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
-KINDS = ("instances", "load", "kv_events", "kv")
+KINDS = ("instances", "load", "kv_events", "kv", "roles")
 
 
 class InstanceRecord(msgspec.Struct, kw_only=True):
@@ -42,6 +43,18 @@ class LoadReport(msgspec.Struct, kw_only=True):
     ttft_ms: float | None = None  # recent mean (EWMA) time to first token in the engine
     tpot_ms: float | None = None  # recent mean time per output token
     sent_at: float = 0.0
+    # raw samples since the previous report, for the service's per-instance performance models (at
+    # most ``MAX_SAMPLES`` of each; an even subsample of the drained ones when more ran):
+    # per request whose first token came: [uncached_tokens, queue_s, compute_s] (num_prompt_tokens -
+    # num_cached_tokens; engine receive -> first scheduled; first scheduled -> first token, >= 0)
+    prefills: list[list[float]] = []
+    # per non-empty step that ran: [num_seqs, context_tokens, prefill_tokens, step_s] (KV tokens the
+    # step's sequences attend once it ran; tokens computed beyond one per decoding sequence; the
+    # step's wall time: sync, the whole step; async, from the previous step's completion while busy)
+    steps: list[list[float]] = []
+
+
+MAX_SAMPLES = 64  # per kind and LoadReport
 
 
 class KVEventBatch(msgspec.Struct, kw_only=True):
@@ -57,6 +70,23 @@ class KVEventBatch(msgspec.Struct, kw_only=True):
 class KVSnapshot(msgspec.Struct, kw_only=True):
     incarnation: str
     hashes: list[int] = []
+
+
+class FlipEntry(msgspec.Struct, kw_only=True):
+    at: float  # unix time
+    to_role: str
+    reason: str
+
+
+class RoleRecord(msgspec.Struct, kw_only=True):
+    """Dynamic PD (``xservice/policies/dynamic_pd.py``): an instance's launch role (``origin``) and the
+    role it serves now; written by the service on every flip, read back by a restarted service. Not
+    tied to an incarnation: a role belongs to the instance name, across engine restarts."""
+
+    origin: str
+    role: str
+    num_flips: int = 0
+    history: list[FlipEntry] = []  # the most recent flips, oldest first
 
 
 def key(prefix: str, kind: str, name: str = "") -> str:

@@ -1,0 +1,323 @@
+"""Dynamic PD disaggregation (xLLM report §3.2): elastic pools, SLO-aware request scheduling and role flips.
+
+Pure and deterministic over snapshots, so the same code runs in the service and in the cluster
+simulator. Instances are stateless: each can prefill and decode, and its *role* is a service-side
+attribute. An instance's pool is its launch role (``origin``) and its current role together:
+
+====== ========= ======= =================================================
+origin role      pool    meaning
+====== ========= ======= =================================================
+P      prefill   ``P``   a prefill instance doing prefill
+D      decode    ``D``   a decode instance doing decode
+P      decode    ``P→D`` a prefill instance lent to decode
+D      prefill   ``D→P`` a decode instance lent to prefill
+====== ========= ======= =================================================
+
+**Prefill** (``select_prefill``): the ``P`` instance with the least estimated queueing, if its
+predicted TTFT (queue + compute of the uncached tokens there) meets the SLO; else the ``D→P`` one
+likewise; else any prefill-side instance predicted to meet it (a prefix-cache hit can make a more
+queued instance the faster one); else a decode-side instance is flipped to prefill (``D→P`` flip): the lightest of the
+``P→D`` pool first (it goes home), then of ``D``; never below ``min_decode`` decode-side instances,
+and not within ``cooldown_s`` of its last flip. The request then goes to whichever candidate
+predicts the lowest TTFT.
+
+**Decode** (``select_decode``): the prefill instance itself when that avoids the KV transfer and it
+can hold the TPOT SLO (no prefill queued behind, predicted step time with the request added under
+the SLO); else the decode-side instance with the fewest running tokens whose batch stays under its
+token capacity and the TPOT SLO; else the one with the fewest running tokens.
+
+**Flips** (``plan_flips``, called periodically): prefill-side → decode (``P→D``) when a decode-side
+instance's observed step time misses the TPOT SLO, or a prefill-side instance has idled for
+``idle_s`` (prefill in flight at most ``idle_utilization`` of that window) while a decode-side
+instance is under pressure (observed step time at least ``pressure`` of the TPOT SLO); the ``D→P`` pool goes back first. Always keeps
+``min_prefill`` prefill-side instances.
+
+**Hysteresis**: at most one flip per ``min_interval_s`` cluster-wide; an instance is not flipped
+again within ``cooldown_s`` of its last flip; a flip opposite to the last one waits ``cooldown_s``
+too; triggers from observations (TPOT miss, idleness) must hold for ``sustain_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from xservice.policies.predictors import TPOTPredictor, TTFTPredictor
+
+PREFILL, DECODE = "prefill", "decode"
+POOL_P, POOL_D, POOL_P2D, POOL_D2P = "P", "D", "P→D", "D→P"
+POOLS = (POOL_P, POOL_D, POOL_P2D, POOL_D2P)
+
+
+def pool_of(origin: str, role: str) -> str:
+    """The elastic pool of an instance launched as ``origin`` now serving as ``role``."""
+    if origin == PREFILL:
+        return POOL_P if role == PREFILL else POOL_P2D
+    return POOL_D if role == DECODE else POOL_D2P
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass(frozen=True)
+class PDInstance:
+    """One healthy instance as the scheduler sees it now."""
+
+    name: str
+    origin: str  # launch role: prefill | decode
+    role: str  # current role: prefill | decode
+    queue_s: float = 0.0  # predicted time to work off the prefills already sent there
+    num_prefilling: int = 0  # prefills sent there and not finished
+    num_decoding: int = 0  # decode sequences running there
+    decode_tokens: int = 0  # their context tokens (KV the next step attends over)
+    capacity_tokens: int = 1 << 62  # KV tokens it can hold (its pool, minus a margin)
+    observed_step_s: float | None = None  # recent observed step time of its decode batches (EWMA)
+    prefill_utilization: float = 1.0  # fraction of the last ``idle_s`` it had a prefill in flight
+    busy_since: float | None = None  # observed step time over the TPOT SLO since then; None: within it
+    last_flip_at: float | None = None
+    ttft: TTFTPredictor | None = None
+    tpot: TPOTPredictor | None = None
+
+    @property
+    def pool(self) -> str:
+        return pool_of(self.origin, self.role)
+
+    def predict_ttft(self, uncached_tokens: int) -> float:
+        compute = self.ttft.compute_s(uncached_tokens) if self.ttft is not None else 0.0
+        return self.queue_s + compute
+
+    def predict_step(self, extra_seqs: int = 0, extra_tokens: int = 0) -> float:
+        if self.tpot is None:
+            return 0.0
+        return self.tpot.predict(self.num_decoding + extra_seqs, self.decode_tokens + extra_tokens)
+
+
+@dataclass(frozen=True)
+class Flip:
+    name: str
+    to_role: str
+    reason: str
+
+    @property
+    def direction(self) -> str:
+        return "D→P" if self.to_role == PREFILL else "P→D"
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    name: str | None  # None: no prefill-capable instance at all
+    predicted_ttft_s: float = 0.0
+    flip: Flip | None = None  # flip this instance to prefill first (then ``name`` is it)
+    meets_slo: bool = True
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    name: str | None
+    reason: str = ""
+    predicted_step_s: float = 0.0
+
+
+@dataclass
+class FlipHistory:
+    """What hysteresis needs to remember between calls (owned by the caller, updated by ``record``)."""
+
+    last_flip_at: float | None = None
+    last_direction: str | None = None
+    flips: list[Flip] = field(default_factory=list)
+
+    def record(self, flip: Flip, now: float) -> None:
+        self.last_flip_at, self.last_direction = now, flip.direction
+        self.flips.append(flip)
+
+
+class DynamicPDPolicy:
+    name = "dynamic_pd"
+
+    def __init__(
+        self,
+        min_decode: int = 2,
+        min_prefill: int = 1,
+        cooldown_s: float = 5.0,
+        min_interval_s: float = 1.0,
+        idle_s: float = 3.0,
+        idle_utilization: float = 0.2,
+        sustain_s: float = 1.0,
+        pressure: float = 0.5,
+    ) -> None:
+        if min_decode < 1 or min_prefill < 1:
+            raise ValueError("min_decode and min_prefill must be >= 1")
+        self.min_decode = min_decode
+        self.min_prefill = min_prefill
+        self.cooldown_s = cooldown_s
+        self.min_interval_s = min_interval_s
+        self.idle_s = idle_s  # the window the caller measures ``prefill_utilization`` over
+        self.idle_utilization = idle_utilization
+        self.sustain_s = sustain_s
+        self.pressure = pressure  # idle-prefill flips need a decode batch at this share of the TPOT SLO
+
+    # ------------------------------------------------------------------ hysteresis
+
+    def may_flip(self, inst: PDInstance, to_role: str, history: FlipHistory, now: float) -> bool:
+        if inst.role == to_role:
+            return False
+        if inst.last_flip_at is not None and now - inst.last_flip_at < self.cooldown_s:
+            return False
+        if history.last_flip_at is not None:
+            since = now - history.last_flip_at
+            if since < self.min_interval_s:
+                return False
+            opposite = history.last_direction is not None and history.last_direction != _direction(to_role)
+            if opposite and since < self.cooldown_s:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ prefill
+
+    def select_prefill(
+        self,
+        uncached: Mapping[str, int],
+        slo: SLO,
+        instances: Sequence[PDInstance],
+        history: FlipHistory,
+        now: float,
+    ) -> PrefillChoice:
+        """Where a prompt prefills; ``uncached``: its uncached token count per instance."""
+
+        def ttft(i: PDInstance) -> float:
+            return i.predict_ttft(uncached.get(i.name, 0))
+
+        for pool in (POOL_P, POOL_D2P):
+            members = sorted((i for i in instances if i.pool == pool), key=lambda i: (i.queue_s, i.name))
+            if members and ttft(members[0]) <= slo.ttft_s:
+                return PrefillChoice(members[0].name, ttft(members[0]))
+        prefill_side = [i for i in instances if i.role == PREFILL]
+        best = min(prefill_side, key=lambda i: (ttft(i), i.name), default=None)
+        if best is not None and ttft(best) <= slo.ttft_s:  # a less-queued one misses (e.g. no cache hit)
+            return PrefillChoice(best.name, ttft(best))
+        flip_to = self._flip_to_prefill(instances, history, now)
+        if flip_to is not None and (best is None or ttft(flip_to) < ttft(best)):
+            predicted = ttft(flip_to)
+            reason = (
+                f"TTFT predicted {_ms(ttft(best))} on {best.name} > SLO {_ms(slo.ttft_s)}"
+                if best is not None
+                else "no prefill-capable instance"
+            )
+            return PrefillChoice(
+                flip_to.name, predicted, Flip(flip_to.name, PREFILL, reason), predicted <= slo.ttft_s
+            )
+        if best is None:
+            return PrefillChoice(None, meets_slo=False)
+        return PrefillChoice(best.name, ttft(best), meets_slo=ttft(best) <= slo.ttft_s)
+
+    def _flip_to_prefill(
+        self, instances: Sequence[PDInstance], history: FlipHistory, now: float
+    ) -> PDInstance | None:
+        """The decode-side instance to lend to prefill, if the decode side can spare one."""
+        decode_side = [i for i in instances if i.role == DECODE]
+        if len(decode_side) - 1 < self.min_decode:
+            return None
+        candidates = [i for i in decode_side if self.may_flip(i, PREFILL, history, now)]
+        # the P→D pool goes home first, then the lightest (fewest tokens being processed)
+        return min(
+            candidates,
+            key=lambda i: (i.pool != POOL_P2D, i.decode_tokens, i.num_decoding, i.name),
+            default=None,
+        )
+
+    # ------------------------------------------------------------------ decode
+
+    def select_decode(
+        self,
+        prefill_name: str | None,
+        context_tokens: int,
+        slo: SLO,
+        instances: Sequence[PDInstance],
+    ) -> DecodeChoice:
+        """Where a prefilled request decodes (``context_tokens``: its prompt plus first token)."""
+        by_name = {i.name: i for i in instances}
+        own = by_name.get(prefill_name) if prefill_name is not None else None
+        if own is not None and own.num_prefilling == 0:
+            step = own.predict_step(1, context_tokens)
+            fits = own.decode_tokens + context_tokens <= own.capacity_tokens
+            if fits and step <= slo.tpot_s:
+                return DecodeChoice(own.name, "prefill instance keeps it (no KV transfer)", step)
+        decode_side = sorted(
+            (i for i in instances if i.role == DECODE),
+            key=lambda i: (i.decode_tokens, i.num_decoding, i.name),
+        )
+        for inst in decode_side:
+            step = inst.predict_step(1, context_tokens)
+            if inst.decode_tokens + context_tokens <= inst.capacity_tokens and step <= slo.tpot_s:
+                return DecodeChoice(inst.name, "fewest running tokens within capacity and TPOT SLO", step)
+        if decode_side:
+            inst = decode_side[0]
+            return DecodeChoice(
+                inst.name,
+                "fewest running tokens (SLO not predicted to hold)",
+                inst.predict_step(1, context_tokens),
+            )
+        if own is not None:
+            return DecodeChoice(own.name, "no decode instance", own.predict_step(1, context_tokens))
+        return DecodeChoice(None, "no instance")
+
+    # ------------------------------------------------------------------ periodic flips
+
+    def plan_flips(
+        self, slo: SLO, instances: Sequence[PDInstance], history: FlipHistory, now: float
+    ) -> list[Flip]:
+        """Flips to make now from what the monitor observed (at most one; see the module doc)."""
+        decode_side = [i for i in instances if i.role == DECODE]
+        prefill_side = [i for i in instances if i.role == PREFILL]
+        if len(prefill_side) - 1 < self.min_prefill:
+            return []
+        missing = [
+            i for i in decode_side if i.busy_since is not None and now - i.busy_since >= self.sustain_s
+        ]
+        # decode under pressure: some decode-side batch already takes a good share of the TPOT SLO
+        # (an idle prefill side alone is no reason to flip when decode copes)
+        decode_busy = any(
+            i.num_decoding > 0 and (i.observed_step_s or 0.0) >= self.pressure * slo.tpot_s
+            for i in decode_side
+        )
+        idle = [
+            i
+            for i in prefill_side
+            if i.prefill_utilization <= self.idle_utilization and i.num_prefilling == 0
+        ]
+        if missing:
+            worst = max(missing, key=lambda i: (i.observed_step_s or 0.0, i.name))
+            reason = (
+                f"TPOT {_ms(worst.observed_step_s or 0.0)} on {worst.name} > SLO {_ms(slo.tpot_s)} "
+                f"for {now - (worst.busy_since or now):.1f}s"
+            )
+            candidates = prefill_side
+        elif idle and decode_busy:
+            reason = "prefill idle while decode is busy"
+            candidates = idle
+        else:
+            return []
+        candidates = [i for i in candidates if self.may_flip(i, DECODE, history, now)]
+        if not candidates:
+            return []
+        pick = min(
+            candidates,
+            key=lambda i: (i.pool != POOL_D2P, i.num_prefilling, i.queue_s, i.prefill_utilization, i.name),
+        )
+        if not missing:
+            reason = (
+                f"{pick.name} prefill busy {pick.prefill_utilization:.0%} of the last {self.idle_s:.0f}s "
+                "while decode is busy"
+            )
+        return [Flip(pick.name, DECODE, reason)]
+
+
+def _direction(to_role: str) -> str:
+    return "D→P" if to_role == PREFILL else "P→D"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}ms"
