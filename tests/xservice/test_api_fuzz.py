@@ -52,6 +52,7 @@ POST_ROUTES = (
     "/v1/batches/{batch_id}/cancel",
     "/v1/rec/catalogs",
     "/v1/rec/generate",
+    "/v1/admin/instances/{name}/role",  # single node: a 400 (no dynamic PD) for every valid body
 )
 NO_JSON_BODY = {
     "/v1/files",

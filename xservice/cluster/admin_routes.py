@@ -12,9 +12,9 @@ from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict
 
 from xservice.errors import ConflictError, InvalidRequestError, NotFoundError
+from xservice.protocol.base import APIRequest
 from xservice.serving.context import ServingContext, get_ctx
 
 router = APIRouter()
@@ -44,9 +44,7 @@ async def admin_instances(ctx: ServingContext = Depends(get_ctx)) -> dict[str, A
     return {"mode": "single", "instances": [instance]}
 
 
-class FlipRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FlipRequest(APIRequest):
     role: str
     reason: str = ""
 
