@@ -11,7 +11,6 @@ equal one colocated engine's. No assertion is on time: SLOs are set so that the 
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import threading
@@ -22,7 +21,7 @@ from typing import Any
 
 import openai
 import pytest
-from test_cluster_serving import ENGINE, ClusterServer, wait_until
+from test_cluster_serving import ClusterServer, colocated_texts, wait_until
 from test_cluster_store import EtcdServer, etcd  # noqa: F401 - the module-scoped etcd fixture
 
 pytest.importorskip("mooncake.engine")
@@ -71,26 +70,7 @@ def cluster(model_dir: Path, etcd: EtcdServer) -> Iterator[ClusterServer]:  # no
 @pytest.fixture(scope="module")
 def expected(model_dir: Path) -> dict[str, str]:
     """Greedy texts of one colocated offline ``LLM`` with the instances' settings."""
-    from xengine.api.messages import SamplingParams
-    from xengine.llm import LLM
-
-    llm = LLM(
-        model=str(model_dir),
-        max_model_len=ENGINE["model"]["max_model_len"],
-        seed=ENGINE["model"]["seed"],
-        block_size=ENGINE["cache"]["block_size"],
-        num_blocks=ENGINE["cache"]["num_blocks"],
-        device="cpu",
-        num_threads=1,
-    )
-    out = {}
-    for prompts, n in ((LONG, LONG_TOKENS), (SHORT, SHORT_TOKENS)):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        for prompt, res in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-            out[prompt] = res.outputs[0].text
-    del llm
-    gc.collect()
-    return out
+    return colocated_texts(model_dir, [(p, LONG_TOKENS) for p in LONG] + [(p, SHORT_TOKENS) for p in SHORT])
 
 
 def _run_all(

@@ -11,7 +11,6 @@ colocated engine's: no token lost or repeated.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -25,7 +24,7 @@ from typing import Any
 
 import openai
 import pytest
-from test_cluster_serving import ENGINE, ClusterServer, complete, wait_until
+from test_cluster_serving import ClusterServer, colocated_texts, complete, wait_until
 
 pytest.importorskip("mooncake.engine")
 
@@ -62,26 +61,8 @@ def cluster(model_dir: Path) -> Iterator[ClusterServer]:
 @pytest.fixture(scope="module")
 def expected(model_dir: Path) -> dict[str, str]:
     """Greedy texts of one colocated offline ``LLM`` with the instances' settings."""
-    from xengine.api.messages import SamplingParams
-    from xengine.llm import LLM
-
-    llm = LLM(
-        model=str(model_dir),
-        max_model_len=ENGINE["model"]["max_model_len"],
-        seed=ENGINE["model"]["seed"],
-        block_size=ENGINE["cache"]["block_size"],
-        num_blocks=ENGINE["cache"]["num_blocks"],
-        device="cpu",
-        num_threads=1,
-    )
-    out = {}
     prompts = [(p, BATCH_TOKENS) for p in BATCH + [SHARED + "Question A?", SHARED + "Question B?"]]
-    for prompt, n in prompts + [(p, STREAM_TOKENS) for p in STREAMS]:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        out[prompt] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
-    del llm
-    gc.collect()
-    return out
+    return colocated_texts(model_dir, prompts + [(p, STREAM_TOKENS) for p in STREAMS])
 
 
 def _parallel(fn, items: list[Any]) -> list[Any]:

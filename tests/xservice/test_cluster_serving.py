@@ -128,6 +128,32 @@ def etcd_keys(etcd: EtcdServer, kind: str) -> dict[str, bytes]:  # noqa: F811
     return asyncio.run(read())
 
 
+def colocated_texts(model_dir: Path, prompts: list[tuple[str, int]]) -> dict[str, str]:
+    """Greedy texts (``ignore_eos``, ``n`` tokens per prompt) of one colocated offline ``LLM`` with the
+    instances' settings: what every cluster path must reproduce."""
+    import gc
+
+    from xengine.api.messages import SamplingParams
+    from xengine.llm import LLM
+
+    llm = LLM(
+        model=str(model_dir),
+        max_model_len=ENGINE["model"]["max_model_len"],
+        seed=ENGINE["model"]["seed"],
+        block_size=ENGINE["cache"]["block_size"],
+        num_blocks=ENGINE["cache"]["num_blocks"],
+        device="cpu",
+        num_threads=1,
+    )
+    out = {}
+    for prompt, n in prompts:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        out[prompt] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    del llm
+    gc.collect()
+    return out
+
+
 def wait_until(cond, timeout_s: float = 30.0, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -124,7 +124,27 @@ def _check_seconds(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
 
 
-class TTFTPredictor:
+class _Predictor:
+    """What both predictors share: a least-squares fit, its error EWMA, and readiness."""
+
+    MIN_SAMPLES = 1
+    _fit: OnlineLeastSquares
+    _error: _ErrorTracker
+
+    @property
+    def error(self) -> float | None:
+        return self._error.value
+
+    @property
+    def num_samples(self) -> int:
+        return self._fit.num_samples
+
+    @property
+    def ready(self) -> bool:
+        return self.num_samples >= self.MIN_SAMPLES
+
+
+class TTFTPredictor(_Predictor):
     """Prefill compute time of an instance as a quadratic in uncached prompt tokens: a + b·L + c·L²;
     predicted TTFT = queue_s + compute_s(L).
 
@@ -164,18 +184,6 @@ class TTFTPredictor:
         """A TTFT predicted earlier against the TTFT measured; feeds the same EWMA as ``observe``."""
         self._error.record(predicted_s, actual_s)
 
-    @property
-    def error(self) -> float | None:
-        return self._error.value
-
-    @property
-    def num_samples(self) -> int:
-        return self._fit.num_samples
-
-    @property
-    def ready(self) -> bool:
-        return self.num_samples >= self.MIN_SAMPLES
-
     def state(self) -> dict:
         """JSON-able model state; coefficients in seconds per token (per token² for ``c``)."""
         a, b, c = self._fit.coef()
@@ -187,7 +195,7 @@ class TTFTPredictor:
         }
 
 
-class TPOTPredictor:
+class TPOTPredictor(_Predictor):
     """Step time of an instance's batch: a + b·B + c·T + d·P, B = sequences in the step, T = context tokens
     (KV tokens the step attends over, thousands-scaled internally), P = prefill tokens in the step (0 for a
     decode-only step). TPOT of a decode in that batch = the step time.
@@ -221,18 +229,6 @@ class TPOTPredictor:
     def predict(self, batch_size: int, context_tokens: int, prefill_tokens: int = 0) -> float:
         """Predicted step seconds (never negative; 0.0 with no sample)."""
         return max(0.0, self._fit.predict(self._features(batch_size, context_tokens, prefill_tokens)))
-
-    @property
-    def error(self) -> float | None:
-        return self._error.value
-
-    @property
-    def num_samples(self) -> int:
-        return self._fit.num_samples
-
-    @property
-    def ready(self) -> bool:
-        return self.num_samples >= self.MIN_SAMPLES
 
     def state(self) -> dict:
         """JSON-able model state; ``c`` and ``d`` in seconds per token."""
