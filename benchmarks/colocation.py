@@ -1,12 +1,24 @@
-"""Online/offline co-location: online TTFT with and without a concurrent batch job, and the job's
-throughput with and without online load, measured side by side against one ``xllm serve``.
+"""Online/offline co-location on real processes: online TTFT with and without a saturating batch
+job, the job's throughput with and without online load, and how long an online arrival waits for
+offline work (layer-level vs step-level preemption), measured side by side in one run.
 
-Three phases on one server: (A) online load alone, (B) a batch job alone, (C) the same online load
-while a second, identical batch job runs. Batch lines run as the ``offline`` priority class, so the
-engine preempts them for online requests. Job throughput is counted from sampled progress while
-the job is in progress: in (B) until it completes, in (C) while the online load runs alongside.
+Each configuration is a fresh ``xllm serve`` (engines 1 thread each, ``--threads`` states it):
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.colocation --size tiny
+- ``colocation``: the xLLM §3.1 design, ``cluster.colocation: true`` over one prefill instance
+  (latency-relaxed pool) and one decode instance (latency-strict pool) with Mooncake KV transfer;
+  online arrivals stop offline prefill between layers (``scheduler.offline_preemption: layer``);
+- ``step_level``: the same cluster with ``offline_preemption: step`` (an online arrival waits for
+  the offline step to end);
+- ``single_engine`` (``--baselines``): one engine, priority scheduling only (what we had before).
+
+Three phases per configuration: (A) online load alone, (B) a batch job alone, (C) the same online
+load while an identical batch job runs. Batch lines run as ``offline`` requests. Job throughput is
+counted from sampled progress: in (B) until it completes, in (C) while the online load runs.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.colocation --size small
+
+prints ``{"online_ttft_p99_ratio": x, "offline_throughput_ratio": y, "preemption_latency_ms": {...},
+"configs": {...}}`` (the two ratios of the ``colocation`` configuration at the top level).
 """
 
 from __future__ import annotations
@@ -14,21 +26,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
+import os
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import httpx
+import yaml
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
 from benchmarks.serve import ServeConfig, run_serving_benchmark
+from benchmarks.server_process import free_port, run_server
 from benchmarks.serving.dataset import random_prompts
 from benchmarks.serving.load import LoadShape
-from benchmarks.xllm_server import xllm_server
+from benchmarks.xllm_server import REPO_ROOT
 
 _KEEP = ("completed", "failed", "duration_s", "request_throughput", "output_throughput")
+MODEL_NAME = "xllm-bench"
 
 
 def batch_file(model: str, tokenizer: str, num_lines: int, input_len: int, output_len: int) -> bytes:
@@ -110,11 +127,179 @@ class ProgressSampler(threading.Thread):
         return max(c for t, c in inside if t <= end) - inside[0][1], end - inside[0][0]
 
 
-def online_phase(base_url: str, model: str, tokenizer: str, args: argparse.Namespace) -> dict:
+def pin(pid: int, core: int) -> None:
+    """Every thread of process ``pid`` (threads it starts later inherit it) onto ``core``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def server_config(model: str, port: int, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "model": {
+            "model": model,
+            "max_model_len": args.max_model_len,
+            "seed": 0,
+            "served_model_name": MODEL_NAME,
+        },
+        "cache": {"block_size": 16, "num_blocks": args.num_blocks, "kv_transfer_port_range": "24400-24699"},
+        "scheduler": {
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "offline_preemption": "step" if name == "step_level" else "layer",
+        },
+        "device": {"device": "cpu", "num_threads": args.threads},
+        "service": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "batch": {
+            "data_dir": tempfile.mkdtemp(prefix="xllm-coloc-"),
+            "max_concurrent_lines": args.batch_concurrency,
+        },
+    }
+    if name != "single_engine":
+        cfg["cluster"] = {
+            "instances": "p0:prefill,d0:decode",
+            "metadata_store": "embedded",
+            "colocation": True,
+            "tpot_slo_ms": args.tpot_slo_ms,
+        }
+    else:
+        cfg["scheduler"]["offline_preemption"] = "step"  # what one engine did before co-location
+        cfg["scheduler"]["isolate_online_prefill"] = False
+    return cfg
+
+
+def run_config(name: str, model: str, content: bytes, args: argparse.Namespace) -> dict[str, Any]:
+    port = free_port()
+    path = Path(tempfile.mkstemp(prefix="xllm-coloc-", suffix=".yaml")[1])
+    path.write_text(yaml.safe_dump(server_config(model, port, name, args)))
+    cmd = [sys.executable, "-m", "xservice", "serve", "--config", str(path)]
+    env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(args.threads)}
+    with (
+        run_server(cmd, port, env=env, name=f"xllm-{name}") as base_url,
+        httpx.Client(base_url=base_url, timeout=600) as http,
+    ):
+        if args.pin and name != "single_engine":  # one core per instance, as numactl would in production
+            instances = sorted(http.get("/admin/instances").json()["instances"], key=lambda i: i["name"])
+            for core, inst in enumerate(instances):
+                pin(inst["pid"], core % (os.cpu_count() or 1))
+        print(f"[colocation] {name}: warm-up", file=sys.stderr)
+        online_phase(base_url, MODEL_NAME, model, args, num_prompts=8)
+        print(f"[colocation] {name}: A online alone", file=sys.stderr)
+        online_alone = online_phase(base_url, MODEL_NAME, model, args)
+        print(f"[colocation] {name}: B batch alone", file=sys.stderr)
+        alone_id = submit_batch(http, content)
+        wait_in_progress(http, alone_id)
+        alone = ProgressSampler(base_url, alone_id)
+        alone.start()
+        t0 = time.monotonic()
+        job = wait_batch(http, alone_id)
+        alone.stop()
+        done_alone, batch_alone_s = alone.rate_window(t0, time.monotonic())
+        print(f"[colocation] {name}: C online during a batch job", file=sys.stderr)
+        batch_id = submit_batch(http, content)
+        wait_in_progress(http, batch_id)
+        progress = ProgressSampler(base_url, batch_id)
+        progress.start()
+        time.sleep(args.settle_s)  # the job saturates the instances before the online load starts
+        t1 = time.monotonic()
+        online_shared = online_phase(base_url, MODEL_NAME, model, args)
+        t2 = time.monotonic()
+        job2 = wait_batch(http, batch_id)
+        progress.stop()
+        stats = http.get("/admin/stats").json()
+        cluster = http.get("/admin/instances").json() if name != "single_engine" else {}
+    path.unlink(missing_ok=True)
+    lines_alone = done_alone / batch_alone_s if batch_alone_s > 0 else 0.0
+    done_during, window_s = progress.rate_window(t1, t2)
+    lines_shared = done_during / window_s if window_s > 0 else 0.0
+    ttft_alone = online_alone.get("p99_ttft_ms", 0.0)
+    out = {
+        "online_alone": online_alone,
+        "online_with_batch_job": online_shared,
+        "online_ttft_p99_ratio": online_shared.get("p99_ttft_ms", 0.0) / max(ttft_alone, 1e-9),
+        "batch_alone": {
+            "lines": job["request_counts"],
+            "window_s": batch_alone_s,
+            "lines_per_s": lines_alone,
+        },
+        "batch_with_online_load": {
+            "lines_completed_in_window": done_during,
+            "window_s": window_s,
+            "lines_per_s": lines_shared,
+            "final_status": job2["status"],
+        },
+        "offline_throughput_ratio": lines_shared / lines_alone if lines_alone else None,
+        "offline_tok_per_s": {
+            "alone": lines_alone * args.batch_output_len,
+            "with_online": lines_shared * args.batch_output_len,
+        },
+        "engine_colocation_stats": (stats.get("engine") or stats).get("colocation"),
+    }
+    if cluster:
+        out["colocation_view"] = cluster.get("colocation")
+    print(
+        f"[colocation] {name}: TTFT p99 ratio {out['online_ttft_p99_ratio']:.2f}, "
+        f"offline throughput ratio {out['offline_throughput_ratio'] or 0:.2f}",
+        file=sys.stderr,
+    )
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = resolve_checkpoint(args)
+    content = batch_file(MODEL_NAME, model, args.batch_lines, args.batch_input_len, args.batch_output_len)
+    names = [n for n in args.configs.split(",") if n] + (["single_engine"] if args.baselines else [])
+    configs = {name: run_config(name, model, content, args) for name in names}
+    main = configs.get("colocation") or next(iter(configs.values()))
+
+    def latency(name: str) -> dict | None:
+        col = configs[name].get("engine_colocation_stats") or {}
+        keys = (
+            "num_latencies",
+            "preemption_latency_p50_ms",
+            "preemption_latency_p99_ms",
+            "num_interrupted_steps",
+        )
+        return {k: col.get(k) for k in keys} if col else None
+
+    return {
+        "online_ttft_p99_ratio": main["online_ttft_p99_ratio"],
+        "offline_throughput_ratio": main["offline_throughput_ratio"],
+        "preemption_latency_ms": {
+            mode: latency(name)
+            for mode, name in (("layer", "colocation"), ("step", "step_level"))
+            if name in configs
+        },
+        "trace": {
+            "online": {
+                "n": args.online_requests,
+                "rate": args.request_rate,
+                "in": args.input_len,
+                "out": args.online_output_len,
+            },
+            "batch": {
+                "lines": args.batch_lines,
+                "in": args.batch_input_len,
+                "out": args.batch_output_len,
+                "concurrency": args.batch_concurrency,
+            },
+            "tpot_slo_ms": args.tpot_slo_ms,
+            "threads_per_instance": args.threads,
+            "model": model,
+        },
+        "configs": configs,
+    }
+
+
+def online_phase(
+    base_url: str, model: str, tokenizer: str, args: argparse.Namespace, num_prompts: int | None = None
+) -> dict:
     cfg = ServeConfig(
         base_url=base_url,
         model=model,
-        num_prompts=args.online_requests,
+        num_prompts=num_prompts or args.online_requests,
         input_len=args.input_len,
         output_len=args.online_output_len,
         shape=LoadShape(request_rate=args.request_rate, burstiness=1.0),
@@ -127,82 +312,26 @@ def online_phase(base_url: str, model: str, tokenizer: str, args: argparse.Names
     return out
 
 
-def run(args: argparse.Namespace) -> dict:
-    model_dir = resolve_checkpoint(args)
-    data_dir = tempfile.mkdtemp(prefix="xllm-coloc-")
-    extra = ["--data-dir", data_dir, "--max-concurrent-lines", str(args.batch_concurrency)]
-    extra += ["--num-threads", str(args.num_threads)]
-    with (
-        xllm_server(model_dir, extra_args=extra) as base_url,
-        httpx.Client(base_url=base_url, timeout=600) as http,
-    ):
-        model = http.get("/models").json()["data"][0]["id"]
-        content = batch_file(model, model_dir, args.batch_lines, args.input_len, args.batch_output_len)
-        print("[colocation] A: online alone", file=sys.stderr)
-        online_alone = online_phase(base_url, model, model_dir, args)
-        print("[colocation] B: batch alone", file=sys.stderr)
-        alone_id = submit_batch(http, content)
-        wait_in_progress(http, alone_id)
-        alone = ProgressSampler(base_url, alone_id)
-        alone.start()
-        t0 = time.monotonic()
-        job = wait_batch(http, alone_id)
-        alone.stop()
-        done_alone, batch_alone_s = alone.rate_window(t0, time.monotonic())
-        print("[colocation] C: online during a batch job", file=sys.stderr)
-        batch_id = submit_batch(http, content)
-        wait_in_progress(http, batch_id)
-        progress = ProgressSampler(base_url, batch_id)
-        progress.start()
-        t1 = time.monotonic()
-        online_shared = online_phase(base_url, model, model_dir, args)
-        t2 = time.monotonic()
-        job2 = wait_batch(http, batch_id)
-        progress.stop()
-    lines_alone = done_alone / batch_alone_s if batch_alone_s > 0 else 0.0
-    done_during, window_s = progress.rate_window(t1, t2)
-    lines_shared = done_during / window_s if window_s > 0 else 0.0
-    return {
-        "model": model_dir,
-        "config": {
-            k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
-            for k, v in vars(args).items()
-            if k != "model"
-        },
-        "online_alone": online_alone,
-        "online_with_batch_job": online_shared,
-        "ttft_p99_ratio_with_vs_without_job": online_shared.get("p99_ttft_ms", 0)
-        / max(online_alone.get("p99_ttft_ms", 1e-9), 1e-9),
-        "batch_alone": {
-            "lines": job["request_counts"],
-            "lines_completed_in_window": done_alone,
-            "window_s": batch_alone_s,
-            "lines_per_s": lines_alone,
-        },
-        "batch_with_online_load": {
-            "lines_completed_in_window": done_during,
-            "note": "counted while both ran: from the online phase's start until it or the job ended",
-            "window_s": window_s,
-            "lines_per_s": lines_shared,
-            "final_status": job2["status"],
-        },
-        "batch_throughput_ratio_with_vs_without_online": lines_shared / lines_alone if lines_alone else None,
-        "output_tok_per_s_batch_alone": lines_alone * args.batch_output_len,
-        "output_tok_per_s_batch_with_online": lines_shared * args.batch_output_len,
-    }
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(p)
     p.add_argument("--online-requests", type=int, default=40)
-    p.add_argument("--request-rate", type=float, default=4.0, help="online requests/s (Poisson)")
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--online-output-len", type=int, default=32)
-    p.add_argument("--batch-lines", type=int, default=1500)
-    p.add_argument("--batch-output-len", type=int, default=64)
-    p.add_argument("--batch-concurrency", type=int, default=32, help="batch lines in flight")
-    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--request-rate", type=float, default=2.0, help="online requests/s (Poisson)")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--online-output-len", type=int, default=16)
+    p.add_argument("--batch-lines", type=int, default=160)
+    p.add_argument("--batch-input-len", type=int, default=512)
+    p.add_argument("--batch-output-len", type=int, default=32)
+    p.add_argument("--batch-concurrency", type=int, default=16, help="batch lines in flight")
+    p.add_argument("--tpot-slo-ms", type=float, default=100.0, help="strict pool's TPOT SLO")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-blocks", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per engine instance")
+    p.add_argument("--settle-s", type=float, default=2.0)
+    p.add_argument("--pin", action="store_true", help="pin each engine instance to its own core")
+    p.add_argument("--configs", default="colocation,step_level", help="configurations to run, in order")
+    p.add_argument("--baselines", action="store_true", help="also run one engine with priorities only")
     p.add_argument("--seed", type=int, default=0)
     return p
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from graph.forward_context import get_forward_context
+from graph.interrupt import check_interrupt
 from ops.attention import attention
 
 
@@ -21,6 +22,7 @@ def _attention_op(
     ctx = get_forward_context()
     if ctx is None or ctx.meta is None:
         return torch.zeros_like(q)
+    check_interrupt(ctx, layer)  # an online arrival stops an offline step here, between layers
     sliding = window if window > 0 else None
     n = ctx.num_tokens
     if n == q.shape[0]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ class ForwardContext:
     meta: AttentionMetadata | None  # None: a capture / warm-up run (attention returns zeros)
     caches: list[Any]  # per layer: what ``ops.attention.attention`` takes as ``kv_cache``
     num_tokens: int  # real tokens of the step; rows past them are bucket padding
+    # set while the step may be interrupted between layers (offline work only): an online arrival
+    # sets it and the next layer's attention raises ``StepInterrupted`` (``graph/interrupt.py``)
+    interrupt: threading.Event | None = None
 
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("xllm_forward", default=None)
@@ -34,9 +38,12 @@ def get_forward_context() -> ForwardContext | None:
 
 @contextlib.contextmanager
 def forward_context(
-    meta: AttentionMetadata | None, caches: list[Any], num_tokens: int
+    meta: AttentionMetadata | None,
+    caches: list[Any],
+    num_tokens: int,
+    interrupt: threading.Event | None = None,
 ) -> Iterator[ForwardContext]:
-    ctx = ForwardContext(meta, caches, num_tokens)
+    ctx = ForwardContext(meta, caches, num_tokens, interrupt)
     token = _current.set(ctx)
     try:
         yield ctx

@@ -9,6 +9,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from graph.interrupt import StepInterrupted
 from memory.xtensor import XTensorKVLayout
 from ops.platforms import resolve_platform, set_platform
 from xengine.api.config import EngineConfig
@@ -24,6 +27,7 @@ from xengine.api.messages import (
     XTensorStatsMsg,
 )
 from xengine.beam.catalog import CatalogRegistry
+from xengine.interruption import Interrupter, note_arrival
 from xengine.kv_setup import build_kv
 from xengine.kv_transfer import KVTransferManager
 from xengine.loader import load_model, resolve_dtype
@@ -138,6 +142,11 @@ class Engine:
             parallel=self.parallel,
         )
         self.runner.capture_graphs(config.execution.buckets())
+        # online arrivals stop offline prefill steps between layers (not across expert-parallel ranks)
+        self.interrupter = Interrupter(
+            config.scheduler.offline_preemption if self.parallel is None else "step"
+        )
+        self.runner.interrupt = self.interrupter.event if self.interrupter.mode == "layer" else None
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
@@ -166,6 +175,10 @@ class Engine:
             device=self.platform.name,
             pid=os.getpid(),
             hidden_size=info.hidden_size,
+            num_params=sum(p.numel() for p in self.model.parameters()),
+            kv_bytes_per_token=spec.bytes_per_block // spec.block_size,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            num_threads=torch.get_num_threads(),
         )
 
     # ------------------------------------------------------------------ requests
@@ -183,6 +196,7 @@ class Engine:
             arrival_time=req.arrival_time or time.monotonic(),
             pooling=req.pooling,
         )
+        note_arrival(request, self.interrupter)
         if req.params.structured_outputs is not None and not self.structured.admit(request, catalog):
             return  # waits (outside the scheduler) for its grammar to compile: ``_admit_compiled``
         self.scheduler.add(request, catalog)
@@ -286,7 +300,13 @@ class Engine:
         forward_s = 0.0
         counts = (0, 0)
         if not plan.is_empty:
-            plan, out = self._execute(plan)
+            self.interrupter.started(plan)
+            try:
+                plan, out = self._execute(plan)
+            except StepInterrupted:  # nothing of it applied: its sequences run again later
+                self.interrupter.interrupted(plan)
+                self.last_step_timing = StepTiming(time.perf_counter() - t0, 0.0, 0, 0, None)
+                return self._collect_deltas()
             forward_s = out.forward_s
             counts = plan.token_counts()  # before update moves num_computed_tokens
             self.scheduler.update(plan, out)
@@ -329,7 +349,9 @@ class Engine:
         try:
             if failed_once:  # (it already raised as a whole, on the async worker)
                 raise RuntimeError("the step failed on the async worker")
-            out = self.runner.execute(plan)
+            out = self.interrupter.run(plan, lambda: self.runner.execute(plan))
+        except StepInterrupted:
+            raise
         except Exception as e:  # noqa: BLE001 - isolated below; re-raised if the engine itself is broken
             if self.parallel is not None:  # the workers ran (part of) it: the group is out of step
                 if self.parallel.scan(wait_s=1.0) is not None:  # a peer's death shows as a socket error
@@ -422,6 +444,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop this instance's worker processes (a one-process engine has none)."""
+        self.interrupter.close()
         if self.parallel is not None:
             self.parallel.shutdown()
 
@@ -447,6 +470,7 @@ class Engine:
             async_scheduling=self.async_scheduling,
             graph=GraphStatsMsg(**dataclasses.asdict(self.runner.graph.stats)),
             moe=self.parallel.stats() if self.parallel is not None else None,
+            colocation=self.interrupter.stats(),
         )
 
     def _xtensor_stats(self) -> XTensorStatsMsg | None:

@@ -74,6 +74,11 @@ class EngineProc:
         self._need_step = False  # an abort happened: step once to emit its deltas
         self._drain_deadline: float | None = None  # set once shutdown has begun
         self._parent_gone = False
+        # inputs read while an interruptible step ran, handled after it (``xengine/interruption.py``)
+        self._read_ahead: list[Any] = []
+        interrupter = getattr(engine, "interrupter", None)
+        if interrupter is not None:
+            interrupter.watch = self._watch
 
     # ------------------------------------------------------------------ loop
 
@@ -149,19 +154,46 @@ class EngineProc:
 
     def _recv_inputs(self, timeout_ms: int) -> None:
         """Handle every pending input frame; wait up to ``timeout_ms`` for the first one."""
+        if self._read_ahead:
+            read, self._read_ahead = self._read_ahead, []
+            for msg in read:
+                self._handle(msg)
+            timeout_ms = 0
+        interrupter = getattr(self._engine, "interrupter", None)
+        if interrupter is not None:
+            interrupter.inputs_drained()
         if timeout_ms > 0 and not self._in.poll(timeout_ms, zmq.POLLIN):
             return
+        for msg in self._read_frames():
+            self._handle(msg)
+
+    def _read_frames(self) -> list[Any]:
+        """Every input frame available now, decoded (malformed ones are logged and dropped)."""
+        out = []
         while True:
             try:
                 frame = self._in.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return out
             try:
-                msg = self._decoder.decode(frame)
+                out.append(self._decoder.decode(frame))
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 logger.error("dropping malformed input frame: %s", e)
-                continue
-            self._handle(msg)
+
+    def _watch(self, timeout_s: float, wake_fd: int) -> None:
+        """While an interruptible (offline) step runs: read inputs until the step ends (``wake_fd``
+        readable) or ``timeout_s``, keep them for after the step, and stop the step if an online
+        request is among them."""
+        poller = zmq.Poller()
+        poller.register(self._in, zmq.POLLIN)
+        poller.register(wake_fd, zmq.POLLIN)
+        ready = dict(poller.poll(max(1, int(timeout_s * 1000))))
+        if self._in not in ready:
+            return
+        for msg in self._read_frames():
+            self._read_ahead.append(msg)
+            if isinstance(msg, AddRequest) and msg.priority == "online":
+                self._engine.interrupter.online_arrived(msg.req_id)
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddRequest):

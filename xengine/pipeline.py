@@ -22,8 +22,10 @@ from typing import Protocol
 
 import torch
 
+from graph.interrupt import StepInterrupted
 from memory.kv_cache_manager import KVCacheManager
 from xengine.api.messages import CompletionDelta
+from xengine.interruption import Interrupter
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.in_flight import rewind
 from xengine.scheduler.plan import SchedulePlan, StepOutput, StepSample
@@ -57,6 +59,7 @@ class PipelinedEngine(Protocol):
     scheduler: Scheduler
     runner: ModelRunner
     kv: KVCacheManager
+    interrupter: Interrupter
 
     def _collect_deltas(self) -> list[CompletionDelta]: ...
 
@@ -101,7 +104,15 @@ class StepPipeline:
         if prev is not None:
             t_wait = time.perf_counter()
             try:
+                e.interrupter.wait(prev.future, prev.plan)  # an online arrival may stop it
                 prev_out = prev.future.result()
+            except StepInterrupted:  # undo both steps; the next schedule takes the online request
+                rewind(plan)
+                rewind(prev.plan)
+                e.interrupter.interrupted(prev.plan)
+                wait_s += time.perf_counter() - t_wait
+                self.last_timing = PipelineTiming(time.perf_counter() - t0 - wait_s, wait_s, 0.0)
+                return SchedulePlan(), e._collect_deltas()
             except Exception:  # noqa: BLE001 - undo both steps, re-run the failed one with isolation
                 wait_s += time.perf_counter() - t_wait
                 self._recover(prev.plan, plan, t0, wait_s)
@@ -111,6 +122,8 @@ class StepPipeline:
             completed.append(StepSample(len(prev.plan.seqs), *prev.counts, started_at - prev.started_at))
         if prepared is not None:
             prev_rows = prev_out.sampled_rows if prev_out is not None else None
+            e.interrupter.arm()
+            e.interrupter.started(plan)
             future = self._executor.submit(e.runner.run, prepared, prev_rows)
             self._in_flight = _InFlight(plan, future, counts, started_at)
         forward_s = 0.0
@@ -134,7 +147,12 @@ class StepPipeline:
         current, self._in_flight = self._in_flight, None
         assert current is not None
         try:
+            self.engine.interrupter.wait(current.future, current.plan)
             return current.future.result()
+        except StepInterrupted:
+            rewind(current.plan)
+            self.engine.interrupter.interrupted(current.plan)
+            return None
         except Exception:  # noqa: BLE001
             self._recover(current.plan, SchedulePlan(), 0.0, 0.0)
             return None

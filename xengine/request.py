@@ -48,6 +48,8 @@ class Request:
     num_placeholders: int = 0  # async scheduling: output tokens of steps still in flight
     received_at: float = field(default_factory=time.monotonic)  # when the engine got it
     queue_time_s: float | None = None  # received -> first scheduled; None once reported
+    started_at: float | None = None  # when the first step computing it started running
+    arrived_during_offline: bool = False  # online, read while an offline prefill step ran
     # structured outputs: the compiled grammar (set once compiled; its matchers live in the runner)
     grammar: BaseCompiledGrammar | None = None
     # beam search results only (set on the per-sequence outputs of a finished beam group)

@@ -116,6 +116,17 @@ class ServiceMetrics:
             ["op"],
             registry=r,
         )
+        self.offline_interrupted_steps = Gauge(
+            "xllm_offline_interrupted_steps",
+            "Offline prefill steps stopped between layers for an online arrival (co-location).",
+            registry=r,
+        )
+        self.offline_preemption_latency = Gauge(
+            "xllm_offline_preemption_latency_ms",
+            "Online requests that arrived during offline work: arrival to the start of their prefill.",
+            ["quantile"],
+            registry=r,
+        )
         self.graph_recompiles = Gauge(
             "xllm_graph_recompiles_after_warmup",
             "Graph compilations after start-up (should stay 0).",
@@ -240,6 +251,11 @@ class ServiceMetrics:
                 self.xtensor_pages.labels(state=state).set(getattr(xt, f"num_{state}"))
             self.xtensor_map_calls.labels(op="map").set(xt.num_maps)
             self.xtensor_map_calls.labels(op="unmap").set(xt.num_unmaps)
+        if stats.colocation is not None:
+            col = stats.colocation
+            self.offline_interrupted_steps.set(col.num_interrupted_steps)
+            self.offline_preemption_latency.labels(quantile="0.5").set(col.preemption_latency_p50_ms)
+            self.offline_preemption_latency.labels(quantile="0.99").set(col.preemption_latency_p99_ms)
         if stats.moe is not None:
             for layer, value in enumerate(stats.moe.balancedness):
                 self.moe_balancedness.labels(layer=str(layer)).set(value)

@@ -123,7 +123,7 @@ def test_prefill_heavy_burst_flips_a_decode_instance_to_prefill(
     assert {p: out[p] for p in LONG} == {p: expected[p] for p in LONG}
     flips = _dyn(cluster)["flips"]
     to_prefill = [f for f in flips if f["to_role"] == "prefill"]
-    assert to_prefill, flips
+    assert to_prefill, (flips, {n: i["predictors"] for n, i in cluster.instances().items()})
     assert "TTFT" in to_prefill[0]["reason"] and to_prefill[0]["instance"].startswith("d")
     dyn = _dyn(cluster)
     assert len(dyn["pools"]["D"]) + len(dyn["pools"]["P→D"]) >= 2  # never below min_decode
@@ -142,7 +142,7 @@ def test_decode_heavy_phase_flips_a_prefill_instance_to_decode(
     assert {p: out[p] for p in SHORT} == {p: expected[p] for p in SHORT}
     new = _dyn(cluster)["flips"][before:]
     to_decode = [f for f in new if f["to_role"] == "decode"]
-    assert to_decode, new
+    assert to_decode, (new, {n: i["predictors"] for n, i in cluster.instances().items()})
     assert "TPOT" in to_decode[0]["reason"]
     dyn = _dyn(cluster)
     assert len(dyn["pools"]["P"]) + len(dyn["pools"]["D→P"]) >= 1  # never below min_prefill

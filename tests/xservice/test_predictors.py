@@ -97,12 +97,18 @@ def test_ttft_window_forgets_the_old_online_regime_entirely() -> None:
     assert pred.compute_s(800) == pytest.approx(ttft_truth(800), rel=1e-5)
 
 
-def test_ttft_clamps_negative_fits_at_zero() -> None:
+def test_ttft_fit_is_nonnegative_and_never_falls_with_length() -> None:
     pred = TTFTPredictor()
-    for tokens in (0, 1000, 2000, 3000):  # decreasing with L: extrapolates below zero
+    for tokens in (0, 1000, 2000, 3000):  # decreasing with L: costs cannot be negative, the fit is flat
         pred.observe(tokens, 0.3 - 1e-4 * tokens)
-    assert pred.compute_s(10000) == 0.0
-    assert pred.predict(10000, queue_s=0.2) == pytest.approx(0.2)
+    assert all(c >= 0 for c in pred.state()["coef"])
+    assert pred.compute_s(10000) == pytest.approx(pred.compute_s(0)) == pytest.approx(0.15)
+    # noisy samples that an unconstrained quadratic fits with a negative linear term (a dip mid-range)
+    noisy = TTFTPredictor()
+    for tokens, s in ((16, 0.012), (64, 0.004), (256, 0.010), (512, 0.030), (1024, 0.090)):
+        noisy.observe(tokens, s)
+    lengths = range(0, 1100, 50)
+    assert all(noisy.compute_s(a) <= noisy.compute_s(b) for a, b in zip(lengths, lengths[1:]))
     assert TTFTPredictor().compute_s(1000) == 0.0  # no sample
     assert TTFTPredictor().predict(1000, queue_s=0.1) == pytest.approx(0.1)
 
@@ -187,9 +193,9 @@ def test_tpot_seeds_alone_and_clamp() -> None:
         pred.observe(batch, context, tpot_truth(batch, context), seed=True)
     assert pred.ready and pred.num_samples == 4
     assert pred.predict(24, 20000) == pytest.approx(tpot_truth(24, 20000), rel=1e-5)
-    for batch in range(1, 9):  # a fit that falls with the batch size extrapolates below zero
+    for batch in range(1, 9):  # falling with the batch size: no cost is negative, so never below zero
         pred.observe(batch, 0, 0.5 - 0.05 * batch)
-    assert pred.predict(200, 0) == 0.0
+    assert all(c >= 0 for c in pred.state()["coef"]) and pred.predict(200, 0) >= 0.0
 
 
 def test_tpot_window_adapts_after_a_regime_change() -> None:

@@ -106,8 +106,18 @@ class SchedulerConfig:
     max_beam_width: int = _f(
         128, "Largest beam_width a beam-search request may ask for (each beam is one running sequence)."
     )
+    offline_preemption: str = _f(
+        "layer",
+        "layer | step: an online arrival stops a step of only offline prefill work between two layers "
+        "(the step is discarded and runs again after the online prefill), or waits for it to end.",
+    )
+    isolate_online_prefill: bool = _f(
+        True, "A step that carries an online prompt chunk carries no offline work (online TTFT first)."
+    )
 
     def validate(self) -> None:
+        if self.offline_preemption not in ("layer", "step"):
+            raise ValueError("scheduler.offline_preemption must be 'layer' or 'step'")
         if self.max_num_seqs < 1:
             raise ValueError("scheduler.max_num_seqs must be >= 1")
         if not 1 <= self.max_beam_width <= 1024:

@@ -141,6 +141,20 @@ class EngineStats(msgspec.Struct, kw_only=True):
     async_scheduling: bool = False
     graph: GraphStatsMsg | None = None
     moe: MoeStatsMsg | None = None  # expert-parallel instances only
+    colocation: ColocationStatsMsg | None = None
+
+
+class ColocationStatsMsg(msgspec.Struct, kw_only=True):
+    """Online/offline co-location in the engine (``xengine/interruption.py``)."""
+
+    offline_preemption: str = "layer"  # layer | step
+    num_interrupted_steps: int = 0  # offline steps stopped between layers for an online arrival
+    num_interrupted_tokens: int = 0  # their tokens, computed again later
+    # online requests that arrived while an offline prefill step ran: arrival -> their first step
+    num_latencies: int = 0
+    preemption_latency_p50_ms: float = 0.0
+    preemption_latency_p99_ms: float = 0.0
+    preemption_latency_max_ms: float = 0.0
 
 
 class GraphStatsMsg(msgspec.Struct, kw_only=True):
@@ -196,6 +210,11 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     device: str
     pid: int
     hidden_size: int = 0  # width of the final hidden states (embeddings); 0: unknown
+    # for the service's roofline performance model (co-location); 0: unknown
+    num_params: int = 0
+    kv_bytes_per_token: int = 0  # K and V of every layer
+    weight_bytes: int = 0
+    num_threads: int = 0  # CPU intra-op threads
 
 
 class CatalogInfo(msgspec.Struct, kw_only=True):

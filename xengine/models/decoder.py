@@ -11,6 +11,7 @@ from torch import nn
 
 from graph.attention_op import unified_attention
 from graph.forward_context import forward_context
+from graph.interrupt import interrupt_point
 from ops.activation import silu_and_mul
 from ops.attention import AttentionMetadata
 from ops.rope_scaling import max_context_len
@@ -75,6 +76,7 @@ class DecoderLayer(nn.Module):
         if attn is None:  # another attention (e.g. MLA) only where the model gives one
             attn = DecoderAttention(cfg, rotary, cfg.sliding_windows[layer_idx], layer_idx)
         self.self_attn = attn
+        self.layer_idx = layer_idx
         self.mlp = DecoderMLP(cfg) if mlp is None else mlp  # a sparse MoE block in MoE models
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -92,6 +94,8 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if not torch.compiler.is_compiling():  # eager: an offline step may also stop before the MLP
+            interrupt_point(self.layer_idx)
         return self.mlp(hidden), residual
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.matchers = SequenceMatchers()  # structured outputs: one grammar matcher per sequence
         self.graph = create_graph_runner(graph_mode, platform.name, self._forward_tokens)
+        # offline steps stop between layers when this is set (``xengine/interruption.py``)
+        self.interrupt: threading.Event | None = None
         torch.manual_seed(default_seed)
 
     def _forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -91,7 +94,8 @@ class ModelRunner:
         if self.parallel is not None:
             self.parallel.publish(inputs, step.plan.block_copies)
         t0 = time.perf_counter()
-        with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens):
+        interrupt = self.interrupt if step.plan.interruptible else None
+        with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens, interrupt):
             hidden = self.graph.run(inputs.input_ids, inputs.positions)
         logits = (
             self.model.compute_logits(hidden[inputs.logits_indices]) if len(inputs.logits_indices) else None

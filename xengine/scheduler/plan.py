@@ -52,6 +52,9 @@ class SchedulePlan:
     # async scheduling: the next step must not be scheduled before this one's outputs are applied
     # (forks of n > 1 requests, beam search steps)
     sync: bool = False
+    # only offline work with a prefill chunk: an online arrival may stop it between layers
+    # (``graph/interrupt.py``); the engine then discards it and schedules again
+    interruptible: bool = False
 
     @property
     def is_empty(self) -> bool:

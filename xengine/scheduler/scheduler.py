@@ -6,7 +6,9 @@ No prefill/decode phases: every sequence has ``num_computed_tokens`` catching up
 (``num_computed_tokens`` goes back to 0). Priority classes are scheduled in order,
 ``online`` before ``offline``: running online sequences, waiting online ones (which may preempt
 offline ones), then running and waiting offline ones. Within a class running sequences go
-first (decode-first, stall-free admission).
+first (decode-first, stall-free admission). A step with an online prompt chunk takes no offline work
+(``isolate_online_prefill``), and a step of only offline work that prefills is ``interruptible``: an
+online arrival stops it between layers (``graph/interrupt.py``) unless ``offline_preemption: step``.
 
 A beam-search request is one ``BeamGroup``: its root sequence is admitted (and prefilled) like any
 other; afterwards its live beams are scheduled together or not at all, since choosing the next
@@ -28,6 +30,13 @@ from xengine.scheduler.in_flight import advance, done_pending, strip_placeholder
 from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
 from xengine.scheduler.prompt_outputs import apply_prompt_outputs, limit_prefix, prefill_done
 from xengine.scheduler.stop import check_stop
+
+ONLINE = PRIORITY_RANK["online"]
+
+
+def _is_prefill(req: Request, num_new: int) -> bool:
+    """A prompt chunk (or recomputation), as opposed to one decode token (before the step applies)."""
+    return num_new > 1 or req.num_computed_tokens < req.num_prompt_tokens
 
 
 class Scheduler:
@@ -103,14 +112,22 @@ class Scheduler:
         plan = SchedulePlan()
         self._budget = self.config.max_num_batched_tokens
         self._scheduled: set[str] = set()
+        self._online_prefill = False
         self.running.sort(key=lambda r: r.rank)
         for cls in sorted(PRIORITY_RANK.values()):
+            if cls > ONLINE and self._online_prefill and self.config.isolate_online_prefill:
+                break  # an online prompt chunk runs in a step of online work only
             self._schedule_running(cls, plan)
             self._admit_waiting(cls, plan)
         plan.block_tables = {s.req.seq_id: self.kv.get_block_table(s.req.seq_id) for s in plan.seqs}
         plan.block_copies = self.kv.take_pending_copies()
         plan.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
         plan.sync = any(s.num_samples > 1 or s.req.req_id in self.beam_groups for s in plan.seqs)
+        plan.interruptible = (
+            not plan.is_empty
+            and all(s.req.rank[0] > ONLINE for s in plan.seqs)
+            and any(_is_prefill(s.req, s.num_new_tokens) for s in plan.seqs)
+        )
         if self.async_mode and not plan.sync:
             advance(plan)
         return plan
@@ -197,6 +214,8 @@ class Scheduler:
         sample = req.num_computed_tokens + num_new == req.num_tokens and not req.params.is_prefill_only
         num_samples = 1 + req.num_pending_forks if sample else 1
         seq = ScheduledSeq(req, num_new, sample, num_samples)
+        if req.rank[0] == ONLINE and _is_prefill(req, num_new):
+            self._online_prefill = True
         group = self.beam_groups.get(req.req_id)
         if group is not None and sample:
             seq.num_beam_candidates = group.num_candidates

@@ -67,6 +67,18 @@ class ClusterConfig:
         1.0, "Dynamic PD: how long observed TPOT must miss its SLO before a flip."
     )
     startup_profile: bool = _f(True, "Dynamic PD: probe each instance when it joins to seed its predictors.")
+    colocation: bool = _f(
+        False,
+        "Online/offline co-location (xLLM §3.1, docs/colocation.md): prefill instances are the latency-relaxed "
+        "pool (every prefill; offline decodes), decode instances the latency-strict pool (online decodes, plus "
+        "offline ones while the roofline model predicts tpot_slo_ms holds). Needs prefill and decode instances.",
+    )
+    colocation_headroom: float = _f(
+        0.8,
+        "Co-location: offline decodes join a strict batch only while its predicted step <= this x tpot_slo_ms.",
+    )
+    peak_gflops_per_thread: float = _f(80.0, "Co-location roofline: matmul GFLOP/s per engine thread (CPU).")
+    mem_bw_gbps: float = _f(15.0, "Co-location roofline: memory bandwidth of an instance in GB/s.")
     engine_host: str = _f("127.0.0.1", "Address instances bind their ZMQ sockets to (loopback by default).")
     instance_startup_timeout_s: float = _f(600.0, "How long to wait for every instance to register.")
     auth: bool = _f(
@@ -142,6 +154,8 @@ class ClusterConfig:
     def _validate_pd_mode(self, specs: list[tuple[str, str]]) -> None:
         if self.pd_mode not in PD_MODES:
             raise ValueError(f"cluster.pd_mode must be one of {', '.join(PD_MODES)}")
+        if self.colocation:
+            self._validate_colocation(specs)
         if self.pd_mode != "dynamic":
             return
         if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
@@ -164,6 +178,18 @@ class ClusterConfig:
                 f"cluster.pd_mode 'dynamic' needs at least {self.min_prefill_instances} prefill and "
                 f"{self.min_decode_instances} decode instance(s) at launch (cluster.min_prefill_instances, "
                 "cluster.min_decode_instances)"
+            )
+
+    def _validate_colocation(self, specs: list[tuple[str, str]]) -> None:
+        if self.tpot_slo_ms <= 0 or not 0 < self.colocation_headroom <= 1:
+            raise ValueError("cluster.colocation needs tpot_slo_ms > 0 and colocation_headroom in (0, 1]")
+        if self.peak_gflops_per_thread <= 0 or self.mem_bw_gbps <= 0:
+            raise ValueError("cluster.peak_gflops_per_thread and cluster.mem_bw_gbps must be > 0")
+        roles = {role for _, role in specs}
+        if specs and not self.external and not {"prefill", "decode"} <= roles:
+            raise ValueError(
+                "cluster.colocation pools prefill instances (latency-relaxed) and decode instances "
+                "(latency-strict): launch at least one of each"
             )
 
     @property

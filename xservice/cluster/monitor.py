@@ -49,6 +49,7 @@ class InstanceMonitor:
     last_report: tuple[str, int] | None = None  # (incarnation, seq) ingested
     prefills: dict[str, _Prefill] = field(default_factory=dict)  # sub id -> in flight
     decodes: dict[str, int] = field(default_factory=dict)  # req id -> context tokens
+    offline: set[str] = field(default_factory=set)  # of ``decodes``, the offline ones (co-location)
     last_token_at: dict[str, float] = field(default_factory=dict)
     observed_step_s: float | None = None
     over_slo_since: float | None = None
@@ -143,9 +144,11 @@ class RuntimeMonitor:
             mon.busy.append((mon.busy_start, now))
             mon.busy_start = None
 
-    def decode_started(self, name: str, req_id: str, context_tokens: int) -> None:
+    def decode_started(self, name: str, req_id: str, context_tokens: int, offline: bool = False) -> None:
         mon = self.get(name)
         mon.decodes[req_id] = context_tokens
+        if offline:
+            mon.offline.add(req_id)
         mon.num_decodes += 1
 
     def decode_tokens(self, name: str, req_id: str, num_tokens: int, tpot_slo_s: float, now: float) -> None:
@@ -171,6 +174,7 @@ class RuntimeMonitor:
         if mon is None:
             return
         mon.decodes.pop(req_id, None)
+        mon.offline.discard(req_id)
         mon.last_token_at.pop(req_id, None)
         if not mon.decodes:
             mon.observed_step_s, mon.over_slo_since = None, None

@@ -17,7 +17,10 @@ Per request (``n == 1``, no beam search), with ``PDPolicy`` choosing the instanc
 With dynamic PD (``cluster.pd_mode: dynamic``, ``xservice/cluster/dynamic_pd.py``) the instances are
 chosen by predicted TTFT / TPOT against the SLOs (a prefill may first flip a decode instance to
 prefill), and the prefill instance may keep the decode itself (no export / import at all) when it
-can hold the TPOT SLO.
+can hold the TPOT SLO. With co-location (``cluster.colocation``, ``xservice/cluster/colocation.py``)
+an offline request prefills on the relaxed (prefill) instance with the least prefill in flight and
+decodes on a strict (decode) instance only when the roofline model says that batch keeps the TPOT
+SLO with it; otherwise it decodes where it prefilled.
 
 Failures: P dies before its token → the prefill is re-dispatched to another prefill instance
 (none left: the whole request runs on a decode instance, plain). P dies (or the transfer fails)
@@ -46,7 +49,9 @@ from xservice.engine_client import EngineDeadError
 from xservice.policies import DECODE_ROLES, InstanceSnapshot, PDPolicy, RouteRequest
 
 if TYPE_CHECKING:
+    from xservice.cluster.colocation import Colocation
     from xservice.cluster.dynamic_pd import DynamicPD
+    from xservice.cluster.monitor import RuntimeMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,8 @@ class PDPool(Protocol):
     clients: dict[str, RemoteEngineClient]
     migrate: bool
     dynamic: DynamicPD | None
+    colocation: Colocation | None
+    monitor: RuntimeMonitor | None
     info: Any
 
     def snapshots(self) -> list[InstanceSnapshot]: ...
@@ -133,23 +140,31 @@ class PDDispatcher:
         yield delta
         if done:
             return
-        dynamic = pool.dynamic
-        if dynamic is not None:
-            context = len(req.prompt_token_ids) + len(generated)
-            if dynamic.pick_decode(req, client.name, context).name == client.name:
-                # the prefill instance keeps decoding it: no KV transfer (its prompt blocks are cached there)
-                self.counters.num_kept_on_prefill += 1
-                sub = pool.continuation(req, generated, "d0")
-                assert sub is not None
-                async for delta in self._decode(req, sub, generated, client, cached):
-                    yield delta
-                return
+        context = len(req.prompt_token_ids) + len(generated)
+        target = self._decode_target(req, client, context)
+        if target == client.name:
+            # the prefill instance keeps decoding it: no KV transfer (its prompt blocks are cached there)
+            self.counters.num_kept_on_prefill += 1
+            sub = pool.continuation(req, generated, "d0")
+            assert sub is not None
+            async for delta in self._decode(req, sub, generated, client, cached):
+                yield delta
+            return
         export = await self._export(req, client)
-        decode, sub_id = await self._import(req, export)
+        decode, sub_id = await self._import(req, export, target)
         sub = pool.continuation(req, generated, sub_id)
         assert sub is not None  # the first token did not finish the request
         async for delta in self._decode(req, sub, generated, decode, cached):
             yield delta
+
+    def _decode_target(self, req: AddRequest, prefill: RemoteEngineClient, context: int) -> str | None:
+        """Where the decode half goes when a policy decides it (None: the PD policy's pick)."""
+        colocation = self.pool.colocation
+        if colocation is not None and req.priority == "offline":
+            return colocation.pick_offline_decode(prefill.name, context).name
+        if self.pool.dynamic is not None:
+            return self.pool.dynamic.pick_decode(req, prefill.name, context).name
+        return None
 
     async def _decode(
         self,
@@ -159,13 +174,14 @@ class PDDispatcher:
         client: RemoteEngineClient | None,
         cached: int,
     ) -> AsyncIterator[CompletionDelta]:
-        """Stream the decode half; with dynamic PD, the monitor sees its instance and token gaps."""
-        dynamic = self.pool.dynamic
-        if dynamic is None:
+        """Stream the decode half; with dynamic PD or co-location, the monitor sees its instance and
+        token gaps."""
+        mon, tpot_slo = self.pool.monitor, self._tpot_slo_s(req)
+        if mon is None:
             async for delta in self.pool.stream(req, sub, generated, DECODE_ROLES, client, cached):
                 yield delta
             return
-        mon, tpot_slo = dynamic.monitor, dynamic.slo_for(req).tpot_s
+        offline = req.priority == "offline"
         on: list[str] = []
 
         def observe(name: str, delta: CompletionDelta) -> None:
@@ -173,7 +189,7 @@ class PDDispatcher:
                 if on:
                     mon.decode_done(on[-1], req.req_id)
                 on.append(name)
-                mon.decode_started(name, req.req_id, len(sub.prompt_token_ids))
+                mon.decode_started(name, req.req_id, len(sub.prompt_token_ids), offline)
             mon.decode_tokens(name, req.req_id, len(delta.new_token_ids), tpot_slo, time.monotonic())
 
         try:
@@ -182,6 +198,13 @@ class PDDispatcher:
         finally:
             if on:
                 mon.decode_done(on[-1], req.req_id)
+
+    def _tpot_slo_s(self, req: AddRequest) -> float:
+        if self.pool.dynamic is not None:
+            return self.pool.dynamic.slo_for(req).tpot_s
+        if self.pool.colocation is not None:
+            return self.pool.colocation.policy.tpot_slo_s
+        return float("inf")
 
     async def _first_token(self, req: AddRequest) -> tuple[CompletionDelta, RemoteEngineClient] | None:
         """Prefill ``req`` on a prefill instance for its first token; None when none is left.
@@ -221,19 +244,20 @@ class PDDispatcher:
     async def _run_prefill(
         self, req: AddRequest, client: RemoteEngineClient, sub: AddRequest
     ) -> list[CompletionDelta]:
-        """``_run``, with dynamic PD's monitor counting it in the instance's queue until its token."""
-        dynamic = self.pool.dynamic
-        if dynamic is None:
+        """``_run``, with the monitor (dynamic PD, co-location) counting it in the instance's queue
+        until its token."""
+        monitor = self.pool.monitor
+        if monitor is None:
             return await self._run(req, client, sub)
         uncached = self._uncached(req).get(client.name, len(req.prompt_token_ids))
-        dynamic.monitor.prefill_sent(client.name, sub.req_id, uncached)
+        monitor.prefill_sent(client.name, sub.req_id, uncached)
         got = False
         try:
             deltas = await self._run(req, client, sub)
             got = any(d.new_token_ids for d in deltas)
             return deltas
         finally:
-            dynamic.monitor.prefill_done(client.name, sub.req_id, got)
+            monitor.prefill_done(client.name, sub.req_id, got)
 
     def _uncached(self, req: AddRequest) -> dict[str, int]:
         """Per healthy instance, the prompt tokens its prefix cache does not hold."""
@@ -280,13 +304,16 @@ class PDDispatcher:
                 client = None
         return None
 
-    async def _import(self, req: AddRequest, export: _Export | None) -> tuple[RemoteEngineClient | None, str]:
-        """Pull the exported KV into a decode instance; returns it (None: route later) and the
-        decode request's id (its import pin)."""
+    async def _import(
+        self, req: AddRequest, export: _Export | None, prefer: str | None = None
+    ) -> tuple[RemoteEngineClient | None, str]:
+        """Pull the exported KV into a decode instance (first ``prefer``, when given and healthy);
+        returns it (None: route later) and the decode request's id (its import pin)."""
         num_failed = 0
         try:
             for attempt in itertools.count(1):
-                decode = self._pick_decode(req)
+                decode = self.pool.clients.get(prefer) if attempt == 1 and prefer else None
+                decode = decode if decode is not None and decode.is_alive else self._pick_decode(req)
                 sub_id = f"d{attempt}"
                 if export is None or decode is None:
                     self.counters.num_fallbacks += 1
@@ -341,6 +368,11 @@ class PDDispatcher:
     def _pick_prefill(
         self, not_: RemoteEngineClient | None = None, req: AddRequest | None = None
     ) -> RemoteEngineClient | None:
+        colocation = self.pool.colocation
+        if colocation is not None and req is not None and req.priority == "offline":
+            name = colocation.pick_offline_prefill(not_.name if not_ is not None else None)
+            if name is not None:  # (no relaxed instance left: as any request)
+                return self.pool.clients.get(name)
         dynamic = self.pool.dynamic
         if dynamic is not None and req is not None:
             choice = dynamic.pick_prefill(req, self._uncached(req), not_.name if not_ is not None else None)

@@ -29,8 +29,16 @@ from typing import Any
 
 import msgspec
 
-from xengine.api.messages import AddRequest, CompletionDelta, EngineStats, GraphStatsMsg, XTensorStatsMsg
+from xengine.api.messages import (
+    AddRequest,
+    ColocationStatsMsg,
+    CompletionDelta,
+    EngineStats,
+    GraphStatsMsg,
+    XTensorStatsMsg,
+)
 from xengine.api.security import ClusterKey
+from xservice.cluster.colocation import Colocation
 from xservice.cluster.dynamic_pd import DynamicPD
 from xservice.cluster.kv_index import prompt_block_hashes
 from xservice.cluster.pd import PDDispatcher
@@ -55,6 +63,7 @@ class InstancePool:
         pd_policy: PDPolicy | None = None,
         key: ClusterKey | None = None,
         dynamic: DynamicPD | None = None,
+        colocation: Colocation | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
@@ -64,6 +73,16 @@ class InstancePool:
         if dynamic is not None:
             dynamic.attach(lambda: self.clients, lambda: [s.name for s in self.snapshots()])
             registry.load_listeners.append(dynamic.monitor.ingest)
+        self.colocation = colocation  # online/offline co-location pools (``colocation.py``)
+        if colocation is not None:
+            colocation.attach(
+                lambda n: self.role_of(n, self.clients[n]), lambda: [s.name for s in self.snapshots()]
+            )
+            registry.load_listeners.append(colocation.ingest)
+            if dynamic is None:
+                registry.load_listeners.append(colocation.monitor.ingest)
+        # what PD dispatching tells about the work it sent (dynamic PD's, else co-location's)
+        self.monitor = dynamic.monitor if dynamic is not None else colocation.monitor if colocation else None
         self.service_id = uuid.uuid4().hex  # sent to every instance in a Hello (see engine_server)
         self.key = key  # the cluster key every instance authenticates us with (None: auth off)
         self.supervisor: InstanceSupervisor | None = None  # relaunches launched instances (serve.py)
@@ -114,6 +133,8 @@ class InstancePool:
                     self.num_routed.setdefault(name, 0)
                     if self.dynamic is not None:
                         self.dynamic.instance_joined(client)
+                    if self.colocation is not None:
+                        self.colocation.instance_joined(client)
                     self._changed.set()
                     return
                 break
@@ -350,6 +371,13 @@ class InstancePool:
         graphs = [s.graph for s in stats if s.graph is not None]
         if graphs:
             total.graph = _sum_structs(graphs, GraphStatsMsg(mode=graphs[0].mode, buckets=graphs[0].buckets))
+        cols = [s.colocation for s in stats if s.colocation is not None]
+        if cols:  # counters summed, latencies of the worst instance
+            total.colocation = _sum_structs(
+                cols, ColocationStatsMsg(offline_preemption=cols[0].offline_preemption)
+            )
+            for f in ("preemption_latency_p50_ms", "preemption_latency_p99_ms", "preemption_latency_max_ms"):
+                setattr(total.colocation, f, max(getattr(c, f) for c in cols))
         return total
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
@@ -409,6 +437,8 @@ class InstancePool:
             client = self.clients.get(name)
             rec = state.record
             dynamic = self.dynamic.instance_view(name) if self.dynamic is not None else {}
+            if self.colocation is not None:
+                dynamic.update(self.colocation.instance_view(name))
             out.append(
                 {
                     "name": name,
@@ -441,6 +471,7 @@ class InstancePool:
             "num_stale_rejected": self.registry.num_stale_rejected,
             "pd": dataclasses.asdict(self.pd.counters),
             "dynamic_pd": self.dynamic.view() if self.dynamic is not None else {"enabled": False},
+            "colocation": self.colocation.view() if self.colocation is not None else {"enabled": False},
         }
 
 

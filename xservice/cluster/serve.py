@@ -28,6 +28,7 @@ from typing import Any
 
 from xengine.api.cluster.store import BaseMetadataStore, StoreUnavailableError
 from xengine.api.security import ClusterKey
+from xservice.cluster.colocation import Colocation
 from xservice.cluster.config import ClusterConfig
 from xservice.cluster.dynamic_pd import DynamicPD
 from xservice.cluster.launchers import BaseLauncher, InstanceSpec, make_launcher
@@ -38,6 +39,7 @@ from xservice.cluster.roles import RoleTable
 from xservice.cluster.supervisor import InstanceSupervisor
 from xservice.config import XllmConfig
 from xservice.policies import PDPolicy, make_policy
+from xservice.policies.colocation import ColocationPolicy
 from xservice.policies.dynamic_pd import SLO, DynamicPDPolicy
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ async def serve_cluster(
             PDPolicy(cl.cache_match_weight),
             key,
             dynamic,
+            make_colocation(cl, dynamic),
         )
         pool.hang_timeout_s = cfg.service.engine_hang_timeout_s
         launcher: BaseLauncher | None = None
@@ -168,6 +171,15 @@ async def make_dynamic_pd(cl: ClusterConfig, store: BaseMetadataStore) -> Dynami
     )
     slo = SLO(cl.ttft_slo_ms / 1000, cl.tpot_slo_ms / 1000)
     return DynamicPD(roles, policy, slo, RuntimeMonitor(cl.prefill_idle_s), cl.startup_profile)
+
+
+def make_colocation(cl: ClusterConfig, dynamic: DynamicPD | None) -> Colocation | None:
+    """Co-location's controller (None: off); it shares dynamic PD's monitor when there is one."""
+    if not cl.colocation:
+        return None
+    policy = ColocationPolicy(cl.tpot_slo_ms / 1000, cl.colocation_headroom)
+    monitor = dynamic.monitor if dynamic is not None else RuntimeMonitor(cl.prefill_idle_s)
+    return Colocation(policy, monitor, cl.peak_gflops_per_thread * 1e9, cl.mem_bw_gbps * 1e9)
 
 
 async def _wait_for_external(cl: ClusterConfig, pool: InstancePool, registry: InstanceRegistry) -> None:

@@ -78,6 +78,15 @@ def render_status(doc: dict[str, Any]) -> list[Any]:
         pools = "  ".join(f"{p}: {','.join(n) or '-'}" for p, n in dyn["pools"].items())
         summary += f"\ndynamic PD  SLO ttft {slo['ttft_ms']:.0f}ms tpot {slo['tpot_ms']:.0f}ms  {pools}"
         summary += f"  flips: {dyn['num_flips']}"
+    col = doc.get("colocation") or {}
+    if col.get("enabled"):
+        pools = col["pools"]
+        summary += (
+            f"\nco-location  relaxed: {','.join(pools['latency_relaxed']) or '-'}"
+            f"  strict: {','.join(pools['latency_strict']) or '-'}  tpot SLO {col['tpot_slo_ms']:.0f}ms"
+            f"  offline prefills {col['offline_prefills']}  decodes strict {col['offline_decodes_strict']}"
+            f" / relaxed {col['offline_decodes_relaxed']}"
+        )
     out.append(summary)
     table = Table(title="instances")
     cols = ["name", "pool", "role", "healthy", "running", "waiting", "kv", "inflight", "routed"]

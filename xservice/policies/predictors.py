@@ -34,9 +34,17 @@ class OnlineLeastSquares:
     Seed and window samples weigh the same. ``ridge`` adds ``ridge·|coef|²`` to the loss: negligible when
     the samples determine the fit, and it picks (close to) the minimum-norm solution when they do not
     (fewer samples than features, collinear features), so predictions in the sampled regime stay right.
+
+    ``nonnegative``: every coefficient is a cost (seconds per token, per sequence, ...), so the fit is
+    constrained to ``coef >= 0`` (exact non-negative least squares: the best fit over the subsets of
+    features left free, fine for the few features these models have). Noisy samples then cannot
+    produce a curve that dips (a negative linear term under a positive quadratic one predicting
+    near-zero prefill time mid-range).
     """
 
-    def __init__(self, num_features: int, window: int = 256, ridge: float = 1e-6) -> None:
+    def __init__(
+        self, num_features: int, window: int = 256, ridge: float = 1e-6, nonnegative: bool = False
+    ) -> None:
         if num_features < 1:
             raise ValueError(f"num_features must be >= 1, got {num_features}")
         if window < 1:
@@ -52,6 +60,7 @@ class OnlineLeastSquares:
         self._ridge_rows = math.sqrt(ridge) * np.eye(num_features) if ridge > 0 else None
         self._coef = [0.0] * num_features
         self._dirty = False
+        self.nonnegative = nonnegative
 
     def add(self, x: Sequence[float], y: float, seed: bool = False) -> None:
         """One sample; ``seed`` ones (start-up profiling) are kept forever, online ones only in the window."""
@@ -98,7 +107,26 @@ class OnlineLeastSquares:
             a = np.concatenate([a, self._ridge_rows])
             b = np.concatenate([b, np.zeros(self.num_features)])
         solution = np.linalg.lstsq(a, b, rcond=None)[0]
+        if self.nonnegative and (solution < 0).any():
+            solution = _nonnegative_lstsq(a, b)
         self._coef = [float(c) for c in solution]
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin |a·x - b| subject to x >= 0, by trying every subset of free features (few features)."""
+    n = a.shape[1]
+    best, best_err = np.zeros(n), float(np.sum(b * b))
+    for mask in range(1, 1 << n):
+        cols = [i for i in range(n) if mask >> i & 1]
+        x = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+        if (x < 0).any():
+            continue
+        err = float(np.sum((a[:, cols] @ x - b) ** 2))
+        if err < best_err:
+            full = np.zeros(n)
+            full[cols] = x
+            best, best_err = full, err
+    return best
 
 
 class _ErrorTracker:
@@ -156,7 +184,7 @@ class TTFTPredictor(_Predictor):
     MIN_SAMPLES = 3  # a quadratic has three coefficients
 
     def __init__(self, window: int = 256) -> None:
-        self._fit = OnlineLeastSquares(3, window)
+        self._fit = OnlineLeastSquares(3, window, nonnegative=True)
         self._error = _ErrorTracker()
 
     @staticmethod
@@ -207,7 +235,7 @@ class TPOTPredictor(_Predictor):
     MIN_SAMPLES = 4  # four coefficients
 
     def __init__(self, window: int = 256) -> None:
-        self._fit = OnlineLeastSquares(4, window)
+        self._fit = OnlineLeastSquares(4, window, nonnegative=True)
         self._error = _ErrorTracker()
 
     @staticmethod

@@ -1,0 +1,129 @@
+"""Online arrivals stop offline prefill steps between layers (``xengine/interruption.py``).
+
+The watcher here stands in for the engine process's input reading: on its first call (the
+interruptible step is running on the worker thread) an online request "arrives"; the test hands it
+to the engine after the step, as ``EngineProc`` does. Every token must equal HF's greedy tokens,
+the interrupted step must apply nothing, and the next step must run the online prompt alone.
+"""
+
+from __future__ import annotations
+
+import select
+
+import pytest
+
+from tests.xengine.conftest import assert_engine_idle, make_engine, random_prompts
+from xengine.api.messages import AddRequest, SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+class ArrivalWatch:
+    """Fires ``online_arrived`` on the first watch call of an interruptible step."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.fired = False
+        self.calls = 0
+
+    def __call__(self, timeout_s: float, wake_fd: int) -> None:
+        self.calls += 1
+        if not self.fired:
+            self.fired = True
+            self.engine.interrupter.online_arrived("on")
+        else:
+            select.select([wake_fd], [], [], timeout_s)
+
+
+def _run(
+    engine, offline: list[list[int]], online: list[int], arrive_at_once: bool = False
+) -> tuple[dict[str, list[int]], list[list[str]]]:
+    """Offline requests first; the online one arrives during the first interruptible step (or
+    during the first step, whatever it is: ``arrive_at_once``)."""
+    watch = ArrivalWatch(engine)
+    watch.fired = arrive_at_once
+    engine.interrupter.watch = watch
+    for i, p in enumerate(offline):
+        engine.add_request(
+            AddRequest(req_id=f"off{i}", prompt_token_ids=p, params=PARAMS, priority="offline")
+        )
+    tokens: dict[str, list[int]] = {}
+    steps: list[list[str]] = []  # per step with outputs: the requests that got tokens
+    added = False
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        deltas = engine.step()
+        for d in deltas:
+            tokens.setdefault(d.req_id, []).extend(d.new_token_ids)
+        steps.append(sorted({d.req_id for d in deltas if d.new_token_ids}))
+        if watch.fired and not added:  # the engine process hands it over after the step
+            added = True
+            engine.interrupter.inputs_drained()
+            engine.add_request(AddRequest(req_id="on", prompt_token_ids=online, params=PARAMS))
+    engine.interrupter.watch = None
+    return tokens, steps
+
+
+@pytest.mark.parametrize(
+    "async_scheduling,graph_mode",
+    [("off", "eager"), ("on", "eager"), ("off", "partial")],
+    ids=["sync", "async", "partial-graph"],
+)
+def test_online_arrival_interrupts_offline_prefill(make_model_dir, hf_oracle, async_scheduling, graph_mode):
+    kw = {"graph_batch_sizes": "128"} if graph_mode == "partial" else {}
+    engine = make_engine(
+        make_model_dir("qwen3"),
+        num_blocks=64,
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+        async_scheduling=async_scheduling,
+        graph_mode=graph_mode,
+        **kw,
+    )
+    offline = random_prompts([300, 200], seed=21)
+    online = random_prompts([40], seed=22)[0]
+    tokens, steps = _run(engine, offline, online)
+    stats = engine.get_stats().colocation
+    assert stats is not None and stats.num_interrupted_steps == 1
+    assert stats.num_interrupted_tokens > 0
+    oracle = hf_oracle("qwen3")
+    assert tokens["on"] == oracle.greedy(online, 6)
+    for i, p in enumerate(offline):
+        assert tokens[f"off{i}"] == oracle.greedy(p, 6)
+    # the online prompt (40 tokens, one chunk) runs in a step of its own: its first token comes
+    # alone, before any offline request's first token (the offline prompts were mid-prefill)
+    first_on = next(i for i, s in enumerate(steps) if "on" in s)
+    assert steps[first_on] == ["on"]
+    assert not any(s for s in steps[:first_on])
+    assert_engine_idle(engine, 64)
+
+
+def test_step_level_mode_never_interrupts(make_model_dir, hf_oracle):
+    engine = make_engine(
+        make_model_dir("qwen3"),
+        num_blocks=64,
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+        offline_preemption="step",
+    )
+    offline = random_prompts([300], seed=23)
+    online = random_prompts([40], seed=24)[0]
+    tokens, _ = _run(engine, offline, online, arrive_at_once=True)
+    stats = engine.get_stats().colocation
+    assert stats is not None and stats.offline_preemption == "step" and stats.num_interrupted_steps == 0
+    assert tokens["on"] == hf_oracle("qwen3").greedy(online, 6)
+    assert_engine_idle(engine, 64)
+
+
+def test_online_steps_and_offline_decodes_are_not_interruptible(make_model_dir):
+    """Only plans of offline work that prefill are interruptible."""
+    engine = make_engine(make_model_dir("qwen3"), num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8)
+    s = engine.scheduler
+    p = random_prompts([100, 30], seed=25)
+    engine.add_request(AddRequest(req_id="off", prompt_token_ids=p[0], params=PARAMS, priority="offline"))
+    plan = s.schedule()
+    assert plan.interruptible  # an offline prompt chunk
+    engine.add_request(AddRequest(req_id="on", prompt_token_ids=p[1], params=PARAMS))
+    plan = s.schedule()  # the online prompt; no offline chunk joins it
+    assert not plan.interruptible and [x.req.req_id for x in plan.seqs] == ["on"]

@@ -1,0 +1,165 @@
+"""Online/offline co-location on real processes: ``xllm serve`` with ``cluster.colocation`` over a
+prefill instance (latency-relaxed pool) and a decode instance (latency-strict pool), a batch job
+through the ``openai`` client's Files and Batches API, and online streams beside it.
+
+Every output must equal a colocated engine's greedy text; offline requests must prefill on the
+relaxed instance and decode on either (here the TPOT SLO is loose, so the strict pool admits them);
+online arrivals must stop offline prefill steps on the relaxed instance between layers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from test_cluster_serving import ROOT, ClusterServer, colocated_texts, wait_until
+
+pytest.importorskip("mooncake.engine")
+
+SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank. "
+OFFLINE = [f"Report {i}: " + SENTENCE * 7 + "In short:" for i in range(24)]  # ~170 tokens each
+ONLINE = [f"Question {i}: what is the capital of a country far away?" for i in range(8)]
+OFFLINE_TOKENS, ONLINE_TOKENS = 6, 8
+CLUSTER = {
+    "instances": "p0:prefill,d0:decode",
+    "metadata_store": "embedded",
+    "colocation": True,
+    "tpot_slo_ms": 2000.0,  # loose: the strict pool admits offline decodes
+}
+ENGINE = {
+    "cache": {"kv_transfer_port_range": "23600-23699"},
+    # small steps: an offline prompt prefills over several interruptible steps
+    "scheduler": {"max_num_batched_tokens": 64},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path) -> Iterator[ClusterServer]:
+    server = ClusterServer(model_dir, CLUSTER, engine=ENGINE)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> dict[str, str]:
+    return colocated_texts(
+        model_dir, [(p, OFFLINE_TOKENS) for p in OFFLINE] + [(p, ONLINE_TOKENS) for p in ONLINE]
+    )
+
+
+def _submit(client: openai.OpenAI, prompts: list[str]) -> str:
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"line-{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {
+                    "model": "xllm-tiny",
+                    "prompt": p,
+                    "max_tokens": OFFLINE_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            }
+        )
+        for i, p in enumerate(prompts)
+    ]
+    file = client.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    return client.batches.create(
+        input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+    ).id
+
+
+def _results(client: openai.OpenAI, batch_id: str, prompts: list[str]) -> dict[str, str]:
+    batch = wait_until(
+        lambda: (b := client.batches.retrieve(batch_id)).status in ("completed", "failed") and b, 180, "batch"
+    )
+    assert batch.status == "completed" and batch.request_counts.failed == 0, batch
+    out = {}
+    for line in client.files.content(batch.output_file_id).text.splitlines():
+        row = json.loads(line)
+        out[prompts[int(row["custom_id"].split("-")[1])]] = row["response"]["body"]["choices"][0]["text"]
+    return out
+
+
+def _online(client: openai.OpenAI, prompt: str) -> str:
+    stream = client.completions.create(
+        model="xllm-tiny", prompt=prompt, max_tokens=ONLINE_TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    return "".join(c.choices[0].text for c in stream if c.choices)
+
+
+def _stats(cluster: ClusterServer) -> dict[str, Any]:
+    return cluster.http.get("/v1/admin/stats").json()["colocation"]
+
+
+def test_batch_job_beside_online_streams_is_exact_and_uses_both_pools(
+    cluster: ClusterServer, expected: dict[str, str]
+) -> None:
+    client = cluster.openai()
+    batch_id = _submit(client, OFFLINE)
+    online: dict[str, Any] = {}
+
+    def send_online() -> None:
+        for p in ONLINE:
+            try:
+                online[p] = _online(client, p)
+            except Exception as e:  # noqa: BLE001 - reported by the assertion
+                online[p] = e
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=send_online)
+    sender.start()
+    offline = _results(client, batch_id, OFFLINE)
+    sender.join(180)
+    assert online == {p: expected[p] for p in ONLINE}
+    assert offline == {p: expected[p] for p in OFFLINE}
+    view = cluster.admin()["colocation"]
+    assert view["enabled"] and view["pools"] == {"latency_relaxed": ["p0"], "latency_strict": ["d0"]}
+    assert view["offline_prefills"] >= len(OFFLINE)
+    assert view["offline_decodes_strict"] >= 1, view  # the loose SLO admits them to the strict batch
+    assert view["offline_decodes_strict"] + view["offline_decodes_relaxed"] >= len(OFFLINE)
+    instances = cluster.instances()
+    assert instances["d0"]["colocation"]["roofline"]["num_observed"] > 0
+    # the operator's view: ``xllm cluster status``
+    cli = subprocess.run(
+        [sys.executable, "-m", "xservice", "cluster", "status", "--url", f"http://127.0.0.1:{cluster.port}"],
+        capture_output=True, text=True, timeout=60, cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert "co-location  relaxed: p0  strict: d0" in cli.stdout and "d0" in cli.stdout
+
+
+def test_online_arrivals_stop_offline_prefill_between_layers(
+    cluster: ClusterServer, expected: dict[str, str]
+) -> None:
+    """Online requests, one after another, while batch jobs prefill on the relaxed instance, until
+    the engines report an interrupted step (a few jobs at most); outputs stay exact throughout."""
+    client = cluster.openai()
+    for _ in range(4):
+        before = _stats(cluster)["num_interrupted_steps"]
+        batch_id = _submit(client, OFFLINE)
+        while client.batches.retrieve(batch_id).status in ("validating", "in_progress"):
+            assert _online(client, ONLINE[0]) == expected[ONLINE[0]]
+            if _stats(cluster)["num_interrupted_steps"] > before:
+                break
+        assert _results(client, batch_id, OFFLINE) == {p: expected[p] for p in OFFLINE}
+        stats = _stats(cluster)
+        if stats["num_interrupted_steps"] > before:
+            break
+    assert stats["offline_preemption"] == "layer" and stats["num_interrupted_steps"] > 0, stats
+    assert stats["num_interrupted_tokens"] > 0 and stats["num_latencies"] > 0
+    metrics = cluster.http.get("/metrics").text
+    assert "xllm_offline_interrupted_steps" in metrics
