@@ -229,6 +229,20 @@ def test_decode_prefers_prefill_instance_when_it_holds_tpot() -> None:
     assert policy.select_decode("p0", 100, SLO_, full).name in ("d0", "d1")
 
 
+def test_prefill_instance_keeps_a_decode_only_if_its_prefills_leave_the_tpot_slo() -> None:
+    """The prefill instance goes on prefilling: its decode steps are predicted with a prompt like
+    this request's riding along (the TPOT model's prefill-token term)."""
+    t = TPOTPredictor()
+    for b, p in ((1, 0), (4, 0), (8, 0), (1, 200), (4, 400), (2, 800)):
+        t.observe(b, b * 100, 0.01 + 0.002 * b + 0.0001 * p, prefill_tokens=p, seed=True)
+    policy = DynamicPDPolicy()
+    instances = [inst("p0", PREFILL, PREFILL, tpot=t), inst("d0", DECODE, DECODE)]
+    short = policy.select_decode("p0", 30, SLO_, instances)  # 0.01 + 0.002 + 0.003 <= 0.05
+    assert short.name == "p0" and "no KV transfer" in short.reason
+    long = policy.select_decode("p0", 600, SLO_, instances)  # 0.01 + 0.002 + 0.06 > 0.05
+    assert long.name == "d0"
+
+
 def test_decode_picks_fewest_running_tokens_within_capacity_and_slo() -> None:
     policy = DynamicPDPolicy()
     instances = [
@@ -271,7 +285,7 @@ def test_idle_prefill_flips_to_decode_only_while_decode_is_busy() -> None:
         inst("p1", PREFILL, PREFILL, prefill_utilization=0.1),
     ]
     busy = base + [
-        inst("d0", DECODE, DECODE, num_decoding=5, observed_step_s=0.03),  # 60% of the TPOT SLO
+        inst("d0", DECODE, DECODE, num_decoding=5, observed_step_s=0.045),  # 90% of the TPOT SLO
         inst("d1", DECODE, DECODE, num_decoding=5),
     ]
     flips = policy.plan_flips(SLO_, busy, FlipHistory(), NOW)
@@ -279,7 +293,7 @@ def test_idle_prefill_flips_to_decode_only_while_decode_is_busy() -> None:
     assert "busy 10%" in flips[0].reason
     quiet = base + [inst("d0", DECODE, DECODE), inst("d1", DECODE, DECODE)]
     assert policy.plan_flips(SLO_, quiet, FlipHistory(), NOW) == []
-    coping = base + [inst("d0", DECODE, DECODE, num_decoding=5, observed_step_s=0.01)]  # 20% of the SLO
+    coping = base + [inst("d0", DECODE, DECODE, num_decoding=5, observed_step_s=0.03)]  # 60% of the SLO
     assert policy.plan_flips(SLO_, coping, FlipHistory(), NOW) == []
 
 

@@ -89,10 +89,14 @@ class PDInstance:
         compute = self.ttft.compute_s(uncached_tokens) if self.ttft is not None else 0.0
         return self.queue_s + compute
 
-    def predict_step(self, extra_seqs: int = 0, extra_tokens: int = 0) -> float:
+    def predict_step(self, extra_seqs: int = 0, extra_tokens: int = 0, prefill_tokens: int = 0) -> float:
+        """Step time of its decode batch with ``extra_seqs`` more sequences of ``extra_tokens`` in all,
+        in a step that also carries ``prefill_tokens`` of prompt."""
         if self.tpot is None:
             return 0.0
-        return self.tpot.predict(self.num_decoding + extra_seqs, self.decode_tokens + extra_tokens)
+        return self.tpot.predict(
+            self.num_decoding + extra_seqs, self.decode_tokens + extra_tokens, prefill_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ class DynamicPDPolicy:
         idle_s: float = 3.0,
         idle_utilization: float = 0.2,
         sustain_s: float = 1.0,
-        pressure: float = 0.5,
+        pressure: float = 0.8,
     ) -> None:
         if min_decode < 1 or min_prefill < 1:
             raise ValueError("min_decode and min_prefill must be >= 1")
@@ -241,7 +245,8 @@ class DynamicPDPolicy:
         by_name = {i.name: i for i in instances}
         own = by_name.get(prefill_name) if prefill_name is not None else None
         if own is not None and own.num_prefilling == 0:
-            step = own.predict_step(1, context_tokens)
+            # it keeps prefilling: its decode steps will carry prompts like this one
+            step = own.predict_step(1, context_tokens, prefill_tokens=context_tokens)
             fits = own.decode_tokens + context_tokens <= own.capacity_tokens
             if fits and step <= slo.tpot_s:
                 return DecodeChoice(own.name, "prefill instance keeps it (no KV transfer)", step)
