@@ -65,8 +65,10 @@ class Interrupter:
             self.event.set()
 
     def inputs_drained(self) -> None:
-        """Every input read so far is now in the engine: nothing online is pending any more."""
+        """Every input read so far is now in the engine: nothing online is pending any more (an
+        arrival still listed was refused before reaching the scheduler)."""
         self.pending_online = 0
+        self.arrivals.clear()
 
     def arm(self) -> None:
         """A step starts: only online requests not yet in the engine may interrupt it."""

@@ -66,14 +66,22 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    "async_scheduling,graph_mode",
-    [("off", "eager"), ("on", "eager"), ("off", "partial")],
-    ids=["sync", "async", "partial-graph"],
+    "arch,async_scheduling,graph_mode",
+    [
+        ("qwen3", "off", "eager"),
+        ("qwen3", "on", "eager"),
+        ("qwen3", "off", "partial"),
+        ("qwen2", "off", "eager"),
+        ("llama", "on", "eager"),
+    ],
+    ids=["qwen3-sync", "qwen3-async", "qwen3-partial-graph", "qwen2-sync", "llama-async"],
 )
-def test_online_arrival_interrupts_offline_prefill(make_model_dir, hf_oracle, async_scheduling, graph_mode):
+def test_online_arrival_interrupts_offline_prefill(
+    make_model_dir, hf_oracle, arch, async_scheduling, graph_mode
+):
     kw = {"graph_batch_sizes": "128"} if graph_mode == "partial" else {}
     engine = make_engine(
-        make_model_dir("qwen3"),
+        make_model_dir(arch),
         num_blocks=64,
         max_num_batched_tokens=128,
         max_num_seqs=8,
@@ -87,7 +95,7 @@ def test_online_arrival_interrupts_offline_prefill(make_model_dir, hf_oracle, as
     stats = engine.get_stats().colocation
     assert stats is not None and stats.num_interrupted_steps == 1
     assert stats.num_interrupted_tokens > 0
-    oracle = hf_oracle("qwen3")
+    oracle = hf_oracle(arch)
     assert tokens["on"] == oracle.greedy(online, 6)
     for i, p in enumerate(offline):
         assert tokens[f"off{i}"] == oracle.greedy(p, 6)

@@ -144,6 +144,7 @@ class Colocation:
         return {
             "colocation": {
                 "roofline": model.state(),
+                "bottleneck": model.bottleneck(len(mon.decodes), sum(mon.decodes.values())),
                 "num_offline_decoding": offline,
                 "num_online_decoding": len(mon.decodes) - offline,
             }
