@@ -2,7 +2,8 @@
 etcd, KV over a real Mooncake transfer engine (TCP, loopback), requests through the ``openai`` client.
 
 In file order: the instances start in their launch pools and are profiled (predictors seeded); a
-prefill-heavy burst makes the TTFT predictor miss, so a decode instance flips to prefill (D→P); a
+prefill-heavy burst whose requests carry a tight TTFT SLO of their own (``extra_body.slo``) queues up
+on the one prefill instance, so a decode instance flips to prefill (D→P); a
 decode-heavy phase makes the observed TPOT miss, so a prefill-side instance flips to decode (P→D);
 an operator flip via the admin API followed at once by ``kill -9`` of the flipped instance while it
 holds streams loses no request; a restarted service sees the roles in etcd. Greedy outputs always
@@ -32,7 +33,8 @@ KV_PORTS = (23500, 23599)
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank. "
 LONG = [f"Document {i}: " + SENTENCE * 10 + "Summary:" for i in range(16)]  # ~150 tokens each
 SHORT = [f"Tale {i}: once upon a time" for i in range(6)]
-LONG_TOKENS, SHORT_TOKENS = 4, 96
+LONG_TOKENS, SHORT_TOKENS = 4, 224  # decode streams outlast the TPOT miss's sustain time
+BURST_TTFT_MS = 1.0  # no prefill of a long prompt is predicted under it: the burst queues up on p0
 CLUSTER = {
     "instances": INSTANCES,
     "metadata_store": "etcd",
@@ -40,9 +42,9 @@ CLUSTER = {
     "lease_ttl_s": 3.0,
     "heartbeat_interval_s": 0.5,
     "pd_mode": "dynamic",
-    # a burst of 16 long prompts on one prefill instance is predicted to miss 25 ms; any stream of the
-    # decode phase misses 1 ms per token; short prompts sent apart meet the TTFT SLO
-    "ttft_slo_ms": 25.0,
+    # the burst's requests ask for BURST_TTFT_MS themselves; any stream of the decode phase misses 1 ms
+    # per token; every other prompt meets the default TTFT SLO (so no other D→P flip happens)
+    "ttft_slo_ms": 5000.0,
     "tpot_slo_ms": 1.0,
     "min_decode_instances": 2,
     "flip_cooldown_s": 1.0,
@@ -74,7 +76,7 @@ def expected(model_dir: Path) -> dict[str, str]:
 
 
 def _run_all(
-    client: openai.OpenAI, prompts: list[str], max_tokens: int, gap_s: float = 0.0
+    client: openai.OpenAI, prompts: list[str], max_tokens: int, gap_s: float = 0.0, **extra: Any
 ) -> dict[str, Any]:
     """Streaming completions of ``prompts`` on threads, started ``gap_s`` apart; prompt -> text or error."""
     out: dict[str, Any] = {}
@@ -83,7 +85,7 @@ def _run_all(
         try:
             stream = client.completions.create(
                 model="xllm-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                extra_body={"ignore_eos": True},
+                extra_body={"ignore_eos": True, **extra},
             )  # fmt: skip
             out[prompt] = "".join(c.choices[0].text for c in stream if c.choices)
         except Exception as e:  # noqa: BLE001 - reported by the assertions
@@ -105,7 +107,7 @@ def _dyn(cluster: ClusterServer) -> dict[str, Any]:
 def test_instances_start_in_their_pools_and_are_profiled(cluster: ClusterServer) -> None:
     dyn = _dyn(cluster)
     assert dyn["enabled"] and dyn["pools"] == {"P": ["p0"], "D": ["d0", "d1", "d2"], "P→D": [], "D→P": []}
-    assert dyn["slo"] == {"ttft_ms": 25.0, "tpot_ms": 1.0}
+    assert dyn["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 1.0}
 
     def profiled() -> bool:
         preds = [i["predictors"] for i in cluster.instances().values()]
@@ -119,7 +121,7 @@ def test_instances_start_in_their_pools_and_are_profiled(cluster: ClusterServer)
 def test_prefill_heavy_burst_flips_a_decode_instance_to_prefill(
     cluster: ClusterServer, expected: dict[str, str]
 ) -> None:
-    out = _run_all(cluster.openai(), LONG, LONG_TOKENS)
+    out = _run_all(cluster.openai(), LONG, LONG_TOKENS, slo={"ttft_ms": BURST_TTFT_MS})
     assert {p: out[p] for p in LONG} == {p: expected[p] for p in LONG}
     flips = _dyn(cluster)["flips"]
     to_prefill = [f for f in flips if f["to_role"] == "prefill"]
@@ -142,7 +144,7 @@ def test_decode_heavy_phase_flips_a_prefill_instance_to_decode(
     assert {p: out[p] for p in SHORT} == {p: expected[p] for p in SHORT}
     new = _dyn(cluster)["flips"][before:]
     to_decode = [f for f in new if f["to_role"] == "decode"]
-    assert to_decode, (new, {n: i["predictors"] for n, i in cluster.instances().items()})
+    assert to_decode, (_dyn(cluster), {n: (i["pool"], i["predictors"]) for n, i in cluster.instances().items()})
     assert "TPOT" in to_decode[0]["reason"]
     dyn = _dyn(cluster)
     assert len(dyn["pools"]["P"]) + len(dyn["pools"]["D→P"]) >= 1  # never below min_prefill
@@ -155,8 +157,13 @@ def test_operator_flip_then_kill_9_of_that_instance_loses_no_request(
     out: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: out.update(_run_all(client, SHORT, SHORT_TOKENS)))
     runner.start()
-    wait_until(lambda: sum(i["num_inflight"] for i in cluster.instances().values()) >= 3, 60, "streams")
-    busy = [i for i in cluster.instances().values() if i["num_inflight"] and i["role"] == "decode"]
+
+    def streaming() -> list[dict[str, Any]]:  # decode instances with streams past their first token
+        insts = cluster.instances().values()
+        return [i for i in insts if i["role"] == "decode" and i["predictors"]["num_decoding"]]
+
+    wait_until(lambda: sum(i["predictors"]["num_decoding"] for i in streaming()) >= 3, 60, "streams")
+    busy = streaming()
     decode_side = [i for i in cluster.instances().values() if i["role"] == "decode"]
     assert busy and len(decode_side) >= 3, cluster.instances()
     victim = busy[0]

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlparse
 
 from xengine.api.messages import AddRequest
 from xservice.cluster.monitor import RuntimeMonitor, capacity_tokens
@@ -61,6 +62,7 @@ class DynamicPD:
         self._clients: Callable[[], dict[str, RemoteEngineClient]] = dict
         self._healthy: Callable[[], list[str]] = list
         self._tasks: set[asyncio.Task] = set()
+        self._host_locks: dict[str, asyncio.Lock] = {}  # instances on one host profile one at a time
 
     def attach(
         self, clients: Callable[[], dict[str, RemoteEngineClient]], healthy: Callable[[], list[str]]
@@ -81,10 +83,15 @@ class DynamicPD:
             self._spawn(self._profile(client))
 
     async def _profile(self, client: RemoteEngineClient) -> None:
+        """Seed ``client``'s predictors. Instances sharing a host are profiled one after another: run
+        side by side they would slow each other, and the seeds would stay pessimistic in the fits."""
+        host = urlparse(client.record.input_addr).hostname or ""
+        lock = self._host_locks.setdefault(host, asyncio.Lock())
         try:
-            self.profiles[client.name] = await profile_instance(
-                client, self.monitor.get(client.name), seed=len(self.profiles)
-            )
+            async with lock:
+                self.profiles[client.name] = await profile_instance(
+                    client, self.monitor.get(client.name), seed=len(self.profiles)
+                )
         except Exception as e:  # noqa: BLE001 - the instance died meanwhile: online samples will do
             logger.warning("start-up profiling of %s failed (%s)", client.name, e)
 
