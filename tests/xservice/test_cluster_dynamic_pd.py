@@ -144,7 +144,10 @@ def test_decode_heavy_phase_flips_a_prefill_instance_to_decode(
     assert {p: out[p] for p in SHORT} == {p: expected[p] for p in SHORT}
     new = _dyn(cluster)["flips"][before:]
     to_decode = [f for f in new if f["to_role"] == "decode"]
-    assert to_decode, (_dyn(cluster), {n: (i["pool"], i["predictors"]) for n, i in cluster.instances().items()})
+    assert to_decode, (
+        _dyn(cluster),
+        {n: (i["pool"], i["predictors"]) for n, i in cluster.instances().items()},
+    )
     assert "TPOT" in to_decode[0]["reason"]
     dyn = _dyn(cluster)
     assert len(dyn["pools"]["P"]) + len(dyn["pools"]["D→P"]) >= 1  # never below min_prefill
