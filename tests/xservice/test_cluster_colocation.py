@@ -4,7 +4,9 @@ through the ``openai`` client's Files and Batches API, and online streams beside
 
 Every output must equal a colocated engine's greedy text; offline requests must prefill on the
 relaxed instance and decode on either (here the TPOT SLO is loose, so the strict pool admits them);
-online arrivals must stop offline prefill steps on the relaxed instance between layers.
+online arrivals must stop offline prefill steps on the relaxed instance between layers; online
+streams asking for a TPOT SLO the strict batch cannot hold move its offline decodes back to the
+relaxed instance mid-stream.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def expected(model_dir: Path) -> dict[str, str]:
     )
 
 
-def _submit(client: openai.OpenAI, prompts: list[str]) -> str:
+def _submit(client: openai.OpenAI, prompts: list[str], max_tokens: int = OFFLINE_TOKENS) -> str:
     lines = [
         json.dumps(
             {
@@ -67,7 +69,7 @@ def _submit(client: openai.OpenAI, prompts: list[str]) -> str:
                 "body": {
                     "model": "xllm-tiny",
                     "prompt": p,
-                    "max_tokens": OFFLINE_TOKENS,
+                    "max_tokens": max_tokens,
                     "temperature": 0,
                     "ignore_eos": True,
                 },
@@ -93,10 +95,10 @@ def _results(client: openai.OpenAI, batch_id: str, prompts: list[str]) -> dict[s
     return out
 
 
-def _online(client: openai.OpenAI, prompt: str) -> str:
+def _online(client: openai.OpenAI, prompt: str, max_tokens: int = ONLINE_TOKENS, **extra: Any) -> str:
     stream = client.completions.create(
-        model="xllm-tiny", prompt=prompt, max_tokens=ONLINE_TOKENS, temperature=0, stream=True,
-        extra_body={"ignore_eos": True},
+        model="xllm-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, **extra},
     )  # fmt: skip
     return "".join(c.choices[0].text for c in stream if c.choices)
 
@@ -163,3 +165,38 @@ def test_online_arrivals_stop_offline_prefill_between_layers(
     assert stats["num_interrupted_tokens"] > 0 and stats["num_latencies"] > 0
     metrics = cluster.http.get("/metrics").text
     assert "xllm_offline_interrupted_steps" in metrics
+
+
+LONG_OFFLINE = [f"Essay {i}: " + SENTENCE * 2 + "Go on:" for i in range(6)]  # ~35 tokens each
+LONG_OFFLINE_TOKENS, TIGHT_ONLINE_TOKENS = 160, 48
+
+
+def test_online_streams_with_a_tight_tpot_slo_move_offline_decodes_off_the_strict_instance(
+    cluster: ClusterServer, model_dir: Path
+) -> None:
+    """Offline decodes admitted to d0 under the loose SLO; then online streams asking for 0.5 ms per
+    token land there: co-location moves the offline decodes back to p0 mid-stream (recompute of
+    their generated tokens on top of p0's cached prompt), and every text stays exact."""
+    expected = colocated_texts(
+        model_dir, [(p, LONG_OFFLINE_TOKENS) for p in LONG_OFFLINE] + [(ONLINE[1], TIGHT_ONLINE_TOKENS)]
+    )
+    client = cluster.openai()
+    for _ in range(3):
+        before = cluster.admin()["colocation"]["offline_evictions"]
+        batch_id = _submit(client, LONG_OFFLINE, LONG_OFFLINE_TOKENS)
+        wait_until(
+            lambda b=batch_id: (
+                cluster.instances()["d0"]["colocation"]["num_offline_decoding"] > 0
+                or client.batches.retrieve(b).status not in ("validating", "in_progress")
+            ),
+            120,
+            "offline decodes on the strict instance",
+        )
+        online = _online(client, ONLINE[1], TIGHT_ONLINE_TOKENS, slo={"tpot_ms": 0.5})
+        assert online == expected[ONLINE[1]]
+        assert _results(client, batch_id, LONG_OFFLINE) == {p: expected[p] for p in LONG_OFFLINE}
+        view = cluster.admin()["colocation"]
+        if view["offline_evictions"] > before:
+            break
+    assert view["offline_evictions"] > 0, view
+    assert view["last_eviction"]["instance"] == "d0" and "SLO 0.5 ms" in view["last_eviction"]["reason"]

@@ -90,3 +90,56 @@ def test_capacity_and_per_instance_cap_are_respected():
 def test_bad_policy_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         ColocationPolicy(**kw)
+
+
+def with_offline(inst: StrictInstance, offline: list[tuple[str, int]], **kw) -> StrictInstance:
+    """``inst`` whose offline streams are ``offline`` (request id, context tokens)."""
+    from dataclasses import replace
+
+    return replace(inst, num_offline=len(offline), offline=tuple(offline), **kw)
+
+
+def test_a_strict_instance_that_holds_its_slo_keeps_its_offline_decodes():
+    policy = ColocationPolicy(tpot_slo_s=0.05, headroom=0.8)
+    inst = with_offline(strict("d0", 2, 0, 3000), [("o1", 500), ("o2", 500)])
+    assert policy.select_evictions([inst]) == []
+    # observed within the SLO too
+    assert policy.select_evictions([with_offline(inst, list(inst.offline), observed_step_s=0.03)]) == []
+
+
+def test_rising_online_load_evicts_offline_decodes_largest_context_first_until_under_headroom():
+    policy = ColocationPolicy(tpot_slo_s=0.05, headroom=0.8)
+    m = fitted()
+    offline = [("small", 500), ("big", 30_000), ("mid", 10_000), ("tiny", 100)]
+    # online load rose: 4 streams over 8k tokens of context, plus the offline ones
+    inst = with_offline(strict("d0", 4, 0, 8000 + 40_600, model=m), offline)
+    assert m.predict(8, 48_600) > 0.05
+    evictions = policy.select_evictions([inst])
+    order = [e.req_id for e in evictions]
+    assert order[0] == "big" and all(e.instance == "d0" for e in evictions)
+    assert "predicted step" in evictions[0].reason and "SLO 50.0 ms" in evictions[0].reason
+    # the fewest that bring the predicted step back under headroom x SLO
+    left = [o for o in offline if o[0] not in order]
+    assert order == ["big", "mid"] and m.predict(4 + len(left), 8000 + sum(c for _, c in left)) <= 0.04
+    assert m.predict(4 + len(left) + 1, 8000 + sum(c for _, c in left) + 10_000) > 0.04  # "mid" had to go
+
+
+def test_an_online_stream_with_a_tighter_slo_evicts_and_blocks_offline_decodes():
+    policy = ColocationPolicy(tpot_slo_s=0.05, headroom=0.8)
+    m = fitted(overhead_s=0.004)
+    base = strict("d0", 2, 0, 3000, model=m)
+    tight = with_offline(base, [("o1", 500)], tpot_slo_s=0.004)  # an online stream asked for 4 ms
+    assert policy.slo_of(tight) == 0.004
+    [ev] = policy.select_evictions([tight])
+    assert ev.req_id == "o1" and "SLO 4.0 ms" in ev.reason
+    # and no new offline decode joins it
+    assert not policy.select_offline_decode("p0", 300, [with_offline(base, [], tpot_slo_s=0.004)]).strict
+
+
+def test_observed_miss_evicts_one_per_check_and_blocks_admission():
+    policy = ColocationPolicy(tpot_slo_s=0.05, headroom=0.8)
+    inst = with_offline(strict("d0", 2, 0, 3000), [("o1", 500), ("o2", 800)], observed_step_s=0.07)
+    [ev] = policy.select_evictions([inst])  # the model says fine: one leaves, the next check sees
+    assert ev.req_id == "o2" and "observed 70.0 ms" in ev.reason
+    slow = with_offline(strict("d0", 2, 0, 3000), [], observed_step_s=0.045)  # over 0.8 x 50 ms
+    assert not policy.select_offline_decode("p0", 300, [slow]).strict

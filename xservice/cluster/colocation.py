@@ -9,28 +9,39 @@ batch the roofline model says keeps the TPOT SLO with it, else its relaxed insta
 transfer). Online requests run PD as before; on a relaxed instance they stop offline prefill steps
 between layers (the engines' ``scheduler.offline_preemption: layer``).
 
+When online load on a strict instance rises (more streams, or a stream asking for a tighter TPOT
+SLO) so that its batch no longer holds the SLO, ``run`` moves offline decodes off it, back to a
+relaxed instance (the one it prefilled on, whose prefix cache still holds its prompt): see
+``ColocationPolicy.select_evictions`` and ``eviction.py``.
+
 Each instance's ``RooflineModel`` is built from what it reports at start-up (weights, parameters, KV
 bytes per token, threads) and corrected online from the step samples of its load reports.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
 
 from xengine.api.cluster import keys
+from xservice.cluster.eviction import Evictions
 from xservice.cluster.monitor import RuntimeMonitor, capacity_tokens
 from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.policies.colocation import (
     CPU_MEM_BW,
     CPU_PEAK_FLOPS_PER_THREAD,
     ColocationPolicy,
+    Eviction,
     OfflineDecodeChoice,
     RooflineModel,
     RooflineSpec,
     StrictInstance,
 )
+
+REBALANCE_S = 0.25  # how often strict instances are checked for offline decodes to move off
+PREFILLED_ON_TTL_S = 3600.0  # how long an offline decode's relaxed instance is remembered
 
 
 class Colocation:
@@ -46,14 +57,24 @@ class Colocation:
         self.peak_flops_per_thread = peak_flops_per_thread
         self.mem_bw = mem_bw
         self.models: dict[str, RooflineModel] = {}
-        self.counters = {"offline_prefills": 0, "offline_decodes_strict": 0, "offline_decodes_relaxed": 0}
+        self.counters = {
+            "offline_prefills": 0,
+            "offline_decodes_strict": 0,
+            "offline_decodes_relaxed": 0,
+            "offline_evictions": 0,
+        }
         self.last_choice: OfflineDecodeChoice | None = None
+        self.last_eviction: Eviction | None = None
+        self.prefilled_on: dict[str, tuple[str, float]] = {}  # offline decode on strict -> (relaxed, when)
         self._role: Callable[[str], str] = lambda name: "mixed"
         self._healthy: Callable[[], list[str]] = list
+        self._evictions: Evictions | None = None
 
-    def attach(self, role: Callable[[str], str], healthy: Callable[[], list[str]]) -> None:
-        """The pool's current role of an instance and its healthy instance names."""
-        self._role, self._healthy = role, healthy
+    def attach(
+        self, role: Callable[[str], str], healthy: Callable[[], list[str]], evictions: Evictions | None = None
+    ) -> None:
+        """The pool's current role of an instance, its healthy instance names and its evictions."""
+        self._role, self._healthy, self._evictions = role, healthy, evictions
 
     def instance_joined(self, client: RemoteEngineClient) -> None:
         info = dict(client.record.info)
@@ -94,33 +115,73 @@ class Colocation:
             if self._role(name) != "decode" or model is None:
                 continue
             mon = self.monitor.get(name)
-            offline = sum(1 for r in mon.decodes if r in mon.offline)
+            moving = self._evictions if self._evictions is not None else ()
+            offline = tuple((r, c) for r, c in mon.decodes.items() if r in mon.offline and r not in moving)
             out.append(
                 StrictInstance(
                     name,
                     model,
-                    len(mon.decodes) - offline,
-                    offline,
+                    len(mon.decodes) - len(offline),
+                    len(offline),
                     sum(mon.decodes.values()),
                     mon.capacity_tokens,
+                    min(mon.slos.values(), default=None),
+                    offline,
+                    mon.observed_step_s,
                 )
             )
         return out
 
-    def pick_offline_prefill(self, exclude: str | None = None) -> str | None:
+    def pick_offline_prefill(self, exclude: str | None = None, count: bool = True) -> str | None:
         """The relaxed instance with the fewest prefills in flight (None: no relaxed instance)."""
         names = [n for n in self.relaxed() if n != exclude]
         if not names:
             return None
-        self.counters["offline_prefills"] += 1
+        if count:
+            self.counters["offline_prefills"] += 1
         now = time.monotonic()
         return min(names, key=lambda n: (self.monitor.get(n).queue_s(now), len(self.monitor.get(n).prefills)))
 
-    def pick_offline_decode(self, relaxed_name: str, context_tokens: int) -> OfflineDecodeChoice:
+    def pick_offline_decode(
+        self, relaxed_name: str, context_tokens: int, req_id: str | None = None
+    ) -> OfflineDecodeChoice:
         choice = self.policy.select_offline_decode(relaxed_name, context_tokens, self.strict())
         self.counters["offline_decodes_strict" if choice.strict else "offline_decodes_relaxed"] += 1
         self.last_choice = choice
+        if choice.strict and req_id is not None:
+            self.prefilled_on[req_id] = (relaxed_name, time.monotonic())
         return choice
+
+    # ------------------------------------------------------------------ evictions
+
+    async def run(self) -> None:
+        """Periodically move offline decodes off strict instances that stopped holding the SLO."""
+        while True:
+            await asyncio.sleep(REBALANCE_S)
+            await self.rebalance()
+
+    async def rebalance(self) -> int:
+        """One check (``ColocationPolicy.select_evictions``); the number of moves started."""
+        if self._evictions is None:
+            return 0
+        self._forget_old()
+        relaxed, moved = self.relaxed(), 0
+        for ev in self.policy.select_evictions(self.strict()):
+            home = self.prefilled_on.get(ev.req_id, ("", 0.0))[0]
+            to = home if home in relaxed else self.pick_offline_prefill(count=False)
+            if to is None:
+                break  # no relaxed instance to go back to
+            if await self._evictions.evict(ev.req_id, to):
+                moved += 1
+                self.counters["offline_evictions"] += 1
+                self.last_eviction = ev
+                self.prefilled_on.pop(ev.req_id, None)
+        return moved
+
+    def _forget_old(self) -> None:
+        cutoff = time.monotonic() - PREFILLED_ON_TTL_S
+        for req_id in [r for r, (_, t) in self.prefilled_on.items() if t < cutoff]:
+            del self.prefilled_on[req_id]
 
     # ------------------------------------------------------------------ admin
 
@@ -133,6 +194,9 @@ class Colocation:
             "pools": {"latency_relaxed": self.relaxed(), "latency_strict": [s.name for s in self.strict()]},
             **self.counters,
             "last_offline_decode": None if last is None else {"instance": last.name, "reason": last.reason},
+            "last_eviction": None
+            if self.last_eviction is None
+            else {"instance": self.last_eviction.instance, "reason": self.last_eviction.reason},
         }
 
     def instance_view(self, name: str) -> dict[str, Any]:

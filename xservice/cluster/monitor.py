@@ -50,6 +50,7 @@ class InstanceMonitor:
     prefills: dict[str, _Prefill] = field(default_factory=dict)  # sub id -> in flight
     decodes: dict[str, int] = field(default_factory=dict)  # req id -> context tokens
     offline: set[str] = field(default_factory=set)  # of ``decodes``, the offline ones (co-location)
+    slos: dict[str, float] = field(default_factory=dict)  # of ``decodes``, online ones' own TPOT SLO
     last_token_at: dict[str, float] = field(default_factory=dict)
     observed_step_s: float | None = None
     over_slo_since: float | None = None
@@ -144,11 +145,21 @@ class RuntimeMonitor:
             mon.busy.append((mon.busy_start, now))
             mon.busy_start = None
 
-    def decode_started(self, name: str, req_id: str, context_tokens: int, offline: bool = False) -> None:
+    def decode_started(
+        self,
+        name: str,
+        req_id: str,
+        context_tokens: int,
+        offline: bool = False,
+        tpot_slo_s: float | None = None,
+    ) -> None:
+        """A decode stream started on ``name`` (``tpot_slo_s``: an online stream's own SLO, if it set one)."""
         mon = self.get(name)
         mon.decodes[req_id] = context_tokens
         if offline:
             mon.offline.add(req_id)
+        elif tpot_slo_s is not None:
+            mon.slos[req_id] = tpot_slo_s
         mon.num_decodes += 1
 
     def decode_tokens(self, name: str, req_id: str, num_tokens: int, tpot_slo_s: float, now: float) -> None:
@@ -175,6 +186,7 @@ class RuntimeMonitor:
             return
         mon.decodes.pop(req_id, None)
         mon.offline.discard(req_id)
+        mon.slos.pop(req_id, None)
         mon.last_token_at.pop(req_id, None)
         if not mon.decodes:
             mon.observed_step_s, mon.over_slo_since = None, None

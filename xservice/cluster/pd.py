@@ -161,7 +161,7 @@ class PDDispatcher:
         """Where the decode half goes when a policy decides it (None: the PD policy's pick)."""
         colocation = self.pool.colocation
         if colocation is not None and req.priority == "offline":
-            return colocation.pick_offline_decode(prefill.name, context).name
+            return colocation.pick_offline_decode(prefill.name, context, req.req_id).name
         if self.pool.dynamic is not None:
             return self.pool.dynamic.pick_decode(req, prefill.name, context).name
         return None
@@ -182,6 +182,8 @@ class PDDispatcher:
                 yield delta
             return
         offline = req.priority == "offline"
+        slo = getattr(req, "slo", None)
+        own_slo = slo.tpot_ms / 1000 if slo is not None and slo.tpot_ms is not None else None
         on: list[str] = []
 
         def observe(name: str, delta: CompletionDelta) -> None:
@@ -189,7 +191,7 @@ class PDDispatcher:
                 if on:
                     mon.decode_done(on[-1], req.req_id)
                 on.append(name)
-                mon.decode_started(name, req.req_id, len(sub.prompt_token_ids), offline)
+                mon.decode_started(name, req.req_id, len(sub.prompt_token_ids), offline, own_slo)
             mon.decode_tokens(name, req.req_id, len(delta.new_token_ids), tpot_slo, time.monotonic())
 
         try:

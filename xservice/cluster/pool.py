@@ -39,7 +39,9 @@ from xengine.api.messages import (
 )
 from xengine.api.security import ClusterKey
 from xservice.cluster.colocation import Colocation
+from xservice.cluster.continuation import continue_request
 from xservice.cluster.dynamic_pd import DynamicPD
+from xservice.cluster.eviction import Evictions
 from xservice.cluster.kv_index import prompt_block_hashes
 from xservice.cluster.pd import PDDispatcher
 from xservice.cluster.registry import InstanceRegistry, InstanceState
@@ -68,6 +70,8 @@ class InstancePool:
         self.registry = registry
         self.policy = policy
         self.migrate = migrate
+        self._active: dict[str, tuple[RemoteEngineClient, str]] = {}  # req_id -> (client, sub req_id)
+        self.evictions = Evictions(self._active.get)  # service-initiated moves (co-location)
         self.pd = PDDispatcher(self, pd_policy or PDPolicy())
         self.dynamic = dynamic  # dynamic PD: roles are service-side and flip (``dynamic_pd.py``)
         if dynamic is not None:
@@ -76,7 +80,9 @@ class InstancePool:
         self.colocation = colocation  # online/offline co-location pools (``colocation.py``)
         if colocation is not None:
             colocation.attach(
-                lambda n: self.role_of(n, self.clients[n]), lambda: [s.name for s in self.snapshots()]
+                lambda n: self.role_of(n, self.clients[n]),
+                lambda: [s.name for s in self.snapshots()],
+                self.evictions,
             )
             registry.load_listeners.append(colocation.ingest)
             if dynamic is None:
@@ -94,7 +100,6 @@ class InstancePool:
         self.last_migration_s: float | None = None  # dead instance detected -> migrated request resent
         self._inflight: dict[str, int] = {}
         self._dead_at = time.monotonic()
-        self._active: dict[str, tuple[RemoteEngineClient, str]] = {}  # req_id -> (client, sub req_id)
         self._dead: set[str] = set()  # incarnations known dead (never reconnect to them)
         self._changed = asyncio.Event()
         self._closed = False
@@ -279,63 +284,48 @@ class InstancePool:
         (and ``num_cached_tokens`` when given). ``observe(instance name, delta)`` sees each delta.
         """
         migrated = False
-        while True:
-            client = client or self.route(sub.prompt_token_ids, prefer)
-            name = client.name
-            try:
-                with self.track(req.req_id, client, sub.req_id):
-                    async for delta in client.generate(sub):
-                        if migrated:
-                            self.last_migration_s = time.monotonic() - self._dead_at
-                            migrated = False
-                        if sub is not req:
-                            delta = self._as_original(delta, req, num_cached_tokens)
-                        generated.extend(delta.new_token_ids)
-                        if observe is not None:
-                            observe(name, delta)
-                        yield delta
-                return
-            except EngineDeadError:
-                if not self.migrate or req.params.n != 1 or self._closed:
-                    raise
-                sub = self.continuation(req, generated, f"m{self.num_migrations + 1}")
+        try:
+            while True:
+                client = client or self.route(sub.prompt_token_ids, prefer)
+                name, moved_to = client.name, None
+                try:
+                    with self.track(req.req_id, client, sub.req_id):
+                        async for delta in client.generate(sub):
+                            if delta.finish_reason == "abort" and self.evictions.pending(req.req_id):
+                                moved_to = self.evictions.take(req.req_id)  # ours: not the client's
+                                delta = msgspec.structs.replace(delta, finish_reason=None, stop_reason=None)
+                            if migrated:
+                                self.last_migration_s = time.monotonic() - self._dead_at
+                                migrated = False
+                            if sub is not req:
+                                delta = self._as_original(delta, req, num_cached_tokens)
+                            generated.extend(delta.new_token_ids)
+                            if observe is not None:
+                                observe(name, delta)
+                            if moved_to is None or delta.new_token_ids:
+                                yield delta
+                    if moved_to is None:
+                        return
+                    tag = f"e{self.evictions.num_evicted}"
+                except EngineDeadError:
+                    if not self.migrate or req.params.n != 1 or self._closed:
+                        raise
+                    tag = f"m{self.num_migrations + 1}"
+                sub = self.continuation(req, generated, tag)
                 if sub is None:
                     yield CompletionDelta(req_id=req.req_id, finish_reason="length")
                     return
+                if moved_to is not None:  # evicted: continue on its target (routed if that is gone)
+                    client = self.clients.get(moved_to)
+                    prefer = (("prefill",), *prefer)
+                    continue
                 self.num_migrations += 1
                 client, migrated = None, True
                 logger.info("migrating %s from %s after %d tokens", req.req_id, name, len(generated))
+        finally:
+            self.evictions.discard(req.req_id)
 
-    @staticmethod
-    def continuation(req: AddRequest, generated: list[int], tag: str) -> AddRequest | None:
-        """The same request resumed after ``generated`` as ``<req_id>~<tag>`` (None: nothing left).
-
-        A prefill-only request (embedding, prompt scoring) runs again whole; prompt logprobs are
-        asked again while no token came (the prompt is the same; positions already streamed are
-        dropped by the service's output state)."""
-        p = req.params
-        if p.is_prefill_only:
-            return msgspec.structs.replace(req, req_id=f"{req.req_id}~{tag}")
-        max_tokens = None if p.max_tokens is None else p.max_tokens - len(generated)
-        if max_tokens is not None and max_tokens <= 0:
-            return None
-        params = msgspec.structs.replace(
-            p,
-            max_tokens=max_tokens,
-            min_tokens=max(0, p.min_tokens - len(generated)),
-            prompt_logprobs=p.prompt_logprobs if not generated else None,
-        )
-        so = p.structured_outputs
-        if so is not None and generated:  # the grammar resumes past what was generated, not at its start
-            resumed = [*(so.resume_token_ids or []), *generated]
-            params.structured_outputs = msgspec.structs.replace(so, resume_token_ids=resumed)
-        return AddRequest(
-            req_id=f"{req.req_id}~{tag}",
-            prompt_token_ids=list(req.prompt_token_ids) + generated,
-            params=params,
-            priority=req.priority,
-            arrival_time=req.arrival_time,
-        )
+    continuation = staticmethod(continue_request)
 
     @staticmethod
     def _as_original(

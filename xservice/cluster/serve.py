@@ -98,6 +98,11 @@ async def serve_cluster(
         launcher: BaseLauncher | None = None
         watcher: asyncio.Task | None = None
         flipper = asyncio.get_running_loop().create_task(dynamic.run()) if dynamic is not None else None
+        rebalancer = (
+            asyncio.get_running_loop().create_task(pool.colocation.run())
+            if pool.colocation is not None
+            else None
+        )
         try:
             try:
                 await registry.start()
@@ -133,7 +138,7 @@ async def serve_cluster(
             await pool.wait_for(list(specs), cl.instance_startup_timeout_s)
             return await serve_http(cfg, sock, pool, tokenizer, phases)
         finally:
-            for task in (watcher, flipper):
+            for task in (watcher, flipper, rebalancer):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)

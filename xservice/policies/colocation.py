@@ -97,6 +97,18 @@ class StrictInstance:
     num_offline: int
     context_tokens: int  # KV tokens those streams attend
     capacity_tokens: int = 1 << 62
+    tpot_slo_s: float | None = None  # the tightest TPOT SLO of its online streams (None: the default)
+    offline: tuple[tuple[str, int], ...] = ()  # its offline streams: (request id, context tokens)
+    observed_step_s: float | None = None  # recent observed time per token of its streams
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """Move offline request ``req_id``'s decode off strict instance ``instance`` (back to the relaxed pool)."""
+
+    req_id: str
+    instance: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -122,23 +134,60 @@ class ColocationPolicy:
     ) -> OfflineDecodeChoice:
         """Where an offline request that prefilled on ``relaxed_name`` decodes: the strict instance
         whose batch keeps the most slack under ``headroom · SLO`` with it, else ``relaxed_name``."""
-        budget = self.headroom * self.tpot_slo_s
-        best: tuple[float, StrictInstance, float] | None = None
+        best: tuple[float, StrictInstance, float, float] | None = None
         for inst in strict:
             if inst.num_offline >= self.max_offline:
                 continue
             if inst.context_tokens + context_tokens > inst.capacity_tokens:
                 continue
+            budget = self.headroom * self.slo_of(inst)
+            if inst.observed_step_s is not None and inst.observed_step_s > budget:
+                continue  # its streams already see it over: eviction would move it right back
             b = inst.num_online + inst.num_offline + 1
             step = inst.model.predict(b, inst.context_tokens + context_tokens)
             slack = budget - step
             if slack >= 0 and (best is None or slack > best[0]):
-                best = (slack, inst, step)
+                best = (slack, inst, step, budget)
         if best is None:
             return OfflineDecodeChoice(
                 relaxed_name, False, None, "no strict instance holds the TPOT SLO with it"
             )
-        _, inst, step = best
+        _, inst, step, budget = best
         return OfflineDecodeChoice(
             inst.name, True, step, f"predicted step {step * 1000:.1f} ms <= {budget * 1000:.1f} ms"
         )
+
+    def slo_of(self, inst: StrictInstance) -> float:
+        """The TPOT SLO ``inst``'s batch must hold: the default, or a tighter one an online stream asked for."""
+        return self.tpot_slo_s if inst.tpot_slo_s is None else min(self.tpot_slo_s, inst.tpot_slo_s)
+
+    def select_evictions(self, strict: Sequence[StrictInstance]) -> list[Eviction]:
+        """Offline decodes to move off strict instances whose batch no longer holds its TPOT SLO.
+
+        An instance is over when the model predicts its current batch over the SLO (online load rose,
+        or a stream asked for a tighter SLO) or its streams observe it over. Its offline streams leave
+        largest context first (they cost the most KV reads per step) until the predicted step is back
+        under ``headroom · SLO``; at least one leaves when only the observation says over (the model is
+        optimistic there, and the next check sees the result)."""
+        out: list[Eviction] = []
+        for inst in strict:
+            if not inst.offline:
+                continue
+            slo = self.slo_of(inst)
+            batch, context = inst.num_online + len(inst.offline), inst.context_tokens
+            predicted = inst.model.predict(batch, context)
+            observed = inst.observed_step_s
+            if predicted <= slo and (observed is None or observed <= slo):
+                continue
+            why = (
+                f"predicted step {predicted * 1000:.1f} ms"
+                if predicted > slo
+                else f"observed {observed * 1000:.1f} ms"
+            ) + f" > TPOT SLO {slo * 1000:.1f} ms"
+            budget = self.headroom * slo
+            for i, (req_id, ctx) in enumerate(sorted(inst.offline, key=lambda o: (-o[1], o[0]))):
+                if i > 0 and inst.model.predict(batch, context) <= budget:
+                    break
+                out.append(Eviction(req_id, inst.name, why))
+                batch, context = batch - 1, context - ctx
+        return out
