@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from graph.interrupt import StepInterrupted
-from memory.xtensor import XTensorKVLayout
 from ops.platforms import resolve_platform, set_platform
 from xengine.api.config import EngineConfig
 from xengine.api.messages import (
@@ -24,7 +23,6 @@ from xengine.api.messages import (
     GraphStatsMsg,
     KVExportInfo,
     KVImportResult,
-    XTensorStatsMsg,
 )
 from xengine.beam.catalog import CatalogRegistry
 from xengine.interruption import Interrupter, note_arrival
@@ -33,6 +31,7 @@ from xengine.kv_transfer import KVTransferManager
 from xengine.loader import load_model, resolve_dtype
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
 from xengine.models.registry import get_model_class
+from xengine.multimodal.request_images import request_images, vision_spec
 from xengine.parallel.group import start_expert_parallel
 from xengine.pipeline import StepPipeline
 from xengine.request import PRIORITY_RANK, Request
@@ -159,6 +158,7 @@ class Engine:
             self.kv, kv_caches, spec, port_range=config.cache.transfer_ports()
         )
         self.vocab_size = info.vocab_size
+        self.vision = vision_spec(self.model)  # None: a text-only model
         self.catalogs = CatalogRegistry(info.vocab_size)
         # structured outputs: grammars compiled off the engine loop, cached (``xengine/structured/``)
         self.structured = StructuredOutputs.for_model(model_dir, info.vocab_size, list(info.eos_token_ids))
@@ -195,6 +195,7 @@ class Engine:
             priority=req.priority,
             arrival_time=req.arrival_time or time.monotonic(),
             pooling=req.pooling,
+            mm=request_images(req, self.vision, self.info.model_name, self.parallel is not None),
         )
         note_arrival(request, self.interrupter)
         if req.params.structured_outputs is not None and not self.structured.admit(request, catalog):
@@ -466,18 +467,14 @@ class Engine:
             num_kv_blocks_imported=self.kv_transfer.num_blocks_imported,
             num_kv_bytes_imported=self.kv_transfer.num_bytes_imported,
             kv_layout=self.kv_setup.layout_name,
-            xtensor=self._xtensor_stats(),
+            xtensor=self.kv_setup.xtensor_stats(),
             async_scheduling=self.async_scheduling,
             graph=GraphStatsMsg(**dataclasses.asdict(self.runner.graph.stats)),
             moe=self.parallel.stats() if self.parallel is not None else None,
             colocation=self.interrupter.stats(),
+            num_image_encodes=getattr(self.runner.images, "num_encodes", 0),
+            num_image_cache_hits=getattr(self.runner.images, "num_hits", 0),
         )
-
-    def _xtensor_stats(self) -> XTensorStatsMsg | None:
-        layout = self.kv_setup.layout
-        if not isinstance(layout, XTensorKVLayout):
-            return None
-        return XTensorStatsMsg(**dataclasses.asdict(layout.stats(self.kv.pool.ref_cnt)))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -8,6 +8,7 @@ page and whose mappings fit the process's budget is taken.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from memory.kv_layout import BaseKVLayout, KVCacheSpec, PagedKVLayout
 from memory.xtensor import XTensorKVLayout
 from ops.platforms import Platform
 from xengine.api.config import CacheConfig, SchedulerConfig
+from xengine.api.messages import XTensorStatsMsg
 from xengine.models.info import ModelInfo
 
 DEFAULT_BLOCK_SIZE = 16
@@ -33,6 +35,12 @@ class KVSetup:
     manager: KVCacheManager
     max_model_len: int
     len_limit: str  # what set max_model_len (for error messages)
+
+    def xtensor_stats(self) -> XTensorStatsMsg | None:
+        """The xTensor page pool's counters (None: the paged layout)."""
+        if not isinstance(self.layout, XTensorKVLayout):
+            return None
+        return XTensorStatsMsg(**dataclasses.asdict(self.layout.stats(self.manager.pool.ref_cnt)))
 
 
 def resolve_layout(requested: str, platform: Platform) -> str:

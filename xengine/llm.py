@@ -18,7 +18,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from xengine.api.chat_images import ChatImageBuilder, image_parts
 from xengine.api.config import EngineConfig, from_dict
+from xengine.api.media import MediaLimits
 from xengine.api.messages import (
     AddRequest,
     CatalogInfo,
@@ -27,6 +29,7 @@ from xengine.api.messages import (
     Priority,
     SamplingParams,
 )
+from xengine.api.multimodal import ImageInput
 from xengine.api.text.output_processor import RequestOutputState
 from xengine.api.text.tokenizer import Tokenizer
 from xengine.engine import Engine
@@ -96,10 +99,20 @@ class RequestOutput:
 class LLM:
     """Runs an engine in this process. Keyword arguments map onto the engine config sections."""
 
-    def __init__(self, model: str, *, config: EngineConfig | None = None, **fields: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        config: EngineConfig | None = None,
+        allowed_local_media_path: str | None = None,
+        media_limits: MediaLimits | None = None,
+        **fields: Any,
+    ) -> None:
         """``LLM(model, max_model_len=..., kv_layout=..., num_threads=...)``: every keyword is a field of
         one of the engine config sections (``xengine/api/config.py``: model, cache, scheduler, device),
-        named as there; ``config`` gives a whole ``EngineConfig`` instead."""
+        named as there; ``config`` gives a whole ``EngineConfig`` instead. Vision-language models:
+        ``chat`` reads local image files only under ``allowed_local_media_path`` (data: URLs always),
+        within ``media_limits``."""
         if config is None:
             config = engine_config(model, **fields)
         elif fields:
@@ -108,6 +121,7 @@ class LLM:
         # expert parallel: the worker processes stop with this object (or at interpreter exit)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.tokenizer = Tokenizer.from_dir(config.model.model)
+        self._images = ChatImageBuilder.from_dir(config.model.model, allowed_local_media_path, media_limits)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -173,17 +187,25 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate. Messages may hold
+        OpenAI-style ``image_url`` content parts (vision-language models; ``ValueError`` for a bad image)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-            for conv in conversations
-        ]
-        params_list = _as_params_list(sampling_params, len(texts))
-        items = [
-            (t, self.tokenizer.encode(t, add_special_tokens=False), p) for t, p in zip(texts, params_list)
-        ]
-        return self._run(items, use_tqdm, "online")
+        params_list = _as_params_list(sampling_params, len(conversations))
+        items, images = [], []
+        for conv, params in zip(conversations, params_list):
+            if next(image_parts(conv), None) is not None:
+                if self._images is None:
+                    raise ValueError(
+                        "this model does not take images (no vision tower / preprocessor_config.json)"
+                    )
+                prompt = self._images.build(self.tokenizer, conv, add_generation_prompt)
+                items.append((prompt.text, prompt.token_ids, params))
+                images.append(prompt.images)
+                continue
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            items.append((text, self.tokenizer.encode(text, add_special_tokens=False), params))
+            images.append(None)
+        return self._run(items, use_tqdm, "online", images=images)
 
     # ------------------------------------------------------------------ loop
     def _run(
@@ -192,16 +214,22 @@ class LLM:
         use_tqdm: bool,
         priority: Priority,
         pooling: PoolingParams | None = None,
+        images: list[list[ImageInput] | None] | None = None,
     ) -> list[RequestOutput]:
         states: dict[str, RequestOutputState] = {}
         scores: dict[tuple[str, int], CompletionDelta] = {}  # beam search results
         order: list[tuple[str, str | None, list[int]]] = []
         try:
-            for text, ids, params in items:
+            for i, (text, ids, params) in enumerate(items):
                 req_id = f"llm-{next(self._ids)}"
                 self.engine.add_request(
                     AddRequest(
-                        req_id=req_id, prompt_token_ids=ids, params=params, priority=priority, pooling=pooling
+                        req_id=req_id,
+                        prompt_token_ids=ids,
+                        params=params,
+                        priority=priority,
+                        pooling=pooling,
+                        images=images[i] if images else None,
                     )
                 )
                 states[req_id] = RequestOutputState(req_id, self.tokenizer, params, ids)

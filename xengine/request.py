@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from xengine.api.messages import PoolingParams, Priority, PromptLogprobs, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
+    from xengine.multimodal.request_images import RequestImages
     from xengine.structured.backend import BaseCompiledGrammar
 
 PRIORITY_RANK = {"online": 0, "offline": 1}  # lower runs first
@@ -60,6 +61,8 @@ class Request:
     prompt_logprobs_end: int = 1  # prompt logprobs of positions [1, end) are reported (or pending)
     new_prompt_logprobs: PromptLogprobs | None = None  # not yet reported
     embedding: list[float] | None = None  # the pooled vector, once the prompt is computed
+    # images whose pad tokens the prompt holds (vision-language models): positions, prefix-cache keys
+    mm: RequestImages | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -78,6 +81,13 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """The tokens as the prefix cache keys them: image pads stand for their image's content."""
+        if self.mm is None:
+            return self.prompt_token_ids + self.output_token_ids
+        return self.mm.cache_prompt_ids + self.output_token_ids
 
     @property
     def rank(self) -> tuple[int, float]:

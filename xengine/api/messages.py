@@ -11,6 +11,7 @@ from typing import Literal, Union
 
 import msgspec
 
+from xengine.api.multimodal import ImageInput
 from xengine.api.sampling_params import (  # noqa: F401 - re-exported: the messages' field types
     MAX_BEAM_WIDTH,
     MAX_CATALOG_NAME_LEN,
@@ -48,6 +49,8 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     arrival_time: float = 0.0
     pooling: PoolingParams | None = None  # set: an embedding request (``params.max_tokens`` must be 0)
     slo: RequestSLO | None = None  # service-side objectives (``xservice/serving/slo.py``)
+    # preprocessed images whose pad tokens the prompt holds (``xengine/api/multimodal.py``)
+    images: list[ImageInput] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -142,6 +145,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     graph: GraphStatsMsg | None = None
     moe: MoeStatsMsg | None = None  # expert-parallel instances only
     colocation: ColocationStatsMsg | None = None
+    # vision-language models: images run through the vision encoder, and images whose embeddings came
+    # from the instance's image-embedding cache (by content hash) instead
+    num_image_encodes: int = 0
+    num_image_cache_hits: int = 0
 
 
 class ColocationStatsMsg(msgspec.Struct, kw_only=True):

@@ -50,6 +50,22 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
     return load_json(path)
 
 
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a vision-language model: its ``text_config`` (transformers 5)
+    over the top-level keys (older flat configs), keeping the top level's ``tie_word_embeddings``;
+    a legacy ``mrope`` rope type reads as the default rotary (M-RoPE's sections ride along)."""
+    nested = hf.get("text_config")
+    if not isinstance(nested, dict):
+        return hf
+    out = {**hf, **nested}
+    out["tie_word_embeddings"] = hf.get("tie_word_embeddings", nested.get("tie_word_embeddings", False))
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = out.get(key)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "mrope":
+            out[key] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "default"}
+    return out
+
+
 def hf_architecture(hf: dict[str, Any]) -> str:
     """``architectures[0]`` of a HF config, validated against the registry. ``auto_map`` is ignored."""
     archs = hf.get("architectures")
@@ -84,6 +100,7 @@ def read_model_info(model_dir: str) -> ModelInfo:
     generation_config.json's ``eos_token_id``."""
     hf = read_hf_config(model_dir)
     arch = hf_architecture(hf)
+    hf = text_config(hf)  # a vision-language model: its language model's fields
     eos = _as_id_list(hf.get("eos_token_id"))
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen_path):

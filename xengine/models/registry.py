@@ -12,6 +12,8 @@ _MODELS: dict[str, str] = {
     "Qwen2ForCausalLM": "xengine.models.qwen2:Qwen2ForCausalLM",
     "LlamaForCausalLM": "xengine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "xengine.models.llama:MistralForCausalLM",
+    "Qwen2VLForConditionalGeneration": "xengine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "xengine.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
 }
 
 

@@ -13,6 +13,8 @@ from graph.forward_context import forward_context
 from memory.kv_layout import BaseKVLayout
 from ops.platforms import Platform
 from xengine.api.messages import TokenLogprob
+from xengine.multimodal.image_cache import ImageEmbeddingCache
+from xengine.multimodal.step_inputs import MultiModalStep, build_multimodal_step, has_images
 from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
 from xengine.runner.input_batch import ModelInputs, build_inputs
@@ -54,6 +56,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.matchers = SequenceMatchers()  # structured outputs: one grammar matcher per sequence
         self.graph = create_graph_runner(graph_mode, platform.name, self._forward_tokens)
+        # vision-language models: image embeddings per request and instance-wide (``xengine/multimodal``)
+        encode = getattr(model, "encode_images", None)
+        self.images = ImageEmbeddingCache(encode, self.device) if encode is not None else None
         # offline steps stop between layers when this is set (``xengine/interruption.py``)
         self.interrupt: threading.Event | None = None
         torch.manual_seed(default_seed)
@@ -81,7 +86,12 @@ class ModelRunner:
             [(s.req.seq_id, plan.block_tables[s.req.seq_id], s.end) for s in plan.seqs]
         )
         inputs = build_inputs(plan, self.block_size, self.device, kv_slots)
-        return PreparedStep(plan, inputs, self._sampling_rows(plan), build_prompt_rows(plan))
+        mm = None
+        if self.images is not None and has_images(plan):
+            mm = build_multimodal_step(plan, self.device)
+            if not mm.pieces:  # text tokens only: one M-RoPE id each, the text path runs it
+                inputs.positions = mm.positions
+        return PreparedStep(plan, inputs, self._sampling_rows(plan), build_prompt_rows(plan), mm)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep, prev_rows: torch.Tensor | None = None) -> StepOutput:
@@ -96,7 +106,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         interrupt = self.interrupt if step.plan.interruptible else None
         with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens, interrupt):
-            hidden = self.graph.run(inputs.input_ids, inputs.positions)
+            if step.mm is not None and step.mm.pieces:
+                hidden = self._forward_images(inputs, step.mm)
+            else:
+                hidden = self.graph.run(inputs.input_ids, inputs.positions)
         logits = (
             self.model.compute_logits(hidden[inputs.logits_indices]) if len(inputs.logits_indices) else None
         )
@@ -107,6 +120,15 @@ class ModelRunner:
         if logits is not None and step.sampling is not None:
             self._sample(step.sampling, logits, out, prev_rows)
         return out
+
+    def _forward_images(self, inputs: ModelInputs, mm: MultiModalStep) -> torch.Tensor:
+        """A step holding image pads (eager): their embeddings from the image cache (encoding the
+        images it lacks), M-RoPE positions ``[3, T]``."""
+        assert self.images is not None
+        embeds, at = self.images.gather(mm.pieces)
+        hidden = self.model.forward_multimodal(inputs.input_ids, mm.positions, embeds, at)
+        self.images.done(mm.done_seq_ids)
+        return hidden
 
     def _check_positions(self, plan: SchedulePlan) -> None:
         """Refuse a plan that reaches past ``max_model_len``: on a device, an out-of-range index
@@ -228,6 +250,8 @@ class ModelRunner:
         for seq_id in seq_ids:
             self.generators.pop(seq_id, None)
         self.matchers.release(seq_ids)
+        if self.images is not None:
+            self.images.release(seq_ids)
 
 
 @dataclass
@@ -249,6 +273,7 @@ class PreparedStep:
     inputs: ModelInputs
     sampling: SamplingRows | None
     prompt_rows: PromptOutputRows | None = None
+    mm: MultiModalStep | None = None  # requests with images in the step
 
 
 def _resolve(token_ids: torch.Tensor, prev_rows: torch.Tensor) -> torch.Tensor:

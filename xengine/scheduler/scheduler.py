@@ -188,7 +188,7 @@ class Scheduler:
                 continue
             prefix = ComputedPrefix([], 0)
             if req.num_computed_tokens == 0:
-                prefix = self.kv.get_computed_prefix(req.all_token_ids)
+                prefix = self.kv.get_computed_prefix(req.cache_token_ids)
                 prefix = limit_prefix(req, prefix, self.kv.block_size)
             num_computed = max(req.num_computed_tokens, prefix.num_tokens)
             num_new = self._num_new_tokens(req, num_computed)
@@ -290,7 +290,7 @@ class Scheduler:
             num_prompt = req.num_prompt_tokens
             self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens, num_prompt) - before)
             # cache before sampling: a request that finishes now still leaves its prefix behind
-            self.kv.cache_blocks(req.seq_id, req.all_token_ids, req.num_computed_tokens)
+            self.kv.cache_blocks(req.seq_id, req.cache_token_ids, req.num_computed_tokens)
             if apply_prompt_outputs(req, out):
                 self.updated[req.seq_id] = req
             if s.sample and req.req_id in self.beam_groups:
@@ -315,7 +315,7 @@ class Scheduler:
         before = s.computed_after - s.num_new_tokens
         self.num_computed_prompt_tokens += max(0, min(s.computed_after, req.num_prompt_tokens) - before)
         if req.status == RequestStatus.RUNNING and req.num_computed_tokens >= s.computed_after:
-            self.kv.cache_blocks(req.seq_id, req.all_token_ids, s.computed_after)
+            self.kv.cache_blocks(req.seq_id, req.cache_token_ids, s.computed_after)
         if apply_prompt_outputs(req, out):
             self.updated[req.seq_id] = req
         if s.output_index is None:
@@ -370,6 +370,7 @@ class Scheduler:
             arrival_time=parent.arrival_time,
             num_cached_tokens=parent.num_cached_tokens,
             grammar=parent.grammar,
+            mm=parent.mm,
             **state,
         )
 

@@ -14,6 +14,12 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+# vision-language checkpoints (qwen2_vl, qwen2_5_vl): added after training, at the end of the vocabulary
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 
 # ChatML, with an optional tool list in the system turn (Qwen-style).
 CHATML_TEMPLATE = (
@@ -41,6 +47,14 @@ CHATML_TEMPLATE = (
     "{%- endif %}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
+)
+# The same, with image parts (``{"type": "image"}`` as HF processors take them, or OpenAI's ``image_url``)
+# rendered as Qwen2-VL's one-token placeholder, which the prompt builder expands per image.
+VL_CHATML_TEMPLATE = CHATML_TEMPLATE.replace(
+    "{%- endif %}{%- endfor %}\n",
+    "{%- elif part['type'] in ('image', 'image_url') %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- endif %}{%- endfor %}\n",
+    1,
 )
 
 
@@ -70,9 +84,15 @@ def train_bpe(vocab_size: int, corpus_chars: int, seed: int = 0) -> Tokenizer:
     return tok
 
 
-def save_tokenizer(tok: Tokenizer, out: Path) -> TokenizerInfo:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the ChatML template)."""
+def save_tokenizer(
+    tok: Tokenizer, out: Path, extra_special: list[str] | None = None, chat_template: str = CHATML_TEMPLATE
+) -> TokenizerInfo:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with ``chat_template``, ChatML by default).
+    ``extra_special``: special tokens appended to the vocabulary (e.g. ``VISION_TOKENS``)."""
     out.mkdir(parents=True, exist_ok=True)
+    extra = list(extra_special or [])
+    if extra:
+        tok.add_special_tokens(extra)
     tok.save(str(out / "tokenizer.json"))
     info = TokenizerInfo(
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
@@ -89,12 +109,12 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> TokenizerInfo:
             "single_word": False,
             "special": True,
         }
-        for t in SPECIAL_TOKENS
+        for t in SPECIAL_TOKENS + extra
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
-        "additional_special_tokens": [IM_START, IM_END],
+        "additional_special_tokens": [IM_START, IM_END, *extra],
         "bos_token": None,
         "eos_token": IM_END,
         "pad_token": ENDOFTEXT,
@@ -103,7 +123,7 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> TokenizerInfo:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 4096,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": chat_template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return info

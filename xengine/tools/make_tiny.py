@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from xengine.api.models import ARCHS, SIZES
+from xengine.api.models import ARCHS, SIZES, VL_ARCHS
 from xengine.api.paths import default_model_dir
 
 # Shapes per size. Tiny ties embeddings for the Qwen archs (like the small real Qwens) and unties
@@ -61,6 +61,16 @@ _DEEPSEEK_COMMON = dict(
     num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
     routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True, num_nextn_predict_layers=0,
 )  # fmt: skip
+# qwen2_vl / qwen2_5_vl: a small vision tower (14-pixel patches, 2x2 merge) in front of the language model
+# of the size; M-RoPE sections split head_dim / 2 as Qwen's 16/24/24 of 64.
+_VISION: dict[str, dict[str, Any]] = {
+    "tiny": dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2),
+    "small": dict(depth=4, embed_dim=128, num_heads=4, mlp_ratio=2),
+}
+_MROPE_SECTION = {"tiny": [4, 6, 6], "small": [8, 12, 12]}
+# preprocessor_config.json: images resized to between 56x56 and 224x224 pixels (4 to 64 image tokens)
+IMAGE_MIN_PIXELS = 56 * 56
+IMAGE_MAX_PIXELS = 28 * 28 * 64
 _VOCAB = {"tiny": 2048, "small": 32000}
 _CORPUS_CHARS = {"tiny": 400_000, "small": 12_000_000}
 INITIALIZER_RANGE = 0.2
@@ -90,7 +100,9 @@ def build_config(arch: str, size: str, vocab_size: int | None = None, eos_token_
         pad_token_id=None,
         rms_norm_eps=1e-6,
     )
-    if arch == "qwen3":
+    if arch in VL_ARCHS:
+        config = _vl_config(arch, size, kw)
+    elif arch == "qwen3":
         config = Qwen3Config(**kw)
     elif arch == "qwen3_moe":
         moe = dict(_MOE[size], norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])
@@ -115,13 +127,67 @@ def build_config(arch: str, size: str, vocab_size: int | None = None, eos_token_
     return config
 
 
+def _vl_config(arch: str, size: str, kw: dict[str, Any]) -> Any:
+    """Qwen2-VL / Qwen2.5-VL: the size's language model (Qwen2 shapes) and a small vision tower; the
+    vision special tokens are the last four ids of the vocabulary (``bpe.VISION_TOKENS``)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    kw = dict(kw)
+    kw.pop("head_dim")  # hidden_size / num_attention_heads, as Qwen2
+    tie = kw.pop("tie_word_embeddings")
+    kw["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": _MROPE_SECTION[size],
+    }
+    vocab = kw["vocab_size"]
+    vision_start, vision_end, image_pad, video_pad = range(vocab - 4, vocab)
+    v = _VISION[size]
+    common = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_heads=v["num_heads"])
+    common.update(depth=v["depth"], initializer_range=INITIALIZER_RANGE)
+    if arch == "qwen2_vl":
+        vision = dict(
+            common, embed_dim=v["embed_dim"], hidden_size=kw["hidden_size"], mlp_ratio=v["mlp_ratio"]
+        )
+        cls = Qwen2VLConfig
+    else:  # window attention on all but the last block; 56-pixel windows: 2x2 merged cells
+        vision = dict(
+            common, hidden_size=v["embed_dim"], intermediate_size=v["embed_dim"] * v["mlp_ratio"],
+            out_hidden_size=kw["hidden_size"], window_size=56, fullatt_block_indexes=[v["depth"] - 1],
+        )  # fmt: skip
+        cls = Qwen2_5_VLConfig
+    return cls(
+        text_config=kw,
+        vision_config=vision,
+        image_token_id=image_pad,
+        video_token_id=video_pad,
+        vision_start_token_id=vision_start,
+        vision_end_token_id=vision_end,
+        tie_word_embeddings=tie,
+    )
+
+
+def _model_class(config: Any) -> Any:
+    """The HF class that builds ``config``'s model (vision-language models are not causal-LM autos)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    by_type = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
+    cls = by_type.get(config.model_type)
+    return cls if cls is not None else AutoModelForCausalLM
+
+
 def count_params(config: Any) -> int:
     """Parameter count of ``config``'s model, built on the meta device (no weights materialised)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    cls = _model_class(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = cls.from_config(config) if cls is AutoModelForCausalLM else cls(config)
     return sum(p.numel() for p in model.parameters())  # tied weights are yielded once
 
 
@@ -131,19 +197,28 @@ def make_tiny(arch: str, size: str, out: str | Path, seed: int = 0, progress: bo
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from xengine.tools.bpe import save_tokenizer, train_bpe
+    from xengine.tools.bpe import VISION_TOKENS, VL_CHATML_TEMPLATE, save_tokenizer, train_bpe
 
     out = Path(out)
     bar = tqdm(total=3, desc=f"make-tiny {arch}/{size}", file=sys.stderr, disable=not progress)
     bar.set_postfix_str("training tokenizer")
     tok = train_bpe(_VOCAB[size], _CORPUS_CHARS[size], seed)
-    info = save_tokenizer(tok, out)
+    vl = arch in VL_ARCHS
+    if vl:
+        info = save_tokenizer(tok, out, extra_special=VISION_TOKENS, chat_template=VL_CHATML_TEMPLATE)
+        _save_image_processor(out)
+    else:
+        info = save_tokenizer(tok, out)
     bar.update()
 
     bar.set_postfix_str("initialising weights")
     config = build_config(arch, size, vocab_size=info.vocab_size, eos_token_id=info.im_end_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    cls = _model_class(config)
+    if cls is AutoModelForCausalLM:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = cls(config).to(torch.float32)
     _randomise_router_biases(model, seed)
     model.generation_config = GenerationConfig(
         bos_token_id=None,
@@ -160,6 +235,34 @@ def make_tiny(arch: str, size: str, out: str | Path, seed: int = 0, progress: bo
     if progress:
         print(f"wrote {arch}/{size} to {out}: {num_params / 1e6:.2f}M parameters", file=sys.stderr)
     return out
+
+
+def _save_image_processor(out: Path) -> None:
+    """``preprocessor_config.json`` of Qwen2-VL's image processor (CLIP mean/std, bicubic resize to
+    multiples of 28 pixels) and ``processor_config.json``, so ``AutoProcessor`` loads the folder."""
+    import json
+
+    config = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "do_resize": True,
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_convert_rgb": True,
+        "min_pixels": IMAGE_MIN_PIXELS,
+        "max_pixels": IMAGE_MAX_PIXELS,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2) + "\n"
+    )
 
 
 def _randomise_router_biases(model: Any, seed: int) -> None:
