@@ -26,6 +26,7 @@ from xengine.api.config import (
     _f,
     from_dict,
 )
+from xengine.api.media import MediaLimits
 from xengine.api.paths import cache_dir
 from xservice.cluster.config import ClusterConfig
 from xservice.policies.restart import RestartPolicy
@@ -105,6 +106,15 @@ class ServiceConfig:
         False,
         "Accept 'chat_template' in chat requests (a Jinja template, run sandboxed on the server).",
     )
+    # Images in chat requests (vision-language models; docs/multimodal.md). Never fetched from the network.
+    allowed_local_media_path: str = _f(
+        "",
+        "Folder whose image files chat requests may name (file:// URLs or paths under it); empty: none, "
+        "only data: URLs.",
+    )
+    max_image_bytes: int = _f(20 * 1024 * 1024, "Largest encoded image accepted in a request.")
+    max_image_pixels: int = _f(40_000_000, "Largest decoded image (width * height) accepted in a request.")
+    max_images_per_request: int = _f(16, "Most images accepted in one chat request.")
 
     def with_api_key(self) -> ServiceConfig:
         """This config with its API key resolved: ``api_key``, else ``api_key_file``, else ``$XLLM_API_KEY``."""
@@ -134,6 +144,14 @@ class ServiceConfig:
             )
         if self.engine_hang_timeout_s <= 0:
             raise ValueError("service.engine_hang_timeout_s must be > 0")
+        if min(self.max_image_bytes, self.max_image_pixels, self.max_images_per_request) < 1:
+            raise ValueError(
+                "service.max_image_bytes, max_image_pixels and max_images_per_request must be >= 1"
+            )
+        if self.allowed_local_media_path and not Path(self.allowed_local_media_path).is_dir():
+            raise ValueError(
+                f"service.allowed_local_media_path {self.allowed_local_media_path!r} is not a folder"
+            )
         from xservice.serving.tools.registry import setting_names
 
         if self.tool_call_parser not in setting_names():
@@ -142,6 +160,14 @@ class ServiceConfig:
 
         if self.reasoning_parser not in reasoning_names():
             raise ValueError(f"service.reasoning_parser must be one of {', '.join(reasoning_names())}")
+
+    def media_limits(self) -> MediaLimits:
+        """The bounds on a request's images."""
+        return MediaLimits(
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_images_per_request=self.max_images_per_request,
+        )
 
     def restart_policy(self) -> RestartPolicy:
         """The supervisor's restart policy from these settings."""

@@ -13,6 +13,7 @@ from xservice.protocol.chat import (
     ChatResponseMessage,
     ChatTokenLogprob,
     ContentPart,
+    ImageURL,
     TopLogprob,
 )
 from xservice.protocol.common import (
@@ -56,6 +57,7 @@ __all__ = [
     "ContentPart",
     "DetokenizeRequest",
     "DetokenizeResponse",
+    "ImageURL",
     "ModelCard",
     "ModelList",
     "PromptInput",

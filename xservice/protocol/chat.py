@@ -12,13 +12,25 @@ from xservice.protocol.sampling import SamplingRequest
 from xservice.protocol.tools import ChatTool, DeltaToolCall, MessageToolCall, ToolCall, ToolChoice
 
 
+class ImageURL(APIRequest):
+    """An ``image_url`` part's image: a ``data:image/...;base64,`` URL, or a file under the server's
+    ``service.allowed_local_media_path`` (never fetched from the network)."""
+
+    url: str
+    # "auto" / "high": the model's own preprocessing (native resolution within its max_pixels);
+    # "low" (OpenAI's fixed 512x512 budget) has no counterpart here. Checked by the renderer
+    # (``xservice/serving/images.py``), so a 400 names this field rather than the content union.
+    detail: str | None = None
+
+
 class ContentPart(APIRequest):
-    """One part of a message's content; only ``text`` parts are supported by text models (other
-    part types are refused by the prompt renderer, naming the part)."""
+    """One part of a message's content: ``text``, or ``image_url`` for vision-language models (other
+    part types, and images sent to a text model, are refused by the prompt renderer, naming the part)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 # OpenAI deprecated ``functions`` / ``function_call`` for ``tools`` / ``tool_choice``; refused rather
@@ -53,7 +65,8 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, str] = {
     "web_search_options": "web search is not available",
     "verbosity": "this server has no verbosity control",
     "reasoning_effort": "this server has no reasoning-effort control",
-    "mm_processor_kwargs": "multimodal inputs are not supported by this server's models",
+    "mm_processor_kwargs": "per-request image processor settings are not supported (the model's "
+    "preprocessor_config.json applies)",
     "best_of": "'best_of' is served on /v1/completions",
     "use_beam_search": "beam search is served on /v1/completions",
     "length_penalty": "beam search is served on /v1/completions",

@@ -29,7 +29,9 @@ def request_models() -> dict[str, type[RequestModel]]:
         ChatCompletionRequest,
         ChatMessage,
         CompletionRequest,
+        ContentPart,
         DetokenizeRequest,
+        ImageURL,
         StreamOptions,
         TokenizeRequest,
     )
@@ -43,6 +45,8 @@ def request_models() -> dict[str, type[RequestModel]]:
         "POST /v1/completions": CompletionRequest,
         "POST /v1/chat/completions": ChatCompletionRequest,
         "chat message (messages[])": ChatMessage,
+        "chat content part (messages[].content[])": ContentPart,
+        "chat image part (messages[].content[].image_url)": ImageURL,
         "stream_options": StreamOptions,
         "response_format": ResponseFormat,
         "response_format.json_schema": JSONSchemaFormat,

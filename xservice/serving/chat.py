@@ -28,7 +28,7 @@ from xservice.serving.generation import Generation
 from xservice.serving.logprobs import TokenText, chat_logprobs
 from xservice.serving.params import build_sampling_params, check_n, check_stream_options, resolve_max_tokens
 from xservice.serving.prompt_logprobs import check_prompt_logprobs, prompt_logprobs_field
-from xservice.serving.prompts import chat_prompt_ids
+from xservice.serving.prompts import chat_prompt
 from xservice.serving.reasoning.tokens import count_reasoning_tokens
 from xservice.serving.slo import request_slo
 from xservice.serving.streaming import (
@@ -67,7 +67,7 @@ async def _generation(
     render: ChatRender,
     output: ChatOutput,
 ) -> Generation:
-    prompt_ids = await chat_prompt_ids(
+    prompt = await chat_prompt(
         ctx,
         body.messages,
         body.add_generation_prompt,
@@ -75,6 +75,7 @@ async def _generation(
         truncation=resolve_truncation(body, ctx.max_model_len),
         render=render,
     )
+    prompt_ids = prompt.ids
     requested, param = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, param = body.max_tokens, "max_tokens"
@@ -93,7 +94,9 @@ async def _generation(
     )
     params = constrain(params, output.plan.structured)
     rename = {**_RENAME, **constraint_rename(body)}
-    return Generation(ctx, req_id, prompt_ids, params, body.priority, rename=rename, arrival=arrival)
+    gen = Generation(ctx, req_id, prompt_ids, params, body.priority, rename=rename, arrival=arrival)
+    gen.images = prompt.images or None
+    return gen
 
 
 def _usage(gen: Generation, reasoning_tokens: int | None = None) -> Usage:

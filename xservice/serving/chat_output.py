@@ -135,7 +135,7 @@ async def chat_options(ctx: ServingContext, body: ChatCompletionRequest) -> tupl
                 '"continue_final_message": true.',
                 param="echo",
             )
-        echo = message_dicts(body.messages[-1:])[0]["content"] if body.messages else ""
+        echo = _echo_text(ctx, body)
     reasoning = plan_reasoning(ctx.reasoning_family, body.chat_template_kwargs, body.include_reasoning)
     if reasoning is not None and (plan.structured is not None or _json_or_choice_constraint(body)):
         # The constraint covers the whole output from its first token, leaving no room to think, and
@@ -143,6 +143,17 @@ async def chat_options(ctx: ServingContext, body: ChatCompletionRequest) -> tupl
         # grammar may spell the tags out: its output is split as usual.
         reasoning = replace(reasoning, thinking=False)
     return render.with_tools(plan.tools), ChatOutput(plan, echo, reasoning)
+
+
+def _echo_text(ctx: ServingContext, body: ChatCompletionRequest) -> str:
+    """The continued final message's text; with a vision-language model its parts reach the template as
+    a list (images as placeholders), rendered one after the other, so its text parts are joined as is."""
+    if not body.messages:
+        return ""
+    content = message_dicts(body.messages, [] if ctx.images is not None else None)[-1]["content"]
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if p["type"] == "text")
+    return content
 
 
 def _json_or_choice_constraint(body: ChatCompletionRequest) -> bool:

@@ -21,6 +21,7 @@ from xservice.serving.text_workers import TextWorkers
 from xservice.serving.tools.registry import ToolParserFamily, resolve_family
 
 if TYPE_CHECKING:
+    from xengine.api.chat_images import ChatImageBuilder
     from xengine.api.text.tokenizer import Tokenizer
     from xservice.engine_client import EngineClient
 
@@ -76,6 +77,16 @@ class ServingContext:
         """The served model's tool-call parser family (``service.tool_call_parser``); None: no parser."""
         setting = self.config.service.tool_call_parser
         return resolve_family(setting, self.tokenizer.chat_template, self.config.model.model)
+
+    @cached_property
+    def images(self) -> ChatImageBuilder | None:
+        """Image loading and preprocessing for a vision-language model (its ``preprocessor_config.json``
+        and ``image_token_id``), within ``service``'s media settings; None: the model takes no images."""
+        from xengine.api.chat_images import ChatImageBuilder
+
+        service = self.config.service
+        allowed = service.allowed_local_media_path or None
+        return ChatImageBuilder.from_dir(self.config.model.model, allowed, service.media_limits())
 
     @cached_property
     def reasoning_family(self) -> ReasoningFamily | None:

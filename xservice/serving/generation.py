@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from xengine.api.messages import AddRequest, PoolingParams, Priority, RequestSLO, SamplingParams
+from xengine.api.multimodal import ImageInput
 from xengine.api.text.output_processor import RequestOutputState, SeqDelta, SeqOutput
 from xservice.engine_client import EngineDeadError
 from xservice.errors import APIError, EngineUnavailableError, InternalError, from_value_error
@@ -45,6 +46,7 @@ class Generation:
         self.pooling = pooling  # an embedding request (``state.embedding`` once finished)
         self.slo = slo  # its own TTFT / TPOT objectives (``xservice/serving/slo.py``)
         self.state = RequestOutputState(req_id, ctx.tokenizer, params, prompt_ids)
+        self.images: list[ImageInput] | None = None  # a multimodal prompt's images (``serving/images.py``)
 
     @property
     def outputs(self) -> list[SeqOutput]:
@@ -67,6 +69,7 @@ class Generation:
             arrival_time=time.time(),
             pooling=self.pooling,
             slo=self.slo,
+            images=self.images,
         )
         deltas = ctx.engine_client.generate(req)
         try:

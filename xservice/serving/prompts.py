@@ -7,14 +7,18 @@ large; a text that must have more tokens than the model's context is refused bef
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from xengine.api.chat_images import place_images
 from xservice.errors import InvalidRequestError
-from xservice.protocol import ChatMessage, PromptInput
+from xservice.protocol import ChatMessage, ContentPart, PromptInput
 from xservice.protocol.tools import MessageToolCall
 from xservice.serving.chat_render import ChatRender
+from xservice.serving.images import TEMPLATE_IMAGE_PART, ImageRef, image_ref, load_images
 
 if TYPE_CHECKING:
+    from xengine.api.multimodal import ImageInput
     from xengine.api.text.tokenizer import Tokenizer
     from xservice.serving.context import ServingContext
     from xservice.serving.truncation import Truncation
@@ -107,14 +111,18 @@ def _encode_all(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool
     return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
 
-def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
+def _message_dict(i: int, msg: ChatMessage, images: list[ImageRef] | None = None) -> dict[str, Any]:
+    """``images``: the model takes images; their parts are appended to it (None: text parts only)."""
     content = msg.content
-    if isinstance(content, list):
+    if isinstance(content, list) and images is not None:  # parts as HF's processors pass them
+        content = _parts_with_images(i, content, images)
+    elif isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
             if part.type != "text":
+                why = " (it takes no images)" if part.type == "image_url" else " (only 'text' parts are)"
                 raise InvalidRequestError(
-                    f"Content part type '{part.type}' is not supported by this model (only 'text' parts are).",
+                    f"Content part type '{part.type}' is not supported by this model{why}.",
                     param=f"messages.{i}.content.{j}.type",
                 )
             if part.text is None:
@@ -138,6 +146,34 @@ def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
     if reasoning is not None:
         out["reasoning"] = out["reasoning_content"] = reasoning
     return out
+
+
+def _parts_with_images(i: int, content: list[ContentPart], images: list[ImageRef]) -> list[dict[str, Any]]:
+    """A message's parts as the template renders them (text and image placeholders, in order)."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        where = f"messages.{i}.content.{j}"
+        if part.type == "text":
+            if part.text is None:
+                raise InvalidRequestError(
+                    "A 'text' content part needs a 'text' field.", param=f"{where}.text"
+                )
+            parts.append({"type": "text", "text": part.text})
+        elif part.type == "image_url":
+            images.append(image_ref(part, f"{where}.image_url"))
+            parts.append(dict(TEMPLATE_IMAGE_PART))
+        else:
+            raise InvalidRequestError(
+                f"Content part type '{part.type}' is not supported (only 'text' and 'image_url' parts are).",
+                param=f"{where}.type",
+            )
+    return parts
+
+
+def _num_chars(content: str | list[dict[str, Any]]) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(p.get("text") or "") for p in content)
 
 
 def _reasoning(i: int, msg: ChatMessage) -> str | None:
@@ -171,12 +207,30 @@ def _tool_call_dict(call: MessageToolCall) -> dict[str, Any]:
     }
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """``messages`` as the dicts a chat template renders (400 naming the part that cannot be)."""
-    return [_message_dict(i, m) for i, m in enumerate(messages)]
+def message_dicts(messages: list[ChatMessage], images: list[ImageRef] | None = None) -> list[dict[str, Any]]:
+    """``messages`` as the dicts a chat template renders (400 naming the part that cannot be).
+
+    ``images``: the model takes images; each image part becomes a placeholder part and its reference
+    is appended to ``images`` in prompt order (None: image parts are refused).
+    """
+    return [_message_dict(i, m, images) for i, m in enumerate(messages)]
+
+
+@dataclass
+class ChatPromptIds:
+    ids: list[int]  # image placeholders expanded to their images' pad tokens
+    images: list[ImageInput] = field(default_factory=list)  # with their offsets into ``ids``
 
 
 async def chat_prompt_ids(
+    ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True, **kw: Any
+) -> list[int]:
+    """``chat_prompt``'s token ids (image pads included: the prompt's length as the engine sees it);
+    keyword arguments as ``chat_prompt``'s."""
+    return (await chat_prompt(ctx, messages, add_generation_prompt, **kw)).ids
+
+
+async def chat_prompt(
     ctx: ServingContext,
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
@@ -184,8 +238,9 @@ async def chat_prompt_ids(
     add_special_tokens: bool = False,
     truncation: Truncation | None = None,
     render: ChatRender | None = None,
-) -> list[int]:
-    """Apply the model's chat template to ``messages`` and tokenize the result (off the loop when large).
+) -> ChatPromptIds:
+    """Apply the model's chat template to ``messages`` and tokenize the result (off the loop when large);
+    with a vision-language model, also load and preprocess the messages' images (off the loop).
 
     ``add_special_tokens``: the tokenizer's own special tokens on top of the template's;
     ``truncation``: cut the token ids (then a long rendering is no error);
@@ -193,8 +248,11 @@ async def chat_prompt_ids(
     """
     if not messages:
         raise InvalidRequestError("'messages' must contain at least one message.", param="messages")
-    dicts = message_dicts(messages)
-    num_chars = sum(len(d["content"]) for d in dicts)
+    builder = ctx.images
+    refs: list[ImageRef] | None = [] if builder is not None else None
+    dicts = message_dicts(messages, refs)
+    images = await load_images(builder, refs) if builder is not None and refs else []
+    num_chars = sum(_num_chars(d["content"]) for d in dicts)
     ids = await ctx.text.run(
         num_chars,
         _render_and_encode,
@@ -206,7 +264,21 @@ async def chat_prompt_ids(
         add_special_tokens,
         render,
     )
-    return truncation.apply(ids) if truncation is not None else ids
+    if images:
+        assert builder is not None
+        try:
+            ids, images = place_images(ids, images, builder.image_token_id)
+        except ValueError as exc:  # the template dropped or duplicated an image placeholder
+            raise InvalidRequestError(
+                f"Could not place the images in the prompt: {exc}", param="messages"
+            ) from None
+        if truncation is not None and len(ids) > truncation.max_tokens:
+            raise InvalidRequestError(
+                "A prompt with images cannot be truncated (a cut could split an image).",
+                param="truncate_prompt_tokens",
+            )
+        return ChatPromptIds(ids, images)
+    return ChatPromptIds(truncation.apply(ids) if truncation is not None else ids)
 
 
 def _render_and_encode(
