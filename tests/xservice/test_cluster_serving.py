@@ -256,7 +256,7 @@ def test_serving_continues_while_etcd_is_down_and_instances_reregister(
 def _stream(client: openai.OpenAI, prompt: str, out: dict[str, Any], key: str) -> None:
     chunks = out.setdefault(key, [])
     try:
-        for chunk in complete(client, prompt, max_tokens=60, stream=True):
+        for chunk in complete(client, prompt, max_tokens=200, stream=True):  # outlasts the kill below
             chunks.append(chunk.choices[0].text)
             out[key + ":finish"] = chunk.choices[0].finish_reason or out.get(key + ":finish")
     except Exception as e:  # noqa: BLE001 - reported by the assertion below
