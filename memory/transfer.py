@@ -263,3 +263,21 @@ class KVTransferAgent:
         if rc != 0:
             raise RuntimeError(f"KV transfer from {peer.session} failed (Mooncake code {rc})")
         return TransferStats(len(pairs), sum(lengths), len(lengths), time.perf_counter() - t0)
+
+    def register_buffer(self, buffer: torch.Tensor) -> int:
+        """Register one more contiguous tensor (EPD's embedding staging buffer) for peers to read and
+        this engine to read into; returns its base address. Keep ``buffer`` alive while registered."""
+        if not buffer.is_contiguous():
+            raise ValueError("a transfer buffer must be contiguous")
+        if self._engine.register_memory(buffer.data_ptr(), buffer.nbytes) != 0:
+            raise RuntimeError("Mooncake transfer engine failed to register the buffer")
+        return buffer.data_ptr()
+
+    def read_ranges(self, session: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        """One batched one-sided read of byte ranges ``src`` (the peer's) into ``dst`` (ours, registered);
+        raises ``RuntimeError`` if the transfer fails."""
+        if not lengths:
+            return
+        rc = self._engine.batch_transfer_sync_read(session, dst, src, lengths)
+        if rc != 0:
+            raise RuntimeError(f"transfer from {session} failed (Mooncake code {rc})")

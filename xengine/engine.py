@@ -31,14 +31,16 @@ from xengine.kv_transfer import KVTransferManager
 from xengine.loader import load_model, resolve_dtype
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
 from xengine.models.registry import get_model_class
+from xengine.multimodal.encode_stage import EncodeStage
 from xengine.multimodal.request_images import request_images, vision_spec
 from xengine.parallel.group import start_expert_parallel
 from xengine.pipeline import StepPipeline
-from xengine.request import PRIORITY_RANK, Request
+from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.plan import ScheduledSeq, SchedulePlan, StepOutput, StepSample
 from xengine.scheduler.scheduler import Scheduler
 from xengine.structured.manager import StructuredOutputs, compile_error_message
+from xengine.validation import validate_request
 
 logger = logging.getLogger("xengine.engine")
 
@@ -139,6 +141,7 @@ class Engine:
             max_model_len=self.max_model_len,
             graph_mode=self.graph_mode,
             parallel=self.parallel,
+            encode_overlap=execution.encode_overlap_enabled(caps.default_encode_overlap),
         )
         self.runner.capture_graphs(config.execution.buckets())
         # online arrivals stop offline prefill steps between layers (not across expert-parallel ranks)
@@ -152,6 +155,7 @@ class Engine:
             self.max_model_len,
             info.eos_token_ids,
             async_mode=self.async_scheduling,
+            encode_stage=self._encode_stage(config),
         )
         self.pipeline = StepPipeline(self) if self.async_scheduling else None
         self.kv_transfer = KVTransferManager(  # PD: Mooncake agent on first use
@@ -184,7 +188,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, req: AddRequest) -> None:
         """Validate and queue a request. Raises ``ValueError`` naming the bad field."""
-        self._validate(req)
+        validate_request(self, req)
         catalog = self.catalogs.get(req.params.catalog) if req.params.catalog is not None else None
         request = Request(
             seq_id=req.req_id,
@@ -196,11 +200,19 @@ class Engine:
             arrival_time=req.arrival_time or time.monotonic(),
             pooling=req.pooling,
             mm=request_images(req, self.vision, self.info.model_name, self.parallel is not None),
+            encode_only=req.encode_only,
         )
         note_arrival(request, self.interrupter)
         if req.params.structured_outputs is not None and not self.structured.admit(request, catalog):
             return  # waits (outside the scheduler) for its grammar to compile: ``_admit_compiled``
         self.scheduler.add(request, catalog)
+
+    def _encode_stage(self, config: EngineConfig) -> EncodeStage | None:
+        """Vision-language models with stage scheduling: images encode in steps of their own."""
+        images = self.runner.images
+        if images is None or config.scheduler.encode_scheduling != "stage":
+            return None
+        return EncodeStage(config.scheduler, self.kv, images.contains)
 
     def _admit_compiled(self) -> None:
         """Schedule the requests whose grammar compiled; fail (naming the field) those whose did not."""
@@ -211,64 +223,6 @@ class Engine:
             self.scheduler.add(ready.request, ready.catalog)
             if ready.error is not None:
                 self.scheduler.fail_request(ready.request.req_id, compile_error_message(ready.error))
-
-    def _validate(self, req: AddRequest) -> None:
-        if not req.req_id:
-            raise ValueError("invalid value for 'req_id': must be a non-empty string")
-        if req.req_id in self.scheduler.groups or req.req_id in self.structured.waiting:
-            raise ValueError(f"invalid value for 'req_id': {req.req_id!r} is already running")
-        if req.priority not in PRIORITY_RANK:
-            raise ValueError(f"invalid value for 'priority': must be one of {sorted(PRIORITY_RANK)}")
-        ids = req.prompt_token_ids
-        if not ids:
-            raise ValueError("invalid value for 'prompt': the prompt is empty")
-        bad = next((t for t in ids if type(t) is not int or not (0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise ValueError(
-                f"invalid value for 'prompt': token id {bad!r} is not an integer in the vocabulary [0, {self.vocab_size})"
-            )
-        # a prefill-only request may fill the context: it adds no token
-        if len(ids) > self.max_model_len - (0 if req.params.is_prefill_only else 1):
-            raise ValueError(
-                f"invalid value for 'prompt': {len(ids)} tokens, the maximum context length is "
-                f"{self.max_model_len}, set by {self._len_limit} (prompt must be shorter, leaving room for output)"
-            )
-        req.params.validate(self.vocab_size)
-        if req.pooling is not None:
-            req.pooling.validate(self.model_info.hidden_size)
-            if not req.params.is_prefill_only or req.params.n != 1:
-                raise ValueError(
-                    "invalid value for 'max_tokens': an embedding request takes max_tokens=0, n=1"
-                )
-        if req.params.use_beam_search:
-            self._validate_beam(req)
-
-    def _validate_beam(self, req: AddRequest) -> None:
-        params = req.params
-        limit = self.config.scheduler.max_beam_width
-        if params.beam_width > limit:
-            raise ValueError(
-                f"invalid value for 'beam_width': must be in [1, {limit}], got {params.beam_width}"
-            )
-        budget = self.config.scheduler.max_num_batched_tokens
-        if params.beam_width > budget:  # all beams step together, one token each
-            raise ValueError(
-                f"invalid value for 'beam_width': must be <= scheduler.max_num_batched_tokens ({budget})"
-            )
-        max_new = params.max_tokens or self.max_model_len - len(req.prompt_token_ids)
-        if params.catalog is not None:
-            catalog = self.catalogs.get(params.catalog)
-            if catalog is None:
-                raise ValueError(f"invalid value for 'catalog': no catalog named {params.catalog!r}")
-            max_new = catalog.item_len
-        # worst case: the prompt's blocks shared, each beam with its own blocks for the output
-        bs = self.kv.block_size
-        need = -(-len(req.prompt_token_ids) // bs) + params.beam_width * (-(-max_new // bs) + 1)
-        if need > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"invalid value for 'beam_width': {params.beam_width} beams of up to {max_new} tokens may "
-                f"need {need} KV blocks, the pool has {self.kv.pool.num_blocks}; lower beam_width or max_tokens"
-            )
 
     # ------------------------------------------------------------------ catalogs
     def register_catalog(self, name: str, items: list[list[int]]) -> CatalogInfo:
@@ -402,6 +356,13 @@ class Engine:
             out.prompt_logprobs.update(part.prompt_logprobs)
             out.embeddings.update(part.embeddings)
             out.forward_s += part.forward_s
+        for job in failed.encodes:  # each request's images alone too
+            try:
+                self.runner.execute(SchedulePlan(encodes=[job]))
+                ran.encodes.append(job)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                error = f"{type(e).__name__}: {e}"
+                self.scheduler.fail_request(job.req.req_id, f"the engine failed encoding its images: {error}")
         ran.num_batched_tokens = sum(s.num_new_tokens for s in ran.seqs)
         return ran, out, error
 
@@ -474,6 +435,7 @@ class Engine:
             colocation=self.interrupter.stats(),
             num_image_encodes=getattr(self.runner.images, "num_encodes", 0),
             num_image_cache_hits=getattr(self.runner.images, "num_hits", 0),
+            num_encode_steps=getattr(self.scheduler.encode_stage, "num_encode_steps", 0),
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -27,17 +27,20 @@ import sys
 import time
 import traceback
 import uuid
+from functools import partial
 from typing import Any
 
 import msgspec
 import zmq
 
-from xengine.api.cluster.keys import InstanceRecord
+from xengine.api.cluster.keys import ROLES, TRANSFER_ROLES, InstanceRecord
 from xengine.api.config import EngineConfig, from_dict
+from xengine.api.embed_messages import EMBED_CALLS
 from xengine.api.messages import AddRequest, CompletionDelta, EngineOutput, EngineStats, Hello, StepOutputs
 from xengine.api.security import ENV_KEY, ClusterKey, ZapGuard, read_key_file, secure_server, take_env_key
 from xengine.cluster_agent import ClusterAgent
 from xengine.engine_proc import SEND_LINGER_MS, EngineProc, apply_num_threads, set_parent_death_signal
+from xengine.image_publisher import ImageHashTracker, ImagePublishingAgent
 
 logger = logging.getLogger("xengine.engine_server")
 
@@ -114,10 +117,16 @@ class ServedEngineProc(EngineProc):
         self._owner: dict[str, str | None] = {}  # req_id -> service id that added it (while unfinished)
         self._orphans: set[str] = set()  # aborted requests of a previous service: outputs dropped
         self.num_orphans_aborted = 0
+        self.embeds: Any = None  # EPD: an EmbedTransferManager (image embeddings to / from peers)
+        self.images: ImageHashTracker | None = None  # EPD: the image cache's hashes, for the store
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, Hello):
             self._hello(msg.service_id)
+        elif isinstance(msg, EMBED_CALLS):
+            from xengine.embed_transfer import embed_call
+
+            self.send(embed_call(self.embeds, msg, self.images.saw if self.images is not None else None))
         else:
             super()._handle(msg)
 
@@ -140,6 +149,8 @@ class ServedEngineProc(EngineProc):
         super()._add(req)
         if req.req_id in self._num_unfinished:
             self._owner[req.req_id] = self.service_id
+            if req.images and self.images is not None:
+                self.images.saw(im.content_hash for im in req.images)
 
     def send(self, msg: EngineOutput) -> None:
         if isinstance(msg, StepOutputs) and self._owner:
@@ -223,9 +234,11 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     try:
         apply_num_threads(config)
         engine = Engine(config)
-        if args.role in ("prefill", "decode"):  # register the KV memory with Mooncake up front
+        if args.role in TRANSFER_ROLES:  # register the KV memory with Mooncake up front
             engine.kv_transfer.host = args.host
             engine.kv_transfer.start()
+        image_cache = getattr(getattr(engine, "runner", None), "images", None)
+        tracker = ImageHashTracker(image_cache) if image_cache is not None else None
         record = InstanceRecord(
             name=args.name,
             role=args.role,
@@ -236,7 +249,9 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             info=msgspec.to_builtins(engine.info),
             started_at=time.time(),
         )
-        agent = ClusterAgent(
+        # a vision-language model also publishes its image cache's hashes (EPD routing)
+        make_agent = partial(ImagePublishingAgent, tracker=tracker) if tracker is not None else ClusterAgent
+        agent = make_agent(
             args.store,
             args.key_prefix,
             record,
@@ -249,6 +264,11 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         if prefix_cache is not None and hasattr(prefix_cache, "event_sink"):
             prefix_cache.event_sink = agent.on_kv_events
         proc = ServedEngineProc(_ObservedEngine(engine, agent, guard), inp, out, args.parent_pid)
+        proc.images = tracker
+        if image_cache is not None and args.role in TRANSFER_ROLES:
+            from xengine.embed_transfer import EmbedTransferManager
+
+            proc.embeds = EmbedTransferManager(image_cache, engine.kv_transfer.start)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: proc.begin_shutdown())
         agent.start()
@@ -271,7 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m xengine.engine_server", description=__doc__.split("\n")[0])
     p.add_argument("--config-json", required=True, help="EngineConfig as JSON (dataclasses.asdict).")
     p.add_argument("--name", required=True, help="Instance name (unique in the cluster).")
-    p.add_argument("--role", default="mixed", choices=("prefill", "decode", "mixed"), help="Instance role.")
+    p.add_argument("--role", default="mixed", choices=ROLES, help="Instance role.")
     p.add_argument("--store", required=True, help="etcd://HOST:PORT or embedded+tcp://HOST:PORT")
     p.add_argument("--key-prefix", default="/xllm", help="Key prefix in the metadata store.")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind the ZMQ sockets to.")
@@ -296,7 +316,7 @@ def confine_binds(args: argparse.Namespace, argv: list[str]) -> None:
     """PD roles run a Mooncake transfer engine, whose listeners bind the wildcard address: re-execute
     this process (same pid, same parent) with the ``memory.bind_host`` shim preloaded so they bind
     ``--host``. Returns when there is nothing to do (other roles, already confined, wildcard host)."""
-    if args.role not in ("prefill", "decode"):
+    if args.role not in TRANSFER_ROLES:
         return
     from memory.bind_host import exec_env
     from xengine.api.paths import cache_dir

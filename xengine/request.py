@@ -63,6 +63,7 @@ class Request:
     embedding: list[float] | None = None  # the pooled vector, once the prompt is computed
     # images whose pad tokens the prompt holds (vision-language models): positions, prefix-cache keys
     mm: RequestImages | None = None
+    encode_only: bool = False  # EPD: encode the images, finish "encoded" (``encode_stage.py``)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

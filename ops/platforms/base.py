@@ -22,6 +22,7 @@ class Capabilities:
     default_kv_layout: str = "paged"  # what cache.kv_layout "auto" picks: paged | xtensor
     default_graph_mode: str = "eager"  # what execution.graph_mode "auto" picks: eager | partial | full
     default_async_scheduling: bool = False  # what execution.async_scheduling "auto" picks
+    default_encode_overlap: bool = False  # what execution.encode_overlap "auto" picks
 
 
 class Platform(ABC):

@@ -47,6 +47,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "async+partial": dict(async_scheduling=True, graph_mode="partial", graph_batch_sizes="4"),
     # 32 blocks of 4 tokens; the four prompts (25-79 tokens) with their outputs need about 55
     "preempt": dict(num_blocks=32, max_num_batched_tokens=16),
+    # the encode stage (``xengine/multimodal/encode_stage.py``): one image per encode step, encodes on a
+    # second thread beside decodes, with async scheduling; and the inline (FCFS) baseline
+    "stage-one-image+overlap": dict(max_encode_images=1, max_encode_tokens=1, encode_overlap="on"),
+    "async+stage-one-image": dict(async_scheduling=True, max_encode_images=1, encode_overlap="on"),
+    "inline+chunked": dict(encode_scheduling="inline", max_num_batched_tokens=8),
 }
 CASES = [(arch, name) for arch in VL_ARCHS for name in CONFIGS]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -114,8 +114,27 @@ class SchedulerConfig:
     isolate_online_prefill: bool = _f(
         True, "A step that carries an online prompt chunk carries no offline work (online TTFT first)."
     )
+    encode_scheduling: str = _f(
+        "stage",
+        "stage | inline: vision-language models encode images in steps of their own, only in a step "
+        "without a prefill chunk and within max_encode_images / max_encode_tokens (HydraInfer's "
+        "stage-level batching: ongoing decodes keep their TPOT), or inline: a prefill step encodes "
+        "the images its chunk needs (FCFS).",
+    )
+    max_encode_images: int = _f(
+        4, "Most images one step encodes (stage scheduling; `xllm profile epd` measures a value)."
+    )
+    max_encode_tokens: int = _f(
+        4096,
+        "Most image tokens (after the patch merger) one step encodes; an image larger than this "
+        "still runs, alone (stage scheduling).",
+    )
 
     def validate(self) -> None:
+        if self.encode_scheduling not in ("stage", "inline"):
+            raise ValueError("scheduler.encode_scheduling must be 'stage' or 'inline'")
+        if self.max_encode_images < 1 or self.max_encode_tokens < 1:
+            raise ValueError("scheduler.max_encode_images and scheduler.max_encode_tokens must be >= 1")
         if self.offline_preemption not in ("layer", "step"):
             raise ValueError("scheduler.offline_preemption must be 'layer' or 'step'")
         if self.max_num_seqs < 1:
@@ -159,6 +178,12 @@ class ExecutionConfig:
         "Token-count buckets captured at start-up (comma-separated); a step with more tokens than "
         "the largest runs eagerly, smaller ones are padded to the next bucket.",
     )
+    encode_overlap: str = _f(
+        "auto",
+        "on | off | auto: a step's image encodes (vision-language models) run on a second thread "
+        "beside the language model's forward instead of before it. auto: the platform's default (off "
+        "on CPU, where both forwards share the cores; benchmarks/encode_stage.py measures it).",
+    )
 
     def buckets(self) -> list[int]:
         """``graph_batch_sizes`` as a sorted list."""
@@ -176,11 +201,16 @@ class ExecutionConfig:
     def async_enabled(self, platform_default: bool) -> bool:
         return platform_default if self.async_scheduling == "auto" else self.async_scheduling == "on"
 
+    def encode_overlap_enabled(self, platform_default: bool) -> bool:
+        return platform_default if self.encode_overlap == "auto" else self.encode_overlap == "on"
+
     def validate(self) -> None:
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(
                 f"execution.async_scheduling must be auto, on or off, got {self.async_scheduling!r}"
             )
+        if self.encode_overlap not in ("auto", "on", "off"):
+            raise ValueError(f"execution.encode_overlap must be auto, on or off, got {self.encode_overlap!r}")
         if self.graph_mode not in GRAPH_MODES:
             raise ValueError(
                 f"execution.graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}"

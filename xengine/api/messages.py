@@ -11,6 +11,13 @@ from typing import Literal, Union
 
 import msgspec
 
+from xengine.api.embed_messages import (  # noqa: F401 - EPD embedding transfer, re-exported
+    EmbedExport,
+    EmbedExportInfo,
+    EmbedImport,
+    EmbedImportResult,
+    EmbedRelease,
+)
 from xengine.api.multimodal import ImageInput
 from xengine.api.sampling_params import (  # noqa: F401 - re-exported: the messages' field types
     MAX_BEAM_WIDTH,
@@ -27,7 +34,7 @@ from xengine.api.sampling_params import (  # noqa: F401 - re-exported: the messa
 )
 
 Priority = Literal["online", "offline"]
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "encoded"]
 
 
 # ---------------------------------------------------------------- service -> engine
@@ -51,6 +58,9 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     slo: RequestSLO | None = None  # service-side objectives (``xservice/serving/slo.py``)
     # preprocessed images whose pad tokens the prompt holds (``xengine/api/multimodal.py``)
     images: list[ImageInput] | None = None
+    # EPD's encode stage on its own: encode ``images`` into the instance's image-embedding cache and
+    # finish with finish_reason "encoded" and no tokens (``params.max_tokens`` must be 0)
+    encode_only: bool = False
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -149,6 +159,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # from the instance's image-embedding cache (by content hash) instead
     num_image_encodes: int = 0
     num_image_cache_hits: int = 0
+    num_encode_steps: int = 0  # steps that carried image encodes (``scheduler.encode_scheduling: stage``)
 
 
 class ColocationStatsMsg(msgspec.Struct, kw_only=True):
@@ -241,6 +252,8 @@ class UtilityResult(msgspec.Struct, tag="result", kw_only=True):
     catalogs: list[CatalogInfo] | None = None
     kv_export: KVExportInfo | None = None
     kv_import: KVImportResult | None = None
+    embed_export: EmbedExportInfo | None = None  # EPD: image embeddings pinned for a peer
+    embed_import: EmbedImportResult | None = None
     req_ids: list[str] | None = None  # "list_requests": the requests the engine still runs
     ok: bool = True
     error: str | None = None
@@ -309,7 +322,17 @@ class KVRelease(msgspec.Struct, tag="kv_release", kw_only=True):
 
 
 EngineInput = Union[
-    AddRequest, AbortRequests, UtilityCall, RegisterCatalog, Shutdown, KVExport, KVImport, KVRelease
+    AddRequest,
+    AbortRequests,
+    UtilityCall,
+    RegisterCatalog,
+    Shutdown,
+    KVExport,
+    KVImport,
+    KVRelease,
+    EmbedExport,
+    EmbedImport,
+    EmbedRelease,
 ]
 
 

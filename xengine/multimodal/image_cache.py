@@ -74,6 +74,30 @@ class ImageEmbeddingCache:
         at = torch.cat([torch.arange(p.dest, p.dest + p.row_end - p.row_start) for p in pieces])
         return torch.cat(rows), at.to(self.device)
 
+    def encode_for(self, jobs: list[tuple[str, list[ImageInput]]]) -> None:
+        """The encode stage: give each ``(seq_id, images)`` its images' embeddings (held until its
+        prefill is past them), encoding those the instance cache lacks in one batch."""
+        with self._lock:
+            found: dict[str, torch.Tensor] = {}
+            missing: dict[str, tuple[str, ImageInput]] = {}  # hash -> (the sequence encoding it, image)
+            for seq_id, images in jobs:
+                for im in images:
+                    h = im.content_hash
+                    if h in found or (h in missing and missing[h][0] != seq_id):
+                        self.num_hits += 1
+                    elif h in self._lru:
+                        self._lru.move_to_end(h)
+                        found[h] = self._lru[h]
+                        self.num_hits += 1
+                    else:
+                        missing.setdefault(h, (seq_id, im))
+            if missing:
+                found.update(self._encode([im for _, im in missing.values()]))
+            for seq_id, images in jobs:
+                held = self._held.setdefault(seq_id, {})
+                for im in images:
+                    held[im.content_hash] = found[im.content_hash]
+
     def _encode(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
         """Run the encoder once over ``images``; their embeddings by content hash (also cached)."""
         patches = torch.cat([_pixels(im) for im in images]).to(self.device)
@@ -92,6 +116,35 @@ class ImageEmbeddingCache:
         while self._bytes > self.max_bytes and len(self._lru) > 1:
             _, old = self._lru.popitem(last=False)
             self._bytes -= old.numel() * old.element_size()
+
+    def get(self, content_hash: str) -> torch.Tensor | None:
+        """The cached embeddings ``[length, hidden]`` of an image, None when not cached."""
+        with self._lock:
+            emb = self._lru.get(content_hash)
+            if emb is not None:
+                self._lru.move_to_end(content_hash)
+            return emb
+
+    def hashes(self) -> list[str]:
+        """Content hashes of the cached images (what an instance publishes for EPD routing)."""
+        with self._lock:
+            return list(self._lru)
+
+    def contains(self, content_hash: str) -> bool:
+        with self._lock:
+            return content_hash in self._lru
+
+    def put(self, content_hash: str, emb: torch.Tensor) -> None:
+        """Cache embeddings computed elsewhere (EPD: pulled from an encode instance)."""
+        with self._lock:
+            if content_hash not in self._lru:
+                self._put(content_hash, emb.to(self.device))
+
+    def clear(self) -> None:
+        """Forget every cached image (held embeddings stay with their requests)."""
+        with self._lock:
+            self._lru.clear()
+            self._bytes = 0
 
     def done(self, seq_ids: list[str]) -> None:
         """These sequences' prefill is past their images: drop what they hold."""

@@ -8,11 +8,11 @@ so never a token id), so blocks of two different images never match while a repe
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from xengine.api.image_keys import image_cache_key
 from xengine.api.messages import AddRequest
 from xengine.api.multimodal import PIXEL_DTYPES, ImageInput, num_image_tokens, pixel_hash
 from xengine.models.mrope import mrope_positions
@@ -40,12 +40,6 @@ def vision_spec(model: object) -> VisionSpec | None:
     )
 
 
-def image_cache_key(content_hash: str) -> int:
-    """The prefix-cache key standing for every pad token of an image: a negative 62-bit integer."""
-    digest = hashlib.blake2b(content_hash.encode(), digest_size=8).digest()
-    return -1 - (int.from_bytes(digest, "little") >> 2)
-
-
 @dataclass
 class RequestImages:
     images: list[ImageInput]  # by offset
@@ -53,6 +47,15 @@ class RequestImages:
     delta: int  # output token at index i sits at position i + delta
     cache_prompt_ids: list[int]  # the prompt as the prefix cache keys it
     images_end: int  # index after the last image pad: the prefill past it needs no image
+    # the encode stage (``encode_stage.py``): images [0, num_encoded) have embeddings; the plan
+    # index of the job in flight
+    num_encoded: int = 0
+    encode_plan: int | None = None
+
+    @property
+    def encoded(self) -> bool:
+        """Every image has embeddings (or needs none): the prefill may be scheduled."""
+        return self.num_encoded >= len(self.images)
 
     @classmethod
     def build(cls, prompt_ids: list[int], images: list[ImageInput], spec: VisionSpec) -> RequestImages:

@@ -13,6 +13,7 @@ from graph.forward_context import forward_context
 from memory.kv_layout import BaseKVLayout
 from ops.platforms import Platform
 from xengine.api.messages import TokenLogprob
+from xengine.multimodal.encode_runner import EncodeRunner
 from xengine.multimodal.image_cache import ImageEmbeddingCache
 from xengine.multimodal.step_inputs import MultiModalStep, build_multimodal_step, has_images
 from xengine.parallel.group import ExpertParallelGroup
@@ -41,6 +42,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         graph_mode: str = "eager",
         parallel: ExpertParallelGroup | None = None,
+        encode_overlap: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -59,6 +61,7 @@ class ModelRunner:
         # vision-language models: image embeddings per request and instance-wide (``xengine/multimodal``)
         encode = getattr(model, "encode_images", None)
         self.images = ImageEmbeddingCache(encode, self.device) if encode is not None else None
+        self.encoder = EncodeRunner(self.images, encode_overlap) if self.images is not None else None
         # offline steps stop between layers when this is set (``xengine/interruption.py``)
         self.interrupt: threading.Event | None = None
         torch.manual_seed(default_seed)
@@ -81,6 +84,8 @@ class ModelRunner:
 
         Input tokens may be async placeholders (``xengine/scheduler/in_flight.py``): ``run`` resolves
         them from the previous step's sampled tokens."""
+        if not plan.seqs:  # only image encodes
+            return PreparedStep(plan, None, None)
         self._check_positions(plan)
         kv_slots = self.layout.prepare(
             [(s.req.seq_id, plan.block_tables[s.req.seq_id], s.end) for s in plan.seqs]
@@ -96,14 +101,29 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: PreparedStep, prev_rows: torch.Tensor | None = None) -> StepOutput:
         """The device side of a step (any thread): copy-on-write copies, placeholders resolved from
-        ``prev_rows`` (the previous step's sampled tokens), forward, logits, sampling."""
+        ``prev_rows`` (the previous step's sampled tokens), forward, logits, sampling; the step's
+        image encodes before the forward or beside it (``EncodeRunner``)."""
+        t0 = time.perf_counter()
+        encoding = None
+        if step.plan.encodes:
+            assert self.encoder is not None
+            encoding = self.encoder.start(step.plan.encodes, with_forward=step.inputs is not None)
+        if step.inputs is None:
+            return StepOutput(forward_s=time.perf_counter() - t0)
+        try:
+            out = self._run_model(step, prev_rows, t0)
+        finally:
+            EncodeRunner.wait(encoding)
+        return out
+
+    def _run_model(self, step: PreparedStep, prev_rows: torch.Tensor | None, t0: float) -> StepOutput:
         self.layout.copy_blocks(self.kv_caches, step.plan.block_copies)
         inputs = step.inputs
+        assert inputs is not None
         if prev_rows is not None:
             inputs.input_ids = _resolve(inputs.input_ids, prev_rows)
         if self.parallel is not None:
             self.parallel.publish(inputs, step.plan.block_copies)
-        t0 = time.perf_counter()
         interrupt = self.interrupt if step.plan.interruptible else None
         with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens, interrupt):
             if step.mm is not None and step.mm.pieces:
@@ -270,7 +290,7 @@ class SamplingRows:
 @dataclass
 class PreparedStep:
     plan: SchedulePlan
-    inputs: ModelInputs
+    inputs: ModelInputs | None  # None: a step of image encodes only
     sampling: SamplingRows | None
     prompt_rows: PromptOutputRows | None = None
     mm: MultiModalStep | None = None  # requests with images in the step

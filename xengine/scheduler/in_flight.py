@@ -55,6 +55,9 @@ def rewind(plan: SchedulePlan) -> None:
                 req.output_token_ids.pop()
                 req.num_placeholders -= 1
         s.computed_after = s.output_index = None
+    for job in plan.encodes:  # not in flight any more: the next plan may take its images again
+        if job.req.mm is not None:
+            job.req.mm.encode_plan = None
 
 
 def done_pending(req: Request, max_model_len: int) -> bool:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from xengine.api.messages import PromptLogprobs, TokenLogprob
+from xengine.multimodal.encode_stage import EncodeJob
 from xengine.request import Request
 
 
@@ -55,10 +56,11 @@ class SchedulePlan:
     # only offline work with a prefill chunk: an online arrival may stop it between layers
     # (``graph/interrupt.py``); the engine then discards it and schedules again
     interruptible: bool = False
+    encodes: list[EncodeJob] = field(default_factory=list)  # images to encode (``encode_stage.py``)
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        return not self.seqs and not self.encodes
 
     def token_counts(self) -> tuple[int, int]:
         """``(context_tokens, prefill_tokens)`` of this step, for performance models: the KV tokens

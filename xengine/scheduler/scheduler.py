@@ -25,6 +25,7 @@ from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
 from xengine.api.config import SchedulerConfig
 from xengine.beam.catalog import ItemCatalog
 from xengine.beam.group import BeamGroup
+from xengine.multimodal.encode_stage import EncodeStage
 from xengine.request import PRIORITY_RANK, Request, RequestStatus
 from xengine.scheduler.in_flight import advance, done_pending, strip_placeholders
 from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
@@ -47,8 +48,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: list[int],
         async_mode: bool = False,
+        encode_stage: EncodeStage | None = None,
     ) -> None:
         self.config = config
+        self.encode_stage = encode_stage  # vision-language models: images encode in steps of their own
         self.async_mode = async_mode  # plans are advanced when made (``in_flight.py``)
         self.kv = kv
         self.max_model_len = max_model_len
@@ -76,6 +79,8 @@ class Scheduler:
             req.num_pending_forks = req.params.n - 1
         self.seqs[req.seq_id] = req
         self.groups.setdefault(req.req_id, []).append(req.seq_id)
+        if self.encode_stage is not None:
+            self.encode_stage.admit(req)
         self._push_waiting(req)
 
     def abort(self, req_ids: list[str]) -> None:
@@ -119,6 +124,9 @@ class Scheduler:
                 break  # an online prompt chunk runs in a step of online work only
             self._schedule_running(cls, plan)
             self._admit_waiting(cls, plan)
+        if self.encode_stage is not None:  # Algorithm 1: encodes only in a step without a prefill chunk
+            has_prefill = any(_is_prefill(s.req, s.num_new_tokens) for s in plan.seqs)
+            plan.encodes = self.encode_stage.select(self.waiting, has_prefill)
         plan.block_tables = {s.req.seq_id: self.kv.get_block_table(s.req.seq_id) for s in plan.seqs}
         plan.block_copies = self.kv.take_pending_copies()
         plan.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
@@ -179,8 +187,8 @@ class Scheduler:
 
     def _admit_waiting(self, cls: int, plan: SchedulePlan) -> None:
         while self.waiting and self._budget > 0:
-            req = self.waiting[0]
-            if req.rank[0] != cls:
+            req = self._next_waiting()
+            if req is None or req.rank[0] != cls:
                 return
             if len(self.running) >= self.config.max_num_seqs:
                 if not self._preempt_lower_class(cls, plan):
@@ -198,7 +206,7 @@ class Scheduler:
                 if not self._preempt_lower_class(cls, plan):
                     return
                 continue
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             if not req.admitted_once:
                 req.admitted_once = True
                 req.queue_time_s = time.monotonic() - req.received_at
@@ -209,6 +217,12 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_to_plan(plan, req, num_new)
+
+    def _next_waiting(self) -> Request | None:
+        """The first waiting request past the encode stage (rank order)."""
+        if self.encode_stage is None:
+            return self.waiting[0]
+        return next((r for r in self.waiting if self.encode_stage.ready(r)), None)
 
     def _add_to_plan(self, plan: SchedulePlan, req: Request, num_new: int) -> None:
         sample = req.num_computed_tokens + num_new == req.num_tokens and not req.params.is_prefill_only
@@ -278,6 +292,9 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update(self, plan: SchedulePlan, out: StepOutput) -> None:
         stepped: dict[str, int] = {}  # beam groups that got candidates: req_id -> epoch
+        for req in EncodeStage.applied(plan.encodes):  # encode-only requests (EPD) end here
+            if not req.is_finished:
+                self._finish(req, "encoded")
         for s in plan.seqs:
             req = s.req
             if s.computed_after is not None:  # advanced when scheduled (async)

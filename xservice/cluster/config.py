@@ -17,13 +17,21 @@ from xengine.api.security import ClusterKey, load_or_create_key_file
 STORES = ("embedded", "etcd")
 PD_MODES = ("static", "dynamic")
 LAUNCHERS = ("local", "ray", "external")
+INSTANCE_ROLES = ("mixed", "prefill", "decode", "encode", "encode_prefill", "encode_decode")
+# EPD strategy -> the roles its instances take (docs/multimodal.md, "EPD disaggregation")
+EPD_STRATEGIES: dict[str, tuple[str, ...]] = {
+    "E+P+D": ("encode", "prefill", "decode"),
+    "EP+D": ("encode_prefill", "decode"),
+    "ED+P": ("encode_decode", "prefill"),
+}
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     instances: str = _f(
         "",
-        "Engine instances to launch, comma-separated 'name:role' (role: mixed, prefill, decode), e.g. "
+        "Engine instances to launch, comma-separated 'name:role' (role: mixed, prefill, decode; with "
+        "epd_strategy also encode, encode_prefill, encode_decode), e.g. "
         "'engine-0:mixed,engine-1:mixed'. Empty: single-node mode (unless launcher is 'external'). With "
         "launcher 'external': the names to wait for before serving (roles come from their registrations).",
     )
@@ -79,6 +87,12 @@ class ClusterConfig:
     )
     peak_gflops_per_thread: float = _f(80.0, "Co-location roofline: matmul GFLOP/s per engine thread (CPU).")
     mem_bw_gbps: float = _f(15.0, "Co-location roofline: memory bandwidth of an instance in GB/s.")
+    epd_strategy: str = _f(
+        "none",
+        "EPD disaggregation of image requests (docs/multimodal.md): 'none', 'E+P+D' (encode, prefill and "
+        "decode instances), 'EP+D' (encode_prefill + decode) or 'ED+P' (encode_decode + prefill). Image "
+        "embeddings move E->P and KV P->D over Mooncake; text requests run plain PD.",
+    )
     engine_host: str = _f("127.0.0.1", "Address instances bind their ZMQ sockets to (loopback by default).")
     instance_startup_timeout_s: float = _f(600.0, "How long to wait for every instance to register.")
     auth: bool = _f(
@@ -126,13 +140,11 @@ class ClusterConfig:
         if len(set(names)) != len(names) or any(not n or "/" in n for n in names):
             raise ValueError("cluster.instances: names must be unique, non-empty and contain no '/'")
         for name, role in specs:
-            if role not in ("mixed", "prefill", "decode"):
-                raise ValueError(f"cluster.instances: role of {name!r} must be mixed, prefill or decode")
-        roles = {role for _, role in specs}
-        if specs and "mixed" not in roles and not {"prefill", "decode"} <= roles:
-            raise ValueError(
-                "cluster.instances: needs at least one 'mixed' instance, or a 'prefill' and a 'decode' one"
-            )
+            if role not in INSTANCE_ROLES:
+                raise ValueError(
+                    f"cluster.instances: role of {name!r} must be one of {', '.join(INSTANCE_ROLES)}"
+                )
+        self._validate_epd(specs)
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"cluster.launcher must be one of {', '.join(LAUNCHERS)}")
         if self.metadata_store not in STORES:
@@ -150,6 +162,39 @@ class ClusterConfig:
         self._validate_pd_mode(specs)
         if not (0 < self.heartbeat_interval_s < self.lease_ttl_s):
             raise ValueError("cluster: need 0 < heartbeat_interval_s < lease_ttl_s")
+
+    def _validate_epd(self, specs: list[tuple[str, str]]) -> None:
+        roles = {role for _, role in specs}
+        if self.epd_strategy != "none" and self.epd_strategy not in EPD_STRATEGIES:
+            raise ValueError(
+                f"cluster.epd_strategy must be one of none, {', '.join(EPD_STRATEGIES)} (got {self.epd_strategy!r})"
+            )
+        encode_roles = sorted(roles & {"encode", "encode_prefill", "encode_decode"})
+        if self.epd_strategy == "none":
+            if encode_roles:
+                raise ValueError(
+                    f"cluster.instances has {', '.join(encode_roles)} instances: set cluster.epd_strategy "
+                    f"(one of {', '.join(EPD_STRATEGIES)}) to use them"
+                )
+            if specs and "mixed" not in roles and not {"prefill", "decode"} <= roles:
+                raise ValueError(
+                    "cluster.instances: needs at least one 'mixed' instance, or a 'prefill' and a 'decode' one"
+                )
+            return
+        if self.pd_mode != "static" or self.colocation:
+            raise ValueError("cluster.epd_strategy needs cluster.pd_mode: static and colocation off")
+        if self.external or not specs:
+            return
+        wanted = EPD_STRATEGIES[self.epd_strategy]
+        missing = [r for r in wanted if r not in roles]
+        extra = sorted(roles - set(wanted) - {"mixed"})
+        if missing or extra:
+            raise ValueError(
+                f"cluster.epd_strategy {self.epd_strategy!r} runs {' + '.join(wanted)} instances: "
+                + (f"cluster.instances has no {', '.join(missing)} instance" if missing else "")
+                + ("; " if missing and extra else "")
+                + (f"roles {', '.join(extra)} do not belong to it" if extra else "")
+            )
 
     def _validate_pd_mode(self, specs: list[tuple[str, str]]) -> None:
         if self.pd_mode not in PD_MODES:

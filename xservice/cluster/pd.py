@@ -7,7 +7,8 @@ Per request (``n == 1``, no beam search), with ``PDPolicy`` choosing the instanc
    streamed to the client at once (TTFT). If it ends the request (EOS, stop, ``max_tokens == 1``)
    we are done.
 2. **export**: ``kv_export`` on P pins the prompt's whole blocks (from P's prefix cache) and returns
-   their ids and P's Mooncake session.
+   their ids and P's Mooncake session. Prompts are named as the prefix caches key them (an image's
+   pads by its content hash: ``xengine/api/image_keys.py``), so image prompts transfer too.
 3. **import**: ``kv_import`` on a decode instance D pulls the blocks D does not already hold into
    D's prefix cache (batched one-sided reads) and pins them for the decode request.
 4. **decode**: ``kv_release`` on P, then D gets prompt + first token as its prompt with
@@ -28,6 +29,9 @@ after the token but before D imported → the prefill is redone on another prefi
 KV (none left: D recomputes the prompt). D dies during the import → another decode instance imports.
 D dies while decoding → the pool's migration (prompt + streamed tokens, recompute). Every path
 yields each token exactly once.
+
+EPD (``xservice/cluster/epd.py``) subclasses this dispatcher: its hooks ``_before_prefill`` (bring the
+images' embeddings to P) and ``_after_kv_import`` (and to D when it recomputes image pads) are no-ops here.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from xengine.api.messages import AddRequest, CompletionDelta, KVExportInfo, PromptLogprobs
+from xengine.api.image_keys import cache_token_ids
+from xengine.api.messages import AddRequest, CompletionDelta, KVExportInfo, KVImportResult, PromptLogprobs
 from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.engine_client import EngineDeadError
 from xservice.policies import DECODE_ROLES, InstanceSnapshot, PDPolicy, RouteRequest
@@ -221,6 +226,7 @@ class PDDispatcher:
                 return None
             sub = msgspec.structs.replace(req, req_id=f"{req.req_id}~p{attempt}", params=params)
             try:
+                await self._before_prefill(req, client)
                 deltas = await self._run_prefill(req, client, sub)
             except EngineDeadError:
                 if not self.pool.migrate:
@@ -242,6 +248,15 @@ class PDDispatcher:
             )  # fmt: skip
             return delta, client
         raise AssertionError("unreachable")
+
+    async def _before_prefill(self, req: AddRequest, client: RemoteEngineClient) -> None:
+        """Hook before ``req``'s prefill is sent to ``client`` (EPD: bring its image embeddings there)."""
+
+    async def _after_kv_import(
+        self, req: AddRequest, prefill: RemoteEngineClient, decode: RemoteEngineClient, result: KVImportResult
+    ) -> None:
+        """Hook after ``decode`` imported ``req``'s prompt KV from ``prefill`` (EPD: the embeddings of
+        images the decode instance still computes past the imported blocks)."""
 
     async def _run_prefill(
         self, req: AddRequest, client: RemoteEngineClient, sub: AddRequest
@@ -296,7 +311,7 @@ class PDDispatcher:
                     continue
             export_id = f"{req.req_id}~x{attempt}"
             try:
-                info = await client.kv_export(export_id, list(req.prompt_token_ids), KV_CALL_TIMEOUT_S)
+                info = await client.kv_export(export_id, _kv_ids(req), KV_CALL_TIMEOUT_S)
                 return _Export(client, export_id, info)
             except _KV_ERRORS as e:
                 logger.info(
@@ -323,9 +338,7 @@ class PDDispatcher:
                 pin_id = f"{req.req_id}~{sub_id}"
                 try:
                     with self.pool.track(req.req_id, decode, pin_id, routed=False):
-                        result = await decode.kv_import(
-                            export.info, list(req.prompt_token_ids), pin_id, KV_CALL_TIMEOUT_S
-                        )
+                        result = await decode.kv_import(export.info, _kv_ids(req), pin_id, KV_CALL_TIMEOUT_S)
                 except EngineDeadError:
                     continue  # the decode instance died: another one imports
                 except _KV_ERRORS as e:  # the source is gone or broken: redo the prefill elsewhere
@@ -336,6 +349,7 @@ class PDDispatcher:
                     retry = num_failed < MAX_KV_ATTEMPTS and self._pick_prefill(not_=export.client)
                     export = await self._export(req, None) if retry else None
                     continue
+                await self._after_kv_import(req, export.client, decode, result)
                 self._release(export)
                 export = None
                 self._count_import(
@@ -391,6 +405,11 @@ class PDDispatcher:
         request = self.pool.route_request(req.prompt_token_ids)
         name = self.policy.select_decode(request, self.pool.snapshots())
         return self.pool.clients[name] if name is not None else None
+
+
+def _kv_ids(req: AddRequest) -> list[int]:
+    """The prompt as the prefix caches key it: each image's pads by a key of its content hash."""
+    return cache_token_ids(req.prompt_token_ids, req.images)
 
 
 def _joined(deltas: list[CompletionDelta], field: str) -> list | None:

@@ -52,6 +52,9 @@ from xservice.policies import PLAIN_ROLES, BaseRoutingPolicy, InstanceSnapshot, 
 
 logger = logging.getLogger(__name__)
 
+# EPD roles as PD sees them (an encode_prefill instance prefills, an encode_decode one decodes; an
+# encode instance is neither, so plain and PD requests never go there)
+PD_ROLE_OF = {"encode_prefill": "prefill", "encode_decode": "decode"}
 HANDSHAKE_ATTEMPTS = 60
 HANDSHAKE_TIMEOUT_S = 0.5
 
@@ -72,7 +75,7 @@ class InstancePool:
         self.migrate = migrate
         self._active: dict[str, tuple[RemoteEngineClient, str]] = {}  # req_id -> (client, sub req_id)
         self.evictions = Evictions(self._active.get)  # service-initiated moves (co-location)
-        self.pd = PDDispatcher(self, pd_policy or PDPolicy())
+        self.pd: PDDispatcher = PDDispatcher(self, pd_policy or PDPolicy())  # EPD: serve.py sets its own
         self.dynamic = dynamic  # dynamic PD: roles are service-side and flip (``dynamic_pd.py``)
         if dynamic is not None:
             dynamic.attach(lambda: self.clients, lambda: [s.name for s in self.snapshots()])
@@ -93,6 +96,7 @@ class InstancePool:
         self.key = key  # the cluster key every instance authenticates us with (None: auth off)
         self.supervisor: InstanceSupervisor | None = None  # relaunches launched instances (serve.py)
         self.hang_timeout_s = HANG_TIMEOUT_S
+        self.instance_stats: dict[str, EngineStats] = {}  # per instance, as of the last ``stats()``
         self.clients: dict[str, RemoteEngineClient] = {}  # connected and answering
         self._pending: dict[str, RemoteEngineClient] = {}  # connected, handshake in progress
         self.num_routed: dict[str, int] = {}
@@ -214,9 +218,10 @@ class InstancePool:
         return out
 
     def role_of(self, name: str, client: RemoteEngineClient) -> str:
-        """The instance's current role: its dynamic PD pool role, else the one it registered with."""
+        """The instance's current role: its dynamic PD pool role, else the one it registered with (EPD
+        roles as PD sees them)."""
         role = self.dynamic.role(name) if self.dynamic is not None else None
-        return role or client.record.role
+        return role or PD_ROLE_OF.get(client.record.role, client.record.role)
 
     def route(
         self, prompt_token_ids: list[int], prefer: Sequence[Sequence[str]] = PLAIN_ROLES
@@ -349,7 +354,8 @@ class InstancePool:
         if not clients:
             raise EngineDeadError("no engine instance alive")
         results = await asyncio.gather(*(c.stats(timeout_s) for c in clients), return_exceptions=True)
-        stats = [r for r in results if isinstance(r, EngineStats)]
+        self.instance_stats = {c.name: r for c, r in zip(clients, results) if isinstance(r, EngineStats)}
+        stats = list(self.instance_stats.values())
         if not stats:
             raise EngineDeadError(f"no engine instance answered: {results[0]!r}")
         total = _sum_structs(stats, EngineStats())
@@ -460,6 +466,7 @@ class InstancePool:
             "num_migrations": self.num_migrations,
             "num_stale_rejected": self.registry.num_stale_rejected,
             "pd": dataclasses.asdict(self.pd.counters),
+            "epd": self.pd.view() if hasattr(self.pd, "view") else {"strategy": "none"},
             "dynamic_pd": self.dynamic.view() if self.dynamic is not None else {"enabled": False},
             "colocation": self.colocation.view() if self.colocation is not None else {"enabled": False},
         }

@@ -17,6 +17,13 @@ import msgspec
 import zmq.asyncio
 
 from xengine.api.cluster.keys import InstanceRecord
+from xengine.api.embed_messages import (
+    EmbedExport,
+    EmbedExportInfo,
+    EmbedImport,
+    EmbedImportResult,
+    EmbedRelease,
+)
 from xengine.api.messages import EngineInfo, Hello
 from xengine.api.security import ClusterKey
 from xservice.engine_client import EngineClient, EngineDeadError
@@ -78,6 +85,30 @@ class RemoteEngineClient(EngineClient):
     def mark_dead(self, reason: str) -> None:
         """The instance is gone: fail every in-flight request and call now."""
         self._mark_dead(reason)
+
+    # ------------------------------------------------------------------ EPD: image embeddings
+
+    async def embed_export(
+        self, export_id: str, content_hashes: list[str], timeout_s: float = 30.0
+    ) -> EmbedExportInfo:
+        """Encode side: pin the cached embeddings of ``content_hashes`` under ``export_id``."""
+        result = await self._call_msg(
+            lambda c: EmbedExport(call_id=c, export_id=export_id, content_hashes=content_hashes), timeout_s
+        )
+        if not result.ok or result.embed_export is None:
+            raise RuntimeError(f"embedding export failed: {result.error}")
+        return result.embed_export
+
+    async def embed_import(self, source: EmbedExportInfo, timeout_s: float = 60.0) -> EmbedImportResult:
+        """Prefill side: pull the embeddings of ``source`` its image cache lacks into it."""
+        result = await self._call_msg(lambda c: EmbedImport(call_id=c, source=source), timeout_s)
+        if not result.ok or result.embed_import is None:
+            raise RuntimeError(f"embedding import failed: {result.error}")
+        return result.embed_import
+
+    async def embed_release(self, export_id: str, timeout_s: float = 5.0) -> bool:
+        """Drop an embedding export pin; False when the engine had none under that id."""
+        return (await self._call_msg(lambda c: EmbedRelease(call_id=c, export_id=export_id), timeout_s)).ok
 
     async def close(self, drain_timeout_s: float = 0.0) -> None:
         if self._closed:

@@ -31,6 +31,8 @@ from xengine.api.security import ClusterKey
 from xservice.cluster.colocation import Colocation
 from xservice.cluster.config import ClusterConfig
 from xservice.cluster.dynamic_pd import DynamicPD
+from xservice.cluster.epd import EPDDispatcher
+from xservice.cluster.image_index import ImageIndex
 from xservice.cluster.launchers import BaseLauncher, InstanceSpec, make_launcher
 from xservice.cluster.monitor import RuntimeMonitor
 from xservice.cluster.pool import InstancePool
@@ -95,6 +97,7 @@ async def serve_cluster(
             make_colocation(cl, dynamic),
         )
         pool.hang_timeout_s = cfg.service.engine_hang_timeout_s
+        index = make_epd(cl, pool, registry)
         launcher: BaseLauncher | None = None
         watcher: asyncio.Task | None = None
         flipper = asyncio.get_running_loop().create_task(dynamic.run()) if dynamic is not None else None
@@ -143,9 +146,29 @@ async def serve_cluster(
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
             await pool.close()
+            if index is not None:
+                await index.close()
             if launcher is not None:
                 await asyncio.to_thread(launcher.stop_all)
             await registry.close()
+
+
+def make_epd(cl: ClusterConfig, pool: InstancePool, registry: InstanceRegistry) -> ImageIndex | None:
+    """EPD (``cluster.epd_strategy``): the pool's dispatcher becomes ``EPDDispatcher`` over a global
+    image index watching the store (None: no EPD)."""
+    if cl.epd_strategy == "none":
+        return None
+
+    def incarnation_of(name: str) -> str | None:
+        state = registry.instances.get(name)
+        return state.record.incarnation if state is not None else None
+
+    index = ImageIndex(registry.store, cl.key_prefix, incarnation_of)
+    registry.subscribe(lambda event, state, _: index.drop(state.record.name) if event == "down" else None)
+    index.start()
+    policy = PDPolicy(cl.cache_match_weight)
+    pool.pd = EPDDispatcher(pool, policy, cl.epd_strategy, index, cl.cache_match_weight)
+    return index
 
 
 async def make_dynamic_pd(cl: ClusterConfig, store: BaseMetadataStore) -> DynamicPD | None:

@@ -25,7 +25,7 @@ from xengine.api.security import load_or_create_key_file
 from xservice.commands.common import CliError, load_cli_config, resolve_model
 from xservice.engine_process import child_env
 
-ROLES = ("mixed", "prefill", "decode")
+ROLES = ("mixed", "prefill", "decode", "encode", "encode_prefill", "encode_decode")
 STORE_CHECK_TIMEOUT_S = 5.0
 
 

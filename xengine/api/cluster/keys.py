@@ -5,6 +5,7 @@
 ``<prefix>/kv_events/<name>``  ``KVEventBatch``     each heartbeat with KV changes, under the lease
 ``<prefix>/kv/<name>``         ``KVSnapshot``       the service's persisted global KV index (no lease)
 ``<prefix>/roles/<name>``      ``RoleRecord``       dynamic PD: the instance's pool and flips (no lease)
+``<prefix>/images/<name>``     ``ImageSet``         EPD: content hashes in its image-embedding cache, under the lease
 
 Every record but the instance's own carries the writer's ``incarnation`` (a uuid per engine
 process start); readers drop records whose incarnation is not the registered one.
@@ -16,9 +17,11 @@ from typing import Literal
 
 import msgspec
 
-Role = Literal["prefill", "decode", "mixed"]
-ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
-KINDS = ("instances", "load", "kv_events", "kv", "roles")
+Role = Literal["prefill", "decode", "mixed", "encode", "encode_prefill", "encode_decode"]
+ROLES: tuple[str, ...] = ("prefill", "decode", "mixed", "encode", "encode_prefill", "encode_decode")
+# roles that move KV or image embeddings between instances (each runs a Mooncake transfer engine)
+TRANSFER_ROLES: tuple[str, ...] = ("prefill", "decode", "encode", "encode_prefill", "encode_decode")
+KINDS = ("instances", "load", "kv_events", "kv", "roles", "images")
 
 
 class InstanceRecord(msgspec.Struct, kw_only=True):
@@ -112,3 +115,11 @@ def decode(raw: bytes, cls: type) -> object | None:
         return msgspec.json.decode(raw, type=cls)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+class ImageSet(msgspec.Struct, kw_only=True):
+    """The content hashes of the images in an instance's image-embedding cache (EPD routing)."""
+
+    incarnation: str
+    seq: int
+    hashes: list[str] = []
