@@ -278,7 +278,7 @@ class PDDispatcher:
 
     def _uncached(self, req: AddRequest) -> dict[str, int]:
         """Per healthy instance, the prompt tokens its prefix cache does not hold."""
-        request = self.pool.route_request(req.prompt_token_ids)
+        request = self.pool.route_request(_kv_ids(req))
         matched = request.matched_blocks or {}
         block = self.pool.info.block_size
         n = len(req.prompt_token_ids)
@@ -402,7 +402,7 @@ class PDDispatcher:
         if dynamic is not None:
             name = dynamic.pick_decode(req, None, len(req.prompt_token_ids) + 1).name
             return self.pool.clients.get(name) if name is not None else None
-        request = self.pool.route_request(req.prompt_token_ids)
+        request = self.pool.route_request(_kv_ids(req))
         name = self.policy.select_decode(request, self.pool.snapshots())
         return self.pool.clients[name] if name is not None else None
 

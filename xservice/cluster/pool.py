@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from xengine.api.image_keys import cache_token_ids
 from xengine.api.messages import (
     AddRequest,
     ColocationStatsMsg,
@@ -95,6 +96,7 @@ class InstancePool:
         self.service_id = uuid.uuid4().hex  # sent to every instance in a Hello (see engine_server)
         self.key = key  # the cluster key every instance authenticates us with (None: auth off)
         self.supervisor: InstanceSupervisor | None = None  # relaunches launched instances (serve.py)
+        self.epd_auto: dict[str, Any] = {"enabled": False}  # epd_strategy auto's choice (serve.py)
         self.hang_timeout_s = HANG_TIMEOUT_S
         self.instance_stats: dict[str, EngineStats] = {}  # per instance, as of the last ``stats()``
         self.clients: dict[str, RemoteEngineClient] = {}  # connected and answering
@@ -238,7 +240,8 @@ class InstancePool:
         return self.clients[self.policy.select(self.route_request(prompt_token_ids), candidates)]
 
     def route_request(self, prompt_token_ids: list[int]) -> RouteRequest:
-        """The prompt's whole-block count and, per instance, how many leading blocks it holds."""
+        """The prompt's whole-block count and, per instance, how many leading blocks it holds
+        (``prompt_token_ids`` as the prefix caches key them: ``cache_token_ids`` for image prompts)."""
         hashes = prompt_block_hashes(prompt_token_ids, self.info.block_size)
         return RouteRequest(num_blocks=len(hashes), matched_blocks=self.registry.kv_index.match(hashes))
 
@@ -291,7 +294,7 @@ class InstancePool:
         migrated = False
         try:
             while True:
-                client = client or self.route(sub.prompt_token_ids, prefer)
+                client = client or self.route(cache_token_ids(sub.prompt_token_ids, sub.images), prefer)
                 name, moved_to = client.name, None
                 try:
                     with self.track(req.req_id, client, sub.req_id):
@@ -467,6 +470,7 @@ class InstancePool:
             "num_stale_rejected": self.registry.num_stale_rejected,
             "pd": dataclasses.asdict(self.pd.counters),
             "epd": self.pd.view() if hasattr(self.pd, "view") else {"strategy": "none"},
+            "epd_auto": self.epd_auto,
             "dynamic_pd": self.dynamic.view() if self.dynamic is not None else {"enabled": False},
             "colocation": self.colocation.view() if self.colocation is not None else {"enabled": False},
         }
