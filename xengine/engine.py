@@ -435,6 +435,7 @@ class Engine:
             colocation=self.interrupter.stats(),
             num_image_encodes=getattr(self.runner.images, "num_encodes", 0),
             num_image_cache_hits=getattr(self.runner.images, "num_hits", 0),
+            num_image_tokens_encoded=getattr(self.runner.images, "num_encoded_tokens", 0),
             num_encode_steps=getattr(self.scheduler.encode_stage, "num_encode_steps", 0),
         )
 

@@ -125,6 +125,8 @@ class ProfileRequest:
     max_batch: int = 16  # decode batches measured: 1, 4, ... up to this
     max_images: int = 8  # encode batches measured: 1, 2, 4, ... up to this
     transfer_bytes_per_s: float | None = None  # default: measured over loopback TCP
+    cores: float | None = None  # the instances share this many cores (None: one core each)
+    strategies: tuple[str, ...] = tuple(STRATEGIES)  # the candidates ranked (policy names: EPD is colocated)
 
 
 def run_profile(req: ProfileRequest, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
@@ -172,7 +174,7 @@ def _profile(probe: StageProbe, req: ProfileRequest, progress: Callable[[str], N
     costs = fit_stage_costs(
         [(p, s) for _, p, s in encode_samples], prefill_samples, decode_samples, **transfer
     )
-    choice = choose_strategy(costs, workload, req.num_instances, req.slo)
+    choice = choose_strategy(costs, workload, req.num_instances, req.slo, req.strategies, req.cores)
     batch, context = _operating_point(req, costs, workload, choice.best, limit)
     if batch > max(b for b, _, _ in decode_samples):  # past the measured batches: measure it, refit, once
         progress(f"decode: {batch} sequences on {context}-token contexts (the chosen operating point)")
@@ -182,7 +184,7 @@ def _profile(probe: StageProbe, req: ProfileRequest, progress: Callable[[str], N
         costs = fit_stage_costs(
             [(p, s) for _, p, s in encode_samples], prefill_samples, decode_samples, **transfer
         )
-        choice = choose_strategy(costs, workload, req.num_instances, req.slo)
+        choice = choose_strategy(costs, workload, req.num_instances, req.slo, req.strategies, req.cores)
         batch, context = _operating_point(req, costs, workload, choice.best, limit)
     probes = [0]
 
@@ -215,6 +217,7 @@ def _profile(probe: StageProbe, req: ProfileRequest, progress: Callable[[str], N
         },
         "slo": {"ttft_ms": req.slo.ttft_s * 1e3, "tpot_ms": req.slo.tpot_s * 1e3},
         "instances": req.num_instances,
+        "cores": req.cores,
         "repeats": r,
         "samples": {
             "encode": [{"images": k, "patches": p, "s": s} for k, p, s in encode_samples],
@@ -246,7 +249,7 @@ def _operating_point(
     batch = 1
     if best.goodput > 0:
         counts = tuple(c for _, c in best.counts)
-        e = evaluate(best.strategy, counts, costs, workload, req.slo, best.goodput)
+        e = evaluate(best.strategy, counts, costs, workload, req.slo, best.goodput, req.cores)
         d_pool = next(k for k in STRATEGIES[best.strategy] if "D" in k)
         if d_pool in e.budgets:
             batch = max(1, e.budgets[d_pool].decode_batch)

@@ -168,6 +168,14 @@ class ServiceMetrics:
             "xllm_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=r
         )
         self.generation_tokens = Counter("xllm_generation_tokens_total", "Generated tokens.", registry=r)
+        self.prompt_images = Counter(
+            "xllm_prompt_images", "Images in the prompts of admitted requests.", registry=r
+        )
+        self.prompt_image_tokens = Counter(
+            "xllm_prompt_image_tokens",
+            "Image tokens (image pads, also counted in xllm_prompt_tokens) of admitted requests.",
+            registry=r,
+        )
         self.prompt_tokens_cached = Counter(
             "xllm_prompt_tokens_cached_total",
             "Prompt tokens of finished requests served from the prefix cache.",
@@ -268,9 +276,25 @@ class ServiceMetrics:
         return generate_latest(self.registry)
 
 
+# EngineStats field -> (counter name without "_total", help) of the vision-language image path
+_IMAGE_COUNTERS = {
+    "num_encode_steps": (
+        "xllm_encode_steps",
+        "Engine steps that carried image encodes (scheduler.encode_scheduling: stage).",
+    ),
+    "num_image_encodes": ("xllm_images_encoded", "Images run through the vision encoder."),
+    "num_image_tokens_encoded": ("xllm_image_tokens_encoded", "Image tokens of the images encoded."),
+    "num_image_cache_hits": (
+        "xllm_image_cache_hits",
+        "Images of requests served from the instance's image-embedding cache instead of the encoder.",
+    ),
+}
+
+
 class _EngineCountersCollector:
-    """``xllm_prefix_cache_queries_total`` / ``xllm_prefix_cache_hits_total``: the engine's running
-    totals (prompt tokens looked up in the prefix cache, and found), as of the last scrape."""
+    """The engine's running totals as of the last scrape: ``xllm_prefix_cache_queries_total`` /
+    ``xllm_prefix_cache_hits_total`` (prompt tokens looked up in the prefix cache, and found) and the
+    image path's (``_IMAGE_COUNTERS``; 0 for a text model)."""
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._metrics = metrics
@@ -288,6 +312,8 @@ class _EngineCountersCollector:
         yield CounterMetricFamily(
             "xllm_prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
         )
+        for field, (name, doc) in _IMAGE_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, getattr(stats, field))
 
 
 class _EngineHealthCollector:

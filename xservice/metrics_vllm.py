@@ -41,6 +41,8 @@ VLLM_NAMES: dict[str, tuple[str, str | None]] = {
     "xllm_request_generation_tokens": ("vllm:request_generation_tokens", None),
     "xllm_request_params_n": ("vllm:request_params_n", None),
     "xllm_request_params_max_tokens": ("vllm:request_params_max_tokens", None),
+    # not mirrored: the image path's counters (xllm_images_encoded, xllm_image_cache_hits, ...).
+    # vllm:mm_cache_* count vLLM's input-processor cache (pixels), a quantity xllm does not have.
 }
 
 ENGINE_LABEL = "0"

@@ -23,6 +23,7 @@ class RequestSpec:
     output_len: int
     ignore_eos: bool = True
     api_key: str | None = None
+    image_urls: tuple[str, ...] = ()  # chat only: image_url parts (data: URLs) before the text
 
 
 def build_payload(spec: RequestSpec) -> dict:
@@ -36,7 +37,10 @@ def build_payload(spec: RequestSpec) -> dict:
     }
     if spec.ignore_eos:
         body["ignore_eos"] = True
-    if spec.endpoint == "chat":
+    if spec.endpoint == "chat" and spec.image_urls:
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in spec.image_urls]
+        body["messages"] = [{"role": "user", "content": [*parts, {"type": "text", "text": spec.prompt}]}]
+    elif spec.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt

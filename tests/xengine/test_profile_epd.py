@@ -115,11 +115,11 @@ def _check_search(budget: dict, kind: str, answer: int, step: int, slo: float) -
 def test_profile_table_on_a_custom_text_heavy_workload(vl_model: Path) -> None:
     r = xllm("--model", str(vl_model), "--images-per-request", "1", "--image-size", "112x112", "--prompt-tokens", "200",
              "--output-tokens", "64", "--request-rate", "5", "--ttft-slo-ms", "500", "--tpot-slo-ms", "40",
-             "--instances", "3", *QUICK)  # fmt: skip
+             "--instances", "3", "--cores", "2", *QUICK)  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = r.stdout
     for text in ("fitted stage costs", "Algorithm 1 budgets", "scheduler.max_encode_images", "scheduler.max_num_batched_tokens",
-                 "E+P+D", "EP+D", "ED+P", "EPD", "choice:", "rate 5 req/s", "2 threads"):  # fmt: skip
+                 "E+P+D", "EP+D", "ED+P", "EPD", "choice:", "rate 5 req/s", "2 threads", "share 2 cores"):  # fmt: skip
         assert text in out, text
     print(out)
 
@@ -132,6 +132,7 @@ def test_profile_table_on_a_custom_text_heavy_workload(vl_model: Path) -> None:
         (["--images-per-request", "1", "--image-size", "big", "--prompt-tokens", "5", "--output-tokens", "5"], "--image-size must be WxH"),
         (["--workload", "text-heavy", "--request-rate", "-3"], "--request-rate must be"),
         (["--workload", "text-heavy", "--instances", "0"], "--instances must be >= 1"),
+        (["--workload", "text-heavy", "--cores", "0"], "--cores must be > 0"),
     ],
 )  # fmt: skip
 def test_bad_flags_are_one_line_errors(vl_model: Path, args: list[str], message: str) -> None:

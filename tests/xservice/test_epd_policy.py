@@ -19,6 +19,7 @@ from xservice.policies.epd import (
     max_within,
     splits,
 )
+from xservice.policies.epd_model import cpu_demand
 
 # a GPU-like instance: encode batching pays (e0), decode steps are cheap per sequence
 COSTS = StageCosts(
@@ -212,3 +213,23 @@ def test_bad_inputs_are_value_errors_naming_the_field() -> None:
         choose_strategy(COSTS, IMAGE_HEAVY, 4, SLO, strategies=("E+D",))
     only = choose_strategy(COSTS, IMAGE_HEAVY, 1, SLO)  # one instance: only the colocated baseline
     assert [r.strategy for r in only.table] == ["EPD"]
+
+
+def test_shared_cores_slow_down_busy_instances_and_never_raise_goodput() -> None:
+    alone = choose_strategy(COSTS, TEXT_HEAVY, 3, SLO)
+    # one core per instance is what the model assumes without cores: identical table
+    assert choose_strategy(COSTS, TEXT_HEAVY, 3, SLO, cores=3).table == alone.table
+    shared = choose_strategy(COSTS, TEXT_HEAVY, 3, SLO, cores=1)
+    independent = {(r.strategy, r.counts): r.goodput for r in alone.table}
+    assert all(r.goodput <= independent[(r.strategy, r.counts)] for r in shared.table)
+    assert shared.best.goodput < alone.best.goodput
+    counts = tuple(c for _, c in alone.best.counts)
+    rate = alone.best.goodput / 2
+    free = evaluate(alone.best.strategy, counts, COSTS, TEXT_HEAVY, SLO, rate)
+    busy = evaluate(alone.best.strategy, counts, COSTS, TEXT_HEAVY, SLO, rate, cores=1)
+    assert free.slowdown == 1.0 and busy.slowdown > 1.0
+    assert busy.tpot_s > free.tpot_s and busy.ttft_s > free.ttft_s
+    demand = [cpu_demand("EPD", (3,), COSTS, TEXT_HEAVY, r) for r in (0.5, 1.0, 2.0, 1e6)]
+    assert demand == sorted(demand) and demand[-1] == 3.0  # at most one core per instance
+    with pytest.raises(ValueError, match="cores"):
+        evaluate("EPD", (3,), COSTS, TEXT_HEAVY, SLO, 1.0, cores=0)

@@ -159,6 +159,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # from the instance's image-embedding cache (by content hash) instead
     num_image_encodes: int = 0
     num_image_cache_hits: int = 0
+    num_image_tokens_encoded: int = 0  # the encoded images' tokens (their image pads)
     num_encode_steps: int = 0  # steps that carried image encodes (``scheduler.encode_scheduling: stage``)
 
 

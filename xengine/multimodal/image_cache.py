@@ -46,6 +46,7 @@ class ImageEmbeddingCache:
         self._lock = threading.Lock()
         self.num_encodes = 0  # images run through the encoder
         self.num_hits = 0  # a request's image found in the instance cache (no encode for it)
+        self.num_encoded_tokens = 0  # image tokens (pads) of the images encoded
 
     def gather(self, pieces: list[ImagePiece]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(embeddings [N, hidden], token indexes [N])`` of the step's image pieces."""
@@ -106,6 +107,7 @@ class ImageEmbeddingCache:
         for content_hash, emb in fresh.items():
             self._put(content_hash, emb)
         self.num_encodes += len(images)
+        self.num_encoded_tokens += sum(im.length for im in images)
         return fresh
 
     def _put(self, content_hash: str, emb: torch.Tensor) -> None:

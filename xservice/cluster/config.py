@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from xengine.api.config import _f
 from xengine.api.paths import default_cluster_key_file
 from xengine.api.security import ClusterKey, load_or_create_key_file
+from xservice.cluster.epd_workload import parse_workload, workload_text
 
 STORES = ("embedded", "etcd")
 PD_MODES = ("static", "dynamic")
 LAUNCHERS = ("local", "ray", "external")
 INSTANCE_ROLES = ("mixed", "prefill", "decode", "encode", "encode_prefill", "encode_decode")
+AUTO = "auto"  # epd_strategy and instance role: chosen by the EPD profiler at start-up
+PROFILE_EFFORTS = ("full", "quick")
 # EPD strategy -> the roles its instances take (docs/multimodal.md, "EPD disaggregation")
 EPD_STRATEGIES: dict[str, tuple[str, ...]] = {
     "E+P+D": ("encode", "prefill", "decode"),
@@ -33,7 +36,8 @@ class ClusterConfig:
         "Engine instances to launch, comma-separated 'name:role' (role: mixed, prefill, decode; with "
         "epd_strategy also encode, encode_prefill, encode_decode), e.g. "
         "'engine-0:mixed,engine-1:mixed'. Empty: single-node mode (unless launcher is 'external'). With "
-        "launcher 'external': the names to wait for before serving (roles come from their registrations).",
+        "launcher 'external': the names to wait for before serving (roles come from their registrations). "
+        "With epd_strategy 'auto': names only (or role 'auto'); the profiler gives each its role.",
     )
     launcher: str = _f(
         "local",
@@ -56,10 +60,14 @@ class ClusterConfig:
         "instances flip role with zero wait; docs/dynamic_pd.md). Dynamic needs prefill and decode instances.",
     )
     ttft_slo_ms: float = _f(
-        1000.0, "Dynamic PD: default time-to-first-token SLO (a request may set its own)."
+        1000.0,
+        "Dynamic PD: default time-to-first-token SLO (a request may set its own); epd_strategy 'auto': the "
+        "TTFT SLO the strategy is chosen for.",
     )
     tpot_slo_ms: float = _f(
-        100.0, "Dynamic PD: default time-per-output-token SLO (a request may set its own)."
+        100.0,
+        "Dynamic PD: default time-per-output-token SLO (a request may set its own); epd_strategy 'auto': the "
+        "TPOT SLO the strategy and Algorithm 1's budgets are chosen for.",
     )
     min_decode_instances: int = _f(2, "Dynamic PD: never flip below this many decode-side instances.")
     min_prefill_instances: int = _f(1, "Dynamic PD: never flip below this many prefill-side instances.")
@@ -91,7 +99,35 @@ class ClusterConfig:
         "none",
         "EPD disaggregation of image requests (docs/multimodal.md): 'none', 'E+P+D' (encode, prefill and "
         "decode instances), 'EP+D' (encode_prefill + decode) or 'ED+P' (encode_decode + prefill). Image "
-        "embeddings move E->P and KV P->D over Mooncake; text requests run plain PD.",
+        "embeddings move E->P and KV P->D over Mooncake; text requests run plain PD. 'auto': at start-up the "
+        "EPD profiler measures the model here and picks the strategy, the roles and Algorithm 1's budgets "
+        "for epd_workload under ttft_slo_ms / tpot_slo_ms (cached; docs/multimodal.md, 'EPD auto').",
+    )
+    epd_workload: str = _f(
+        "",
+        "epd_strategy 'auto': the workload to choose for: 'image-heavy' or 'text-heavy' (xllm profile epd's "
+        "named workloads), or a description: in YAML a mapping of images_per_request, image_size (WxH), "
+        "prompt_tokens, output_tokens and optionally request_rate (requests/s, or 'max'); as a flag "
+        "'images_per_request=2,image_size=448x448,prompt_tokens=128,output_tokens=64'.",
+    )
+    epd_auto_strategies: str = _f(
+        "",
+        "epd_strategy 'auto': the strategies it may choose, comma-separated from E+P+D, EP+D, ED+P and none "
+        "(colocated: every instance mixed); empty: all of them.",
+    )
+    epd_profile_effort: str = _f(
+        "full",
+        "epd_strategy 'auto': 'full' (xllm profile epd's defaults) or 'quick' (1 repeat, batches up to 4 "
+        "decodes / 4 images, budgets searched up to 8 images / 512 tokens).",
+    )
+    epd_profile_cache_dir: str = _f(
+        "",
+        "epd_strategy 'auto': folder of cached profiles, one file per model (path, config and weight "
+        "mtimes), workload, SLOs, instance count, threads and effort; default $XLLM_CACHE_DIR/epd_profiles. "
+        "Deleting a file forces a new profile.",
+    )
+    epd_reprofile: bool = _f(
+        False, "epd_strategy 'auto': profile again at start-up even when a cached profile matches."
     )
     engine_host: str = _f("127.0.0.1", "Address instances bind their ZMQ sockets to (loopback by default).")
     instance_startup_timeout_s: float = _f(600.0, "How long to wait for every instance to register.")
@@ -106,6 +142,10 @@ class ClusterConfig:
         "launcher 'external' and for 'xllm engine' it is $XLLM_CACHE_DIR/cluster.key (~/.cache/xllm/cluster.key), "
         "created on first use.",
     )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epd_workload, dict):  # YAML's mapping form, kept as its one-line flag form
+            object.__setattr__(self, "epd_workload", workload_text(self.epd_workload))
 
     def cluster_key(self) -> ClusterKey | None:
         """The key that authenticates this cluster's planes (None when ``auth`` is off); reads or creates the
@@ -126,12 +166,14 @@ class ClusterConfig:
         return self.launcher == "external"
 
     def instance_specs(self) -> list[tuple[str, str]]:
-        """``[(name, role)]`` parsed from ``instances``."""
+        """``[(name, role)]`` parsed from ``instances`` (no role: ``mixed``, or ``auto`` under
+        ``epd_strategy: auto``)."""
+        default = AUTO if self.epd_strategy == AUTO else "mixed"
         specs = []
         for item in (x.strip() for x in self.instances.split(",")):
             if item:
                 name, _, role = item.partition(":")
-                specs.append((name.strip(), (role or "mixed").strip()))
+                specs.append((name.strip(), role.strip() or default))
         return specs
 
     def validate(self) -> None:
@@ -140,11 +182,16 @@ class ClusterConfig:
         if len(set(names)) != len(names) or any(not n or "/" in n for n in names):
             raise ValueError("cluster.instances: names must be unique, non-empty and contain no '/'")
         for name, role in specs:
-            if role not in INSTANCE_ROLES:
+            if role not in INSTANCE_ROLES and role != AUTO:
                 raise ValueError(
                     f"cluster.instances: role of {name!r} must be one of {', '.join(INSTANCE_ROLES)}"
                 )
-        self._validate_epd(specs)
+        if self.epd_strategy == AUTO:
+            self._validate_epd_auto(specs)
+        elif any(role == AUTO for _, role in specs):
+            raise ValueError("cluster.instances: role 'auto' needs cluster.epd_strategy: auto")
+        else:
+            self._validate_epd(specs)
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"cluster.launcher must be one of {', '.join(LAUNCHERS)}")
         if self.metadata_store not in STORES:
@@ -167,7 +214,8 @@ class ClusterConfig:
         roles = {role for _, role in specs}
         if self.epd_strategy != "none" and self.epd_strategy not in EPD_STRATEGIES:
             raise ValueError(
-                f"cluster.epd_strategy must be one of none, {', '.join(EPD_STRATEGIES)} (got {self.epd_strategy!r})"
+                f"cluster.epd_strategy must be one of none, {', '.join(EPD_STRATEGIES)}, auto "
+                f"(got {self.epd_strategy!r})"
             )
         encode_roles = sorted(roles & {"encode", "encode_prefill", "encode_decode"})
         if self.epd_strategy == "none":
@@ -195,6 +243,50 @@ class ClusterConfig:
                 + ("; " if missing and extra else "")
                 + (f"roles {', '.join(extra)} do not belong to it" if extra else "")
             )
+
+    def _validate_epd_auto(self, specs: list[tuple[str, str]]) -> None:
+        """``epd_strategy: auto``: named instances to give roles to, a workload, SLOs, candidates."""
+        if self.pd_mode != "static" or self.colocation:
+            raise ValueError("cluster.epd_strategy 'auto' needs cluster.pd_mode: static and colocation off")
+        if self.external or not specs:
+            raise ValueError(
+                "cluster.epd_strategy 'auto' launches the instances it gives roles to: list their names in "
+                "cluster.instances (e.g. 'engine-0,engine-1,engine-2') with launcher local or ray"
+            )
+        fixed = [f"{n}:{r}" for n, r in specs if r != AUTO]
+        if fixed:
+            raise ValueError(
+                f"cluster.epd_strategy 'auto' chooses every instance's role: list the instances without one "
+                f"(or with role 'auto'); got {', '.join(fixed)}"
+            )
+        if not self.epd_workload:
+            raise ValueError(
+                "cluster.epd_strategy 'auto' needs cluster.epd_workload: 'image-heavy', 'text-heavy' or a "
+                "description (images_per_request, image_size, prompt_tokens, output_tokens)"
+            )
+        parse_workload(self.epd_workload)
+        if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
+            raise ValueError("cluster.ttft_slo_ms and cluster.tpot_slo_ms must be > 0")
+        if self.epd_profile_effort not in PROFILE_EFFORTS:
+            raise ValueError(f"cluster.epd_profile_effort must be one of {', '.join(PROFILE_EFFORTS)}")
+        candidates = self.auto_strategies()
+        if not any(len(EPD_STRATEGIES.get(s, ("mixed",))) <= len(specs) for s in candidates):
+            raise ValueError(
+                f"cluster.epd_auto_strategies {', '.join(candidates)}: none fits {len(specs)} instance(s) "
+                "(E+P+D needs 3, EP+D and ED+P 2); list more instances or add 'none'"
+            )
+
+    def auto_strategies(self) -> tuple[str, ...]:
+        """The strategies ``epd_strategy: auto`` may choose (cluster names: ``none`` is colocated)."""
+        known = ("none", *EPD_STRATEGIES)
+        names = tuple(s.strip() for s in self.epd_auto_strategies.split(",") if s.strip()) or known
+        bad = [s for s in names if s not in known]
+        if bad or len(set(names)) != len(names):
+            raise ValueError(
+                f"cluster.epd_auto_strategies must list distinct strategies from {', '.join(known)} "
+                f"(got {self.epd_auto_strategies!r})"
+            )
+        return names
 
     def _validate_pd_mode(self, specs: list[tuple[str, str]]) -> None:
         if self.pd_mode not in PD_MODES:

@@ -23,15 +23,17 @@ import contextlib
 import logging
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from xengine.api.cluster.store import BaseMetadataStore, StoreUnavailableError
 from xengine.api.security import ClusterKey
 from xservice.cluster.colocation import Colocation
-from xservice.cluster.config import ClusterConfig
+from xservice.cluster.config import AUTO, ClusterConfig
 from xservice.cluster.dynamic_pd import DynamicPD
 from xservice.cluster.epd import EPDDispatcher
+from xservice.cluster.epd_auto import EPDAuto, resolve_epd_auto
 from xservice.cluster.image_index import ImageIndex
 from xservice.cluster.launchers import BaseLauncher, InstanceSpec, make_launcher
 from xservice.cluster.monitor import RuntimeMonitor
@@ -82,6 +84,8 @@ async def open_service_store(
 async def serve_cluster(
     cfg: XllmConfig, sock: socket.socket, tokenizer: Any, serve_http: ServeHttp, phases: Any
 ) -> int:
+    auto = await _resolve_auto(cfg) if cfg.cluster.epd_strategy == AUTO else None
+    cfg = auto.cfg if auto is not None else cfg
     cl = cfg.cluster
     key = cl.cluster_key()
     async with open_service_store(cl, key) as (store, engine_store_url):
@@ -97,6 +101,8 @@ async def serve_cluster(
             make_colocation(cl, dynamic),
         )
         pool.hang_timeout_s = cfg.service.engine_hang_timeout_s
+        if auto is not None:
+            pool.epd_auto = auto.view
         index = make_epd(cl, pool, registry)
         launcher: BaseLauncher | None = None
         watcher: asyncio.Task | None = None
@@ -121,7 +127,7 @@ async def serve_cluster(
                 name: InstanceSpec(
                     name,
                     role,
-                    cfg.engine,
+                    auto.engines[name] if auto is not None else cfg.engine,
                     engine_store_url,
                     cl.key_prefix,
                     cl.engine_host,
@@ -151,6 +157,17 @@ async def serve_cluster(
             if launcher is not None:
                 await asyncio.to_thread(launcher.stop_all)
             await registry.close()
+
+
+async def _resolve_auto(cfg: XllmConfig) -> EPDAuto:
+    """``epd_strategy: auto``: profile (or reuse the cached profile) in a thread; cancelling the
+    service stops the profile at its next step."""
+    stop = threading.Event()
+    try:
+        return await asyncio.to_thread(resolve_epd_auto, cfg, stop)
+    except asyncio.CancelledError:
+        stop.set()
+        raise
 
 
 def make_epd(cl: ClusterConfig, pool: InstancePool, registry: InstanceRegistry) -> ImageIndex | None:

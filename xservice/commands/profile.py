@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from xservice.cluster.epd_workload import parse_image_size, parse_rate
 from xservice.commands.common import EXIT_USAGE, CliError
 
 
@@ -39,6 +40,12 @@ def register_profile(subparsers: Any) -> None:
     e.add_argument("--tpot-slo-ms", type=float, required=True, metavar="Y")
     e.add_argument("--instances", type=int, required=True, metavar="N", help="instances to split into pools")
     e.add_argument("--threads", type=int, metavar="T", help="engine threads (default: the engine's)")
+    e.add_argument(
+        "--cores",
+        type=float,
+        metavar="C",
+        help="the instances share C cores (slows them down when busy together; default: one core each)",
+    )
     e.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median; default 3)")
     e.add_argument(
         "--decode-batch", type=int, metavar="B", help="budgets at B decodes (default: chosen deployment's)"
@@ -92,6 +99,8 @@ def build_request(args: argparse.Namespace) -> Any:
             raise CliError(f"{flag} must be >= 1, got {value}")
     if args.ttft_slo_ms <= 0 or args.tpot_slo_ms <= 0:
         raise CliError("--ttft-slo-ms and --tpot-slo-ms must be > 0")
+    if args.cores is not None and not args.cores > 0:
+        raise CliError(f"--cores must be > 0, got {args.cores}")
     if args.decode_batch is not None and args.decode_batch < 0:
         raise CliError("--decode-batch must be >= 0")
     return ProfileRequest(
@@ -107,27 +116,23 @@ def build_request(args: argparse.Namespace) -> Any:
         max_batch=args.max_batch,
         max_images=args.max_images,
         transfer_bytes_per_s=args.transfer_gbs * 1e9 if args.transfer_gbs else None,
+        cores=args.cores,
         **spec,
     )
 
 
 def _size(text: str) -> tuple[int, int]:
-    w, sep, h = text.lower().partition("x")
-    if not (sep and w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0):
-        raise CliError(f"--image-size must be WxH in pixels, e.g. 448x448; got {text!r}")
-    return int(w), int(h)
+    try:
+        return parse_image_size(text, "--image-size")
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def _rate(text: str) -> float | None:
-    if text == "max":
-        return None
     try:
-        rate = float(text)
-    except ValueError:
-        rate = -1.0
-    if not rate > 0:
-        raise CliError(f"--request-rate must be a number > 0 or 'max', got {text!r}")
-    return rate
+        return parse_rate(text, "--request-rate")
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def run_profile_epd(args: argparse.Namespace) -> int:
@@ -170,6 +175,8 @@ def render_report(doc: dict[str, Any]) -> list[Any]:
         f"+ {w['prompt_len'] - w['prompt_tokens']} image prompt tokens, {w['output_tokens']} output; rate {rate}; "
         f"SLO TTFT {slo['ttft_ms']:g} ms, TPOT {slo['tpot_ms']:g} ms; {doc['instances']} instances",
     ]
+    if doc.get("cores"):
+        out.append(f"the instances share {doc['cores']:g} cores: busy together, they slow each other down")
     costs = Table(title="fitted stage costs (median of measured repeats)")
     for col in ("stage", "model", "coefficients"):
         costs.add_column(col)

@@ -84,11 +84,12 @@ async def serve(cfg: XllmConfig, sock: socket.socket) -> int:
         if cfg.cluster.enabled:
             from xengine.api.cluster.store import StoreUnavailableError
             from xengine.api.security import ClusterKeyError
+            from xservice.cluster.epd_auto import EPDAutoError
             from xservice.cluster.serve import serve_cluster
 
             try:
                 return await serve_cluster(cfg, sock, tokenizer, _serve_http, phases)
-            except (StoreUnavailableError, ClusterKeyError) as e:
+            except (StoreUnavailableError, ClusterKeyError, EPDAutoError) as e:
                 raise CliError(str(e)) from e
         print(f"xllm: starting the engine for {cfg.model.model}", file=sys.stderr, flush=True)
         try:

@@ -30,12 +30,22 @@ decode ``(O-1)·(d1 + d2·T̄)``. Its utilisation without per-step fixed costs i
   TTFT and TPOT meet the SLOs, by bisection (every constraint tightens as ``λ`` grows). ``limit``
   says which constraint stops it just above that rate.
 
+- **Shared cores** (``cores``; default: every instance has its own). Instances that share ``C`` cores
+  slow each other down: an instance computes while it holds work (a decode-carrying one: while any
+  request is on it, ``1 - exp(-r·T)`` of the time for a request's time ``T`` there; any other: its
+  busy share), the cluster's demand ``Σ busy`` over ``C`` is the slowdown ``k`` (at least 1), and
+  every compute cost (encode, prefill, decode) is ``k`` times the measured one, to a fixed point.
+  Instances that all step at once pay their per-step costs in turn: many lightly batched decode
+  instances cost more than one batching all decodes.
+
 Not modelled: overlap of encode and language work in one step, prefix / image cache hits, request
-size variance, KV memory beyond ``max_num_seqs``.
+size variance, KV memory beyond ``max_num_seqs``, the service's own work per request (HTTP, image
+decoding and preprocessing, detokenisation), which shares the cores too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,6 +60,7 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
 }
 MAX_OVER_SLO_STEP_SHARE = 0.1  # HydraInfer: TPOT is met when 90% of a request's TPOTs are
 _BISECT_STEPS = 60
+_CONTENTION_STEPS = 50  # fixed-point iterations of the shared-cores slowdown
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,7 @@ class Evaluation:
     limit: str  # the first constraint that failed, or "" when ok
     utilisation: dict[str, float] = field(default_factory=dict)  # per pool: ρ (work share of its time)
     budgets: dict[str, Budgets] = field(default_factory=dict)  # per decode-carrying pool
+    slowdown: float = 1.0  # shared cores: every compute cost is this many times the measured one
 
 
 @dataclass(frozen=True)
@@ -127,9 +139,68 @@ def _pools(strategy: str, counts: tuple[int, ...], c: StageCosts, w: EPDWorkload
 
 
 def evaluate(
-    strategy: str, counts: tuple[int, ...], costs: StageCosts, workload: EPDWorkload, slo: EPDSLO, rate: float
+    strategy: str,
+    counts: tuple[int, ...],
+    costs: StageCosts,
+    workload: EPDWorkload,
+    slo: EPDSLO,
+    rate: float,
+    cores: float | None = None,
 ) -> Evaluation:
-    """Predicted TTFT / TPOT of ``strategy`` with ``counts`` instances per pool at ``rate`` requests/s."""
+    """Predicted TTFT / TPOT of ``strategy`` with ``counts`` instances per pool at ``rate`` requests/s;
+    ``cores``: the instances share that many cores (None: one each, no contention)."""
+    if cores is None:
+        return _evaluate(strategy, counts, costs, workload, rate, slo)
+    if not cores > 0:
+        raise ValueError(f"cores must be > 0 or None, got {cores}")
+    k = 1.0
+    for _ in range(_CONTENTION_STEPS):  # demand grows with k and is at most the instance count: converges
+        slowed = slow_down(costs, k)
+        demand = cpu_demand(strategy, counts, slowed, workload, rate)
+        k_next = max(1.0, demand / cores)
+        if abs(k_next - k) <= 1e-4 * k:
+            break
+        k = k_next
+    e = _evaluate(strategy, counts, slow_down(costs, k), workload, rate, slo)
+    return dataclasses.replace(e, slowdown=k)
+
+
+def slow_down(costs: StageCosts, k: float) -> StageCosts:
+    """``costs`` with every compute coefficient ``k`` times as large (transfers unchanged)."""
+    if k == 1.0:
+        return costs
+    names = (
+        "encode_s", "encode_s_per_patch", "prefill_s", "prefill_s_per_token", "prefill_s_per_token2",
+        "decode_s", "decode_s_per_seq", "decode_s_per_context_token",
+    )  # fmt: skip
+    return dataclasses.replace(costs, **{n: getattr(costs, n) * k for n in names})
+
+
+def cpu_demand(
+    strategy: str, counts: tuple[int, ...], costs: StageCosts, workload: EPDWorkload, rate: float
+) -> float:
+    """Cores the instances keep busy at ``rate``: a decode-carrying instance steps while any request is
+    on it (``1 - exp(-r·T)``, ``T`` = the request's work there plus ``O - 1`` mean steps), any other
+    instance for its busy share; each at most 1 (one thread)."""
+    total = 0.0
+    for p in _pools(strategy, counts, costs, workload):
+        r = rate / p.count
+        rho = r * p.work
+        if "D" in p.kind:
+            if rho >= 1:
+                busy = 1.0
+            else:
+                held = p.work + (workload.output_tokens - 1) * p.fixed / (1 - rho)
+                busy = 1 - math.exp(-r * held)
+        else:
+            busy = min(1.0, r * (p.work + p.fixed))
+        total += p.count * busy
+    return total
+
+
+def _evaluate(
+    strategy: str, counts: tuple[int, ...], costs: StageCosts, workload: EPDWorkload, rate: float, slo: EPDSLO
+) -> Evaluation:
     w, c = workload, costs
     pools = _pools(strategy, counts, c, w)
     util = {p.kind: rate / p.count * p.work for p in pools}
@@ -250,26 +321,31 @@ def _decode_pool_stage_s(
 
 
 def _goodput(
-    strategy: str, counts: tuple[int, ...], costs: StageCosts, workload: EPDWorkload, slo: EPDSLO
+    strategy: str,
+    counts: tuple[int, ...],
+    costs: StageCosts,
+    workload: EPDWorkload,
+    slo: EPDSLO,
+    cores: float | None = None,
 ) -> StrategyResult:
     pools = _pools(strategy, counts, costs, workload)
     caps = {p.kind: p.count / p.work for p in pools if p.work > 0}
     cap = min(caps.values(), default=1e9)
     offered = workload.request_rate is not None and workload.request_rate < cap
     hi = workload.request_rate if offered else cap
-    top = evaluate(strategy, counts, costs, workload, slo, hi)
+    top = evaluate(strategy, counts, costs, workload, slo, hi, cores)
     named = tuple(zip(STRATEGIES[strategy], counts))
     if top.ok:  # the offered rate, or (rounding) the capacity itself
         bottleneck = min(caps, key=caps.__getitem__) if caps else "no"
         why = "meets the SLOs at the offered rate" if offered else f"{bottleneck} pool over capacity"
         return StrategyResult(strategy, named, hi, top.ttft_s, top.tpot_s, why)
-    low = evaluate(strategy, counts, costs, workload, slo, hi * 1e-9)
+    low = evaluate(strategy, counts, costs, workload, slo, hi * 1e-9, cores)
     if not low.ok:
         return StrategyResult(strategy, named, 0.0, low.ttft_s, low.tpot_s, f"infeasible: {low.limit}")
     lo, best = hi * 1e-9, low
     for _ in range(_BISECT_STEPS):
         mid = (lo + hi) / 2
-        e = evaluate(strategy, counts, costs, workload, slo, mid)
+        e = evaluate(strategy, counts, costs, workload, slo, mid, cores)
         if e.ok:
             lo, best = mid, e
         else:
@@ -283,16 +359,18 @@ def choose_strategy(
     num_instances: int,
     slo: EPDSLO,
     strategies: tuple[str, ...] = tuple(STRATEGIES),
+    cores: float | None = None,
 ) -> EPDChoice:
     """Predicted goodput of every strategy and split of ``num_instances`` (at least one per pool),
-    best first (ties: fewer pools, then the split order), and the best."""
+    best first (ties: fewer pools, then the split order), and the best. ``cores``: the instances share
+    that many cores (None: one core each)."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; known: {list(STRATEGIES)}")
     if num_instances < 1:
         raise ValueError(f"num_instances must be >= 1, got {num_instances}")
     table = [
-        _goodput(s, counts, costs, workload, slo)
+        _goodput(s, counts, costs, workload, slo, cores)
         for s in strategies
         for counts in splits(num_instances, len(STRATEGIES[s]))
         if len(STRATEGIES[s]) <= num_instances

@@ -36,7 +36,7 @@ def request_models() -> dict[str, type[RequestModel]]:
         TokenizeRequest,
     )
     from xservice.protocol.embeddings import EmbeddingRequest
-    from xservice.protocol.responses import MessageItem, ResponsesRequest, TextConfig
+    from xservice.protocol.responses import InputContentPart, MessageItem, ResponsesRequest, TextConfig
     from xservice.protocol.structured import JSONSchemaFormat, ResponseFormat, StructuredOutputsRequest
     from xservice.rec.protocol import CatalogCreateRequest, RecGenerateRequest
     from xservice.routes.batches import CreateBatchRequest
@@ -53,6 +53,7 @@ def request_models() -> dict[str, type[RequestModel]]:
         "structured_outputs": StructuredOutputsRequest,
         "POST /v1/responses": ResponsesRequest,
         "responses input message (input[])": MessageItem,
+        "responses content part (input[].content[])": InputContentPart,
         "responses text": TextConfig,
         "POST /v1/embeddings": EmbeddingRequest,
         "POST /tokenize": TokenizeRequest,

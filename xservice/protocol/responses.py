@@ -3,7 +3,7 @@
 Nothing is stored: ``store`` (OpenAI's default is true) is accepted and has no effect, and what
 needs stored responses (``previous_response_id``, ``conversation``, ``background``, retrieving or
 deleting a response) is refused saying so. Input is a string or a list of items: messages (text
-parts), ``function_call`` and ``function_call_output``; items a client copies from an earlier
+and image parts), ``function_call`` and ``function_call_output``; items a client copies from an earlier
 response's ``output`` (with their ``id`` / ``status``) are accepted as input.
 """
 
@@ -15,8 +15,13 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from xservice.protocol.base import APIRequest, APIResponse, now
 from xservice.protocol.tools import refuse_tool_type, refuse_type
+from xservice.request_model import find_unsafe_value
 
 _NOT_STORED = "responses are not stored by this server (every request is stateless)"
+_NO_FILES = (
+    "this server has no files API for images; send the image in 'image_url' (a data:image/...;base64, "
+    "URL, or a file under the server's allowed_local_media_path)"
+)
 _OUTPUT_ITEM_FIELDS = {
     "id": "the id of an earlier response's output item; input items need none",
     "status": "the status of an earlier response's output item; input items need none",
@@ -24,17 +29,23 @@ _OUTPUT_ITEM_FIELDS = {
 
 
 class InputContentPart(APIRequest):
-    """A part of an input message: ``input_text`` (or ``output_text`` in an earlier assistant turn).
-    Other types (images, files, audio) are refused by the prompt builder, naming the part."""
+    """A part of an input message: ``input_text`` (or ``output_text`` in an earlier assistant turn), or
+    ``input_image`` for vision-language models: ``image_url`` as chat's (a ``data:image/...;base64,``
+    URL or an allow-listed local file) and ``detail``; ``file_id`` is refused (no files API).
+    Other types (files, audio), and images sent to a text model, are refused by the prompt
+    builder, naming the part."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     ignored_fields: ClassVar[dict[str, str]] = {
         "annotations": "citations of an earlier output text; chat templates have no place for them",
         "logprobs": "logprobs of an earlier output text; they do not shape the prompt",
     }
+    unsupported_fields: ClassVar[dict[str, str]] = {"file_id": _NO_FILES}
 
     type: str
     text: str | None = None
+    image_url: str | None = None
+    detail: str | None = None  # checked by the prompt builder as chat's, so a 400 names this field
 
 
 class MessageItem(APIRequest):
@@ -176,18 +187,61 @@ class ResponsesRequest(APIRequest):
     @model_validator(mode="before")
     @classmethod
     def _known_item_types(cls, data: Any) -> Any:
-        """An unsupported input item is a 400 at its ``type`` (not a union error about the whole input)."""
-        items = data.get("input") if isinstance(data, dict) else None
-        for i, item in enumerate(items if isinstance(items, list) else []):
-            kind = _item_type(item)
-            if isinstance(item, dict) and kind not in INPUT_ITEM_TYPES:
-                refuse_type(
-                    kind,
-                    ("input", i, "type"),
-                    "input item type {kind} is not supported: use 'message', 'function_call' or "
-                    "'function_call_output' (reasoning items and item references need stored responses)",
-                )
+        """An unsupported input item or content part is a 400 at its field (not a union error about
+        the whole input); an unsafe value anywhere in the body is reported first, by the field rule."""
+        refusal = _first_refusal(data.get("input") if isinstance(data, dict) else None)
+        if refusal is not None and find_unsafe_value(data) is None:
+            refuse_type(*refusal)
         return data
+
+
+PART_TYPES = ("input_text", "output_text", "input_image")
+_PART_LISTS = {"message": "content", "function_call_output": "output"}  # item type -> its parts' field
+Refusal = tuple[Any, tuple[str | int, ...], str]  # ``refuse_type``'s arguments
+
+
+def _first_refusal(items: Any) -> Refusal | None:
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        if not isinstance(item, dict):
+            continue
+        kind = _item_type(item)
+        if kind not in INPUT_ITEM_TYPES:
+            return (
+                kind,
+                ("input", i, "type"),
+                "input item type {kind} is not supported: use 'message', 'function_call' or "
+                "'function_call_output' (reasoning items and item references need stored responses)",
+            )
+        field = _PART_LISTS.get(kind)
+        refusal = _part_refusal((i, field), item.get(field)) if field is not None else None
+        if refusal is not None:
+            return refusal
+    return None
+
+
+def _part_refusal(at: tuple[str | int, ...], parts: Any) -> Refusal | None:
+    """A part of an unknown type, a ``file_id``, or an ``input_image`` field that is not a string
+    (e.g. chat's ``image_url`` object where Responses takes the URL itself)."""
+    for j, part in enumerate(parts if isinstance(parts, list) else []):
+        if not isinstance(part, dict):
+            continue
+        loc = ("input", *at, j)
+        kind = part.get("type")
+        if kind not in PART_TYPES:
+            return (
+                kind,
+                (*loc, "type"),
+                "content part type {kind} is not supported: use 'input_text' or 'input_image' "
+                "('output_text' in an earlier assistant turn)",
+            )
+        if part.get("file_id") is not None:
+            return part["file_id"], (*loc, "file_id"), f"not supported: {_NO_FILES}"
+        for name in ("image_url", "detail") if kind == "input_image" else ():
+            value = part.get(name)
+            if value is not None and not isinstance(value, str):
+                shape = " (the URL itself, not chat's object)" if name == "image_url" else ""
+                return value, (*loc, name), f"'{name}' of an 'input_image' part must be a string{shape}"
+    return None
 
 
 # ---------------------------------------------------------------- response

@@ -61,6 +61,9 @@ class Generation:
         ctx = self.ctx
         timer = RequestTimer(ctx.metrics, self.arrival)
         ctx.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        if self.images:
+            ctx.metrics.prompt_images.inc(len(self.images))
+            ctx.metrics.prompt_image_tokens.inc(sum(im.length for im in self.images))
         req = AddRequest(
             req_id=self.req_id,
             prompt_token_ids=self.prompt_ids,

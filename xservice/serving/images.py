@@ -3,7 +3,8 @@
 The service does all the CPU work on images (decode, check the limits, resize, normalise, patchify;
 ``xengine/api/media.py`` and ``image_processing.py``) on a worker thread, never on the event loop
 and never in the engine's step loop. Every bad image is a 400 naming its part
-(``messages.1.content.0.image_url``); nothing is fetched from the network.
+(``messages.1.content.0.image_url``, or ``input.0.content.0.image_url`` on ``/v1/responses``);
+nothing is fetched from the network.
 """
 
 from __future__ import annotations
@@ -44,15 +45,21 @@ def image_ref(part: ContentPart, param: str) -> ImageRef:
         raise InvalidRequestError(
             "An 'image_url' content part needs an 'image_url' object with a 'url'.", param=param
         )
-    if ref.detail not in (None, *DETAILS):
-        why = (
-            "'low' is not supported: images are processed at their own resolution (within the model's "
-            "max_pixels), as 'auto' and 'high' ask"
-            if ref.detail == "low"
-            else f"must be one of {', '.join(map(repr, DETAILS))}, got {ref.detail!r}"
-        )
-        raise InvalidRequestError(f"Invalid 'detail': {why}.", param=f"{param}.detail")
+    check_detail(ref.detail, f"{param}.detail")
     return ImageRef(param, ref.url)
+
+
+def check_detail(detail: str | None, param: str) -> None:
+    """400 naming ``param`` unless ``detail`` (an image part's OpenAI ``detail``) is served here."""
+    if detail in (None, *DETAILS):
+        return
+    why = (
+        "'low' is not supported: images are processed at their own resolution (within the model's "
+        "max_pixels), as 'auto' and 'high' ask"
+        if detail == "low"
+        else f"must be one of {', '.join(map(repr, DETAILS))}, got {detail!r}"
+    )
+    raise InvalidRequestError(f"Invalid 'detail': {why}.", param=param)
 
 
 async def load_images(builder: ChatImageBuilder, refs: list[ImageRef]) -> list[ImageInput]:

@@ -7,6 +7,7 @@ large; a text that must have more tokens than the model's context is refused bef
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -111,24 +112,37 @@ def _encode_all(tokenizer: Tokenizer, texts: list[str], add_special_tokens: bool
     return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
 
-def _message_dict(i: int, msg: ChatMessage, images: list[ImageRef] | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class MessageParams:
+    """Where a request holds its messages, for the 400s that name them: chat's ``messages``, or the
+    Responses API's ``input`` (whose items do not map one to one onto the messages)."""
+
+    field: str = "messages"
+    contents: Sequence[str] | None = None  # per message, its content's param (None: "<field>.<i>.content")
+
+    def content(self, i: int) -> str:
+        return self.contents[i] if self.contents is not None else f"{self.field}.{i}.content"
+
+
+def _message_dict(
+    i: int, msg: ChatMessage, images: list[ImageRef] | None = None, where: MessageParams = MessageParams()
+) -> dict[str, Any]:
     """``images``: the model takes images; their parts are appended to it (None: text parts only)."""
     content = msg.content
     if isinstance(content, list) and images is not None:  # parts as HF's processors pass them
-        content = _parts_with_images(i, content, images)
+        content = _parts_with_images(where.content(i), content, images)
     elif isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
+            at = f"{where.content(i)}.{j}"
             if part.type != "text":
                 why = " (it takes no images)" if part.type == "image_url" else " (only 'text' parts are)"
                 raise InvalidRequestError(
                     f"Content part type '{part.type}' is not supported by this model{why}.",
-                    param=f"messages.{i}.content.{j}.type",
+                    param=f"{at}.type",
                 )
             if part.text is None:
-                raise InvalidRequestError(
-                    "A 'text' content part needs a 'text' field.", param=f"messages.{i}.content.{j}.text"
-                )
+                raise InvalidRequestError("A 'text' content part needs a 'text' field.", param=f"{at}.text")
             texts.append(part.text)
         content = "\n".join(texts)
     out: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
@@ -148,11 +162,12 @@ def _message_dict(i: int, msg: ChatMessage, images: list[ImageRef] | None = None
     return out
 
 
-def _parts_with_images(i: int, content: list[ContentPart], images: list[ImageRef]) -> list[dict[str, Any]]:
-    """A message's parts as the template renders them (text and image placeholders, in order)."""
+def _parts_with_images(at: str, content: list[ContentPart], images: list[ImageRef]) -> list[dict[str, Any]]:
+    """A message's parts (its content at param ``at``) as the template renders them (text and image
+    placeholders, in order)."""
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        where = f"messages.{i}.content.{j}"
+        where = f"{at}.{j}"
         if part.type == "text":
             if part.text is None:
                 raise InvalidRequestError(
@@ -207,13 +222,16 @@ def _tool_call_dict(call: MessageToolCall) -> dict[str, Any]:
     }
 
 
-def message_dicts(messages: list[ChatMessage], images: list[ImageRef] | None = None) -> list[dict[str, Any]]:
-    """``messages`` as the dicts a chat template renders (400 naming the part that cannot be).
+def message_dicts(
+    messages: list[ChatMessage], images: list[ImageRef] | None = None, where: MessageParams = MessageParams()
+) -> list[dict[str, Any]]:
+    """``messages`` as the dicts a chat template renders (400 naming the part that cannot be, as
+    ``where`` locates it).
 
     ``images``: the model takes images; each image part becomes a placeholder part and its reference
     is appended to ``images`` in prompt order (None: image parts are refused).
     """
-    return [_message_dict(i, m, images) for i, m in enumerate(messages)]
+    return [_message_dict(i, m, images, where) for i, m in enumerate(messages)]
 
 
 @dataclass
@@ -238,19 +256,21 @@ async def chat_prompt(
     add_special_tokens: bool = False,
     truncation: Truncation | None = None,
     render: ChatRender | None = None,
+    where: MessageParams = MessageParams(),
 ) -> ChatPromptIds:
     """Apply the model's chat template to ``messages`` and tokenize the result (off the loop when large);
     with a vision-language model, also load and preprocess the messages' images (off the loop).
 
     ``add_special_tokens``: the tokenizer's own special tokens on top of the template's;
     ``truncation``: cut the token ids (then a long rendering is no error);
-    ``render``: the request's template options (tools, template override, ...).
+    ``render``: the request's template options (tools, template override, ...);
+    ``where``: where the request holds the messages (the params its 400s name).
     """
     if not messages:
-        raise InvalidRequestError("'messages' must contain at least one message.", param="messages")
+        raise InvalidRequestError(f"'{where.field}' must contain at least one message.", param=where.field)
     builder = ctx.images
     refs: list[ImageRef] | None = [] if builder is not None else None
-    dicts = message_dicts(messages, refs)
+    dicts = message_dicts(messages, refs, where)
     images = await load_images(builder, refs) if builder is not None and refs else []
     num_chars = sum(_num_chars(d["content"]) for d in dicts)
     ids = await ctx.text.run(
@@ -263,6 +283,7 @@ async def chat_prompt(
         ctx.text.max_token_chars if truncation is None else None,
         add_special_tokens,
         render,
+        where.field,
     )
     if images:
         assert builder is not None
@@ -270,7 +291,7 @@ async def chat_prompt(
             ids, images = place_images(ids, images, builder.image_token_id)
         except ValueError as exc:  # the template dropped or duplicated an image placeholder
             raise InvalidRequestError(
-                f"Could not place the images in the prompt: {exc}", param="messages"
+                f"Could not place the images in the prompt: {exc}", param=where.field
             ) from None
         if truncation is not None and len(ids) > truncation.max_tokens:
             raise InvalidRequestError(
@@ -289,15 +310,16 @@ def _render_and_encode(
     max_token_chars: int | None,
     add_special_tokens: bool = False,
     render: ChatRender | None = None,
+    field: str = "messages",
 ) -> list[int]:
     try:
         text = (render or ChatRender()).render(tokenizer, dicts, add_generation_prompt)
     except Exception as exc:  # template errors depend on the request (roles, order), so they are 400s
-        raise InvalidRequestError(f"Could not apply the chat template: {exc}", param="messages") from None
+        raise InvalidRequestError(f"Could not apply the chat template: {exc}", param=field) from None
     # The bound is checked on the rendered text, not the message contents: a template may drop
     # parts of the contents (e.g. earlier turns' reasoning), so only the rendered length is certain.
-    check_text_chars(len(text), max_model_len, max_token_chars, "messages")
+    check_text_chars(len(text), max_model_len, max_token_chars, field)
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if not ids:
-        raise InvalidRequestError("The messages produce an empty prompt.", param="messages")
+        raise InvalidRequestError(f"The chat template renders '{field}' as an empty prompt.", param=field)
     return ids

@@ -1,8 +1,9 @@
 """``/v1/responses``: OpenAI's Responses API, stateless, over the chat machinery.
 
-The input becomes chat messages rendered by the model's template (tools included), one engine
-request runs, and its text becomes output items (``responses_events.ResponseBuilder``): streamed as
-OpenAI's named events, or returned as one response object.
+The input becomes chat messages rendered by the model's template (tools included; images loaded as
+chat's), one engine request runs, and its text becomes output items
+(``responses_events.ResponseBuilder``): streamed as OpenAI's named events, or returned as one
+response object.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from xservice.serving.chat_render import chat_render
 from xservice.serving.context import ServingContext, new_request_id
 from xservice.serving.generation import Generation
 from xservice.serving.params import resolve_max_tokens
-from xservice.serving.prompts import chat_prompt_ids
+from xservice.serving.prompts import chat_prompt
 from xservice.serving.responses_events import ResponseBuilder, usage_of
 from xservice.serving.responses_input import (
     functions_of,
@@ -102,7 +103,7 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
     arrival = time.monotonic()
     ctx.check_model(body.model)
     resp_id = new_request_id("resp")
-    messages = input_messages(body)
+    conversation = input_messages(body, takes_images=ctx.images is not None)
     render = await chat_render(ctx, chat_template_kwargs=body.chat_template_kwargs)
     plan = plan_tools(
         functions_of(body),
@@ -112,17 +113,20 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
         render.template_vars,
         param=responses_param,
     )
-    prompt_ids = await chat_prompt_ids(ctx, messages, True, render=render.with_tools(plan.tools))
+    prompt = await chat_prompt(
+        ctx, conversation.messages, True, render=render.with_tools(plan.tools), where=conversation.where
+    )
     max_tokens = resolve_max_tokens(
         body.max_output_tokens,
-        len(prompt_ids),
+        len(prompt.ids),
         ctx.max_model_len,
         default=None,
         param="max_output_tokens",
         where="input",
     )
     params = _sampling_params(body, max_tokens, plan, ctx.vocab_size)
-    gen = Generation(ctx, resp_id, prompt_ids, params, rename=_RENAME, arrival=arrival)
+    gen = Generation(ctx, resp_id, prompt.ids, params, rename=_RENAME, arrival=arrival)
+    gen.images = prompt.images or None
     builder = ResponseBuilder(_initial_response(body, resp_id, ctx.model_name, params), plan.new_parser())
     ticket = ctx.admit()
     if body.stream:
