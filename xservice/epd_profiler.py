@@ -175,7 +175,7 @@ def _profile(probe: StageProbe, req: ProfileRequest, progress: Callable[[str], N
         [(p, s) for _, p, s in encode_samples], prefill_samples, decode_samples, **transfer
     )
     choice = choose_strategy(costs, workload, req.num_instances, req.slo, req.strategies, req.cores)
-    batch, context = _operating_point(req, costs, workload, choice.best, limit)
+    batch, context = _operating_point(req, costs, workload, choice.best, limit, info)
     if batch > max(b for b, _, _ in decode_samples):  # past the measured batches: measure it, refit, once
         progress(f"decode: {batch} sequences on {context}-token contexts (the chosen operating point)")
         decode_samples.append(
@@ -185,7 +185,7 @@ def _profile(probe: StageProbe, req: ProfileRequest, progress: Callable[[str], N
             [(p, s) for _, p, s in encode_samples], prefill_samples, decode_samples, **transfer
         )
         choice = choose_strategy(costs, workload, req.num_instances, req.slo, req.strategies, req.cores)
-        batch, context = _operating_point(req, costs, workload, choice.best, limit)
+        batch, context = _operating_point(req, costs, workload, choice.best, limit, info)
     probes = [0]
 
     def measured(op: str, **kw: Any) -> float:
@@ -239,10 +239,11 @@ def _profile(probe: StageProbe, req: ProfileRequest, progress: Callable[[str], N
 
 
 def _operating_point(
-    req: ProfileRequest, costs: StageCosts, workload: EPDWorkload, best: Any, limit: int
+    req: ProfileRequest, costs: StageCosts, workload: EPDWorkload, best: Any, limit: int, info: dict[str, Any]
 ) -> tuple[int, int]:
     """(decode batch, context per decode) the budgets are searched at: ``decode_batch`` if given, else
-    the decode batch the chosen deployment runs at its goodput (at least 1)."""
+    the decode batch the chosen deployment runs at its goodput (at least 1, at most what the probe
+    engine holds)."""
     context = min(round(workload.mean_context), limit // 2)
     if req.decode_batch is not None:
         return req.decode_batch, context
@@ -253,7 +254,17 @@ def _operating_point(
         d_pool = next(k for k in STRATEGIES[best.strategy] if "D" in k)
         if d_pool in e.budgets:
             batch = max(1, e.budgets[d_pool].decode_batch)
-    return batch, context
+    return min(batch, probe_capacity(info, context)), context
+
+
+def probe_capacity(info: dict[str, Any], context: int) -> int:
+    """The most decodes the probe engine can step beside one more (prefilling or encoding) request:
+    its ``max_num_seqs`` and KV cache, each sequence holding ``context`` tokens plus its next block."""
+    seqs = int(info.get("max_num_seqs", 256)) - 1
+    kv_tokens = info.get("kv_cache_tokens")
+    if kv_tokens:
+        seqs = min(seqs, int(kv_tokens) // (context + 64) - 1)
+    return max(1, seqs)
 
 
 def _budget_state(b: Budgets, w: EPDWorkload) -> dict[str, Any]:

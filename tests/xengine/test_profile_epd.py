@@ -147,3 +147,13 @@ def test_missing_or_text_only_model_is_a_clear_error(tmp_path: Path, make_model_
     assert r.returncode == 2 and "no config.json" in r.stderr
     r = xllm("--model", str(make_model_dir("qwen3")), *base)
     assert r.returncode == 2 and "not a vision-language model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_budget_search_batch_fits_the_probe_engine() -> None:
+    """A chosen deployment may decode in batches larger than the probe engine holds beside one more
+    request: the budgets are searched at the largest batch it does hold."""
+    from xservice.epd_profiler import probe_capacity
+
+    assert probe_capacity({"max_num_seqs": 256}, 52) == 255
+    assert probe_capacity({"max_num_seqs": 256, "kv_cache_tokens": 16 * 116}, 52) == 15
+    assert probe_capacity({"max_num_seqs": 256, "kv_cache_tokens": 10}, 52) == 1

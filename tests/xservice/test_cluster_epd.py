@@ -194,12 +194,15 @@ def test_dead_encoders_leave_the_encoding_to_the_prefill_instance(cluster: EPDCl
     if strategy != "E+P+D":
         pytest.skip("the E+P+D clusters cover it")
     etcd_server = request.getfixturevalue("etcd")
+
     # every image an encoder holds, the prefill instance imported (all published in etcd, leased)
-    sets = wait_until(
-        lambda: (s := _image_sets(etcd_server, cluster.key_prefix)) and len(s.get("prefill-0", ())) >= 3 and s
-    )
-    held = set().union(*(sets.get(n, set()) for n in ("encode-0", "encode-1")))
-    assert len(held) >= 3 and held <= sets["prefill-0"]
+    # (each instance publishes its set on its own heartbeat: wait for both sides to be published)
+    def encoders_and_prefill() -> bool:
+        sets = _image_sets(etcd_server, cluster.key_prefix)
+        held = set().union(*(sets.get(n, set()) for n in ("encode-0", "encode-1")))
+        return len(held) >= 3 and held <= sets.get("prefill-0", set())
+
+    wait_until(encoders_and_prefill, what="the encoders' images published, each also on prefill-0")
     for name in ("encode-0", "encode-1"):
         os.kill(server.instances()[name]["pid"], signal.SIGKILL)
     wait_until(lambda: not any(i["healthy"] for n, i in server.instances().items() if n.startswith("encode")))

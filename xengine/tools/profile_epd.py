@@ -237,6 +237,8 @@ class StageBench:
             "num_threads": torch.get_num_threads(),
             "dtype": str(e.dtype).removeprefix("torch."),
             "max_model_len": e.max_model_len,
+            "max_num_seqs": e.scheduler.config.max_num_seqs,
+            "kv_cache_tokens": e.info.num_total_blocks * e.info.block_size,
             "image_size": list(self.image_size),
             "image_tokens_per_image": im.length,
             "patches_per_image": int(im.shape[0]),
