@@ -2,46 +2,81 @@
 
 The trace has two phases played back to back with Poisson arrivals: (A) prefill-heavy (long prompts,
 short outputs), then (B) decode-heavy (short prompts, long outputs). Each configuration is a real
-``xllm serve`` cluster of the same ``--instances`` engines (1 thread each) with the embedded store and
-Mooncake KV transfer: ``static`` with P prefill + (N - P) decode instances for every P, and
+``xllm serve`` cluster of the same ``--instances`` engines (1 thread each), roles in a real etcd
+(``--store embedded``: the service's own store), KV over Mooncake, requests through the ``openai``
+client: ``static`` with P prefill + (N - P) decode instances for every P of ``--static``, and
 ``dynamic`` (``cluster.pd_mode: dynamic``) starting from ``--dynamic-start`` prefill instances.
 A request attains the SLO when its TTFT and its TPOT both meet theirs (a failed request does not).
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.dynamic_pd --size tiny
+All configurations are up at once (idle ones cost nothing) and play ``--rounds`` rounds: each round
+is a fresh trace (new prompts, so no prefix-cache hit carries over), played against every
+configuration in turn, the order rotated per round, so slow spells of a shared machine spread over
+all of them. Dynamic PD's roles are reset to its start split before each round (operator flips, then
+the flip cooldown). A configuration's ``slo_attainment`` is the median over its rounds.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.dynamic_pd --size small
 
 prints ``{"trace": {...}, "static": [{"num_prefill": P, "num_decode": D, "slo_attainment": x}, ...],
-"dynamic": {"slo_attainment": y, "num_flips": n, ...}}``.
+"dynamic": {"slo_attainment": y, "num_flips": n, "flips": [...], ...}}``; every flip with its
+direction and its time from the trace start (``trace.phase_switch_s``: when phase B's arrivals begin).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
+import contextlib
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
+import openai
 import yaml
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
+from benchmarks.etcd_process import run_etcd
 from benchmarks.server_process import free_port, run_server
-from benchmarks.serving.client import RequestSpec, send_request
 from benchmarks.serving.dataset import random_prompts
 from benchmarks.serving.metrics import RequestRecord, meets_slos, percentile
 from benchmarks.xllm_server import REPO_ROOT
 
 MODEL_NAME = "xllm-bench"
+KV_PORTS_PER_DEPLOYMENT = 64
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    prompt_len: int
+    output_len: int
+    slo_ms: dict[str, float]  # {"ttft": ms, "tpot": ms}: sent with it (``extra_body.slo``), judged by it
+
+
+@dataclass
+class Deployment:
+    num_prefill: int
+    dynamic: bool
+    port: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{'dynamic' if self.dynamic else 'static'}-{self.num_prefill}P"
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1/admin/instances"
 
 
 def parse_phase(text: str) -> dict[str, float]:
-    """``n=40,in=400,out=4,rate=20`` -> dict (n requests, input/output tokens, arrivals per second)."""
+    """``n=40,in=400,out=4,rate=20[,ttft=MS,tpot=MS]`` -> dict (n requests, input/output tokens,
+    arrivals per second, the phase's own SLOs: default ``--ttft-slo-ms`` / ``--tpot-slo-ms``)."""
     out = {k: float(v) for k, v in (item.split("=") for item in text.split(","))}
     missing = {"n", "in", "out", "rate"} - set(out)
     if missing:
@@ -49,37 +84,37 @@ def parse_phase(text: str) -> dict[str, float]:
     return out
 
 
-def build_trace(
-    tokenizer_dir: str, phases: list[dict[str, float]], seed: int
-) -> list[tuple[float, RequestSpec]]:
+def build_trace(tokenizer_dir: str, phases: list[dict[str, float]], seed: int) -> list[tuple[float, Request]]:
     """(send time from the start, request) for every request of every phase, in order."""
     rng = random.Random(seed)
     trace, t = [], 0.0
     for i, ph in enumerate(phases):
-        prompts = random_prompts(tokenizer_dir, int(ph["n"]), int(ph["in"]), seed=seed + i)
-        for text, n in prompts:
+        for text, n in random_prompts(tokenizer_dir, int(ph["n"]), int(ph["in"]), seed=seed + i):
             t += rng.expovariate(ph["rate"])
-            spec = RequestSpec("", "completions", MODEL_NAME, text, n, int(ph["out"]))
-            trace.append((t, spec))
+            trace.append((t, Request(text, n, int(ph["out"]), {"ttft": ph["ttft"], "tpot": ph["tpot"]})))
     return trace
 
 
-def cluster_config(model: str, port: int, num_prefill: int, args: argparse.Namespace, dynamic: bool) -> dict:
-    names = [f"p{i}" for i in range(num_prefill)] + [f"d{i}" for i in range(args.instances - num_prefill)]
-    roles = [("prefill" if n.startswith("p") else "decode") for n in names]
+def cluster_config(model: str, dep: Deployment, index: int, args: argparse.Namespace) -> dict:
+    names = [f"p{i}" for i in range(dep.num_prefill)] + [
+        f"d{i}" for i in range(args.instances - dep.num_prefill)
+    ]
     cluster: dict[str, Any] = {
-        "instances": ",".join(f"{n}:{r}" for n, r in zip(names, roles)),
-        "metadata_store": "embedded",
-        "pd_mode": "dynamic" if dynamic else "static",
+        "instances": ",".join(f"{n}:{'prefill' if n[0] == 'p' else 'decode'}" for n in names),
+        "pd_mode": "dynamic" if dep.dynamic else "static",
+        "ttft_slo_ms": args.ttft_slo_ms,
+        "tpot_slo_ms": args.tpot_slo_ms,
+        "min_decode_instances": args.min_decode,
+        "min_prefill_instances": 1,
+        "flip_cooldown_s": args.flip_cooldown_s,
     }
-    if dynamic:
+    if args.etcd_endpoint:
         cluster.update(
-            ttft_slo_ms=args.ttft_slo_ms,
-            tpot_slo_ms=args.tpot_slo_ms,
-            min_decode_instances=args.min_decode,
-            min_prefill_instances=1,
-            flip_cooldown_s=args.flip_cooldown_s,
+            metadata_store="etcd", etcd_endpoint=args.etcd_endpoint, key_prefix=f"/xllm-bench-{index}"
         )
+    else:
+        cluster["metadata_store"] = "embedded"
+    first = 24100 + index * KV_PORTS_PER_DEPLOYMENT  # a port range per deployment: they run side by side
     return {
         "model": {
             "model": model,
@@ -87,86 +122,158 @@ def cluster_config(model: str, port: int, num_prefill: int, args: argparse.Names
             "seed": 0,
             "served_model_name": MODEL_NAME,
         },
-        "cache": {"block_size": 16, "num_blocks": args.num_blocks, "kv_transfer_port_range": "24100-24399"},
+        "cache": {
+            "block_size": 16,
+            "num_blocks": args.num_blocks,
+            "kv_transfer_port_range": f"{first}-{first + KV_PORTS_PER_DEPLOYMENT - 1}",
+        },
         "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
         "device": {"device": "cpu", "num_threads": 1},
-        "service": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "service": {"host": "127.0.0.1", "port": dep.port, "log_level": "warning"},
         "cluster": cluster,
     }
 
 
-async def play(base_url: str, trace: list[tuple[float, RequestSpec]]) -> tuple[list[RequestRecord], float]:
-    timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        t0 = time.perf_counter()
+async def send(client: openai.AsyncOpenAI, req: Request) -> RequestRecord:
+    """One streaming completion, timed chunk by chunk (vLLM's TTFT / TPOT); never raises."""
+    rec = RequestRecord(prompt_len=req.prompt_len)
+    num_chunks, usage_tokens = 0, None
+    start = last = time.perf_counter()
+    try:
+        stream = await client.completions.create(
+            model=MODEL_NAME, prompt=req.prompt, max_tokens=req.output_len, temperature=0.0, stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "slo": {"ttft_ms": req.slo_ms["ttft"], "tpot_ms": req.slo_ms["tpot"]}},
+        )  # fmt: skip
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage_tokens = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            now = time.perf_counter()
+            if num_chunks == 0:
+                rec.ttft_s = now - start
+            else:
+                rec.itl_s.append(now - last)
+            last, num_chunks = now, num_chunks + 1
+        rec.e2e_s = time.perf_counter() - start
+        rec.output_tokens = usage_tokens if usage_tokens is not None else num_chunks
+        rec.success = num_chunks > 0
+    except openai.OpenAIError as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    return rec
 
-        async def one(at: float, spec: RequestSpec) -> RequestRecord:
+
+async def play(base_url: str, trace: list[tuple[float, Request]]) -> tuple[list[RequestRecord], float, float]:
+    """Send ``trace`` open-loop; (records, duration, wall-clock start)."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=3600) as client:
+        t0, wall0 = time.perf_counter(), time.time()
+
+        async def one(at: float, req: Request) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            return await send_request(session, dataclasses.replace(spec, base_url=base_url))
+            return await send(client, req)
 
-        records = await asyncio.gather(*(one(at, spec) for at, spec in trace))
-        return list(records), time.perf_counter() - t0
+        records = await asyncio.gather(*(one(at, req) for at, req in trace))
+        return list(records), time.perf_counter() - t0, wall0
 
 
 def attainment(records: list[RequestRecord], slos: dict[str, float]) -> float:
     return sum(1 for r in records if r.success and meets_slos(r, slos)) / max(1, len(records))
 
 
-def summarize(records: list[RequestRecord], phases: list[dict[str, float]], slos: dict[str, float]) -> dict:
-    out: dict[str, Any] = {
-        "slo_attainment": attainment(records, slos),
-        "failed": sum(not r.success for r in records),
-    }
+def summarize(records: list[RequestRecord], phases: list[dict[str, float]]) -> dict:
+    out: dict[str, Any] = {"slo_attainment": 0.0, "failed": sum(not r.success for r in records)}
     start = 0
     for name, ph in zip("AB", phases):
         part = records[start : start + int(ph["n"])]
         start += int(ph["n"])
+        slos = {"ttft": ph["ttft"], "tpot": ph["tpot"]}
+        out["slo_attainment"] += attainment(part, slos) * len(part) / max(1, len(records))
         done = [r for r in part if r.success]
         out[f"phase_{name}"] = {
             "slo_attainment": attainment(part, slos),
-            "ttft_p50_ms": percentile([r.ttft_s * 1000 for r in done], 50),
-            "ttft_p99_ms": percentile([r.ttft_s * 1000 for r in done], 99),
-            "tpot_p50_ms": percentile([(r.tpot_s or 0) * 1000 for r in done], 50),
-            "tpot_p99_ms": percentile([(r.tpot_s or 0) * 1000 for r in done], 99),
+            "ttft_met": sum(r.ttft_s * 1000 <= slos["ttft"] for r in done) / max(1, len(part)),
+            "tpot_met": sum((r.tpot_s or 0) * 1000 <= slos["tpot"] for r in done) / max(1, len(part)),
+            "ttft_p50_ms": round(percentile([r.ttft_s * 1000 for r in done], 50), 1),
+            "ttft_p90_ms": round(percentile([r.ttft_s * 1000 for r in done], 90), 1),
+            "tpot_p50_ms": round(percentile([(r.tpot_s or 0) * 1000 for r in done], 50), 1),
+            "tpot_p90_ms": round(percentile([(r.tpot_s or 0) * 1000 for r in done], 90), 1),
         }
     return out
 
 
-def run_config(model: str, num_prefill: int, dynamic: bool, trace: list, args: argparse.Namespace) -> dict:
-    port = free_port()
-    cfg = cluster_config(model, port, num_prefill, args, dynamic)
-    path = Path(tempfile.mkstemp(prefix="xllm-dynpd-", suffix=".yaml")[1])
-    path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "xservice", "serve", "--config", str(path)]
-    env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    label = f"{'dynamic' if dynamic else 'static'} {num_prefill}P{args.instances - num_prefill}D"
-    with run_server(cmd, port, env=env, name=f"xllm-{label.replace(' ', '-')}") as base_url:
-        admin = f"http://127.0.0.1:{port}/v1/admin/instances"
-        if dynamic:  # let start-up profiling finish (it is part of start-up, not of the trace)
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                insts = httpx.get(admin, timeout=10).json()["instances"]
-                if all(i.get("predictors", {}).get("ttft", {}).get("num_samples", 0) >= 3 for i in insts):
-                    break
-                time.sleep(0.5)
-        warm = [(0.05 * i, spec) for i, (_, spec) in enumerate(trace[:: max(1, len(trace) // 8)])]
-        asyncio.run(play(base_url, warm))
-        records, duration = asyncio.run(play(base_url, trace))
-        doc = httpx.get(admin, timeout=10).json()
-    path.unlink(missing_ok=True)
-    slos = {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms}
-    out = {"num_prefill": num_prefill, "num_decode": args.instances - num_prefill, "duration_s": duration}
-    out.update(summarize(records, args.phases, slos))
-    if dynamic:
-        dyn = doc["dynamic_pd"]
-        out["num_flips"] = sum(dyn["num_flips"].values())
-        out["flips_by_direction"] = dyn["num_flips"]
+def reset_roles(dep: Deployment, cooldown_s: float) -> None:
+    """Flip dynamic PD's instances back to their launch roles (operator flips), then sit out the cooldown."""
+    flipped = True
+    while flipped:
+        flipped = False
+        for inst in httpx.get(dep.admin, timeout=10).json()["instances"]:
+            if inst.get("role") != inst.get("origin"):
+                url = f"{dep.admin}/{inst['name']}/role"
+                r = httpx.post(url, json={"role": inst["origin"], "reason": "benchmark reset"}, timeout=10)
+                flipped = flipped or r.status_code == 200
+    time.sleep(cooldown_s + 0.5)
+
+
+def wait_profiled(dep: Deployment, num_instances: int) -> dict:
+    """Wait for start-up profiling (part of start-up, not of the trace); the predictors it seeded."""
+    deadline = time.monotonic() + 180
+    while True:
+        insts = httpx.get(dep.admin, timeout=10).json()["instances"]
+        seeded = [i for i in insts if i.get("predictors", {}).get("profile_s") is not None]
+        if len(seeded) >= num_instances or time.monotonic() > deadline:
+            keys = ("ttft", "tpot", "profile_s")
+            return {i["name"]: {k: i.get("predictors", {}).get(k) for k in keys} for i in insts}
+        time.sleep(0.5)
+
+
+def run_round(dep: Deployment, trace: list, warm: list, switch_s: float, args: argparse.Namespace) -> dict:
+    base_url = f"http://127.0.0.1:{dep.port}/v1"
+    asyncio.run(play(base_url, warm))
+    if dep.dynamic:  # after the warm-up, which may flip too
+        reset_roles(dep, args.flip_cooldown_s)
+    time.sleep(1.0)
+    records, duration, wall0 = asyncio.run(play(base_url, trace))
+    out: dict[str, Any] = {"duration_s": round(duration, 1)}
+    out.update(summarize(records, args.phases))
+    if dep.dynamic:
+        full = httpx.get(dep.admin, timeout=10).json()
+        doc = full["dynamic_pd"]
+        out["kept_on_prefill_so_far"] = full.get("pd", {}).get("num_kept_on_prefill", 0)  # all rounds
         out["flips"] = [
-            {"instance": f["instance"], "to": f["to_role"], "reason": f["reason"]} for f in dyn["flips"]
+            {
+                "instance": f["instance"],
+                "direction": "D→P" if f["to_role"] == "prefill" else "P→D",
+                "t_s": round(f["at"] - wall0, 2),
+                "phase": "A" if f["at"] - wall0 < switch_s else "B",
+                "reason": f["reason"],
+            }
+            for f in doc["flips"]
+            if wall0 <= f["at"] <= wall0 + duration
         ]
-        out["final_pools"] = dyn["pools"]
-        out["kept_on_prefill"] = doc["pd"].get("num_kept_on_prefill", 0)
-    print(f"{label}: SLO attainment {out['slo_attainment']:.2f}", file=sys.stderr)
+        out["final_pools"] = doc["pools"]
+    return out
+
+
+def aggregate(dep: Deployment, rounds: list[dict], args: argparse.Namespace) -> dict:
+    med = statistics.median
+    out: dict[str, Any] = {
+        "num_prefill": dep.num_prefill,
+        "num_decode": args.instances - dep.num_prefill,
+        "slo_attainment": med(r["slo_attainment"] for r in rounds),
+        "slo_attainment_rounds": [round(r["slo_attainment"], 3) for r in rounds],
+        "phase_A_attainment": med(r["phase_A"]["slo_attainment"] for r in rounds),
+        "phase_B_attainment": med(r["phase_B"]["slo_attainment"] for r in rounds),
+        "failed": sum(r["failed"] for r in rounds),
+        "rounds": rounds,
+    }
+    if dep.dynamic:
+        flips = [f for r in rounds for f in r["flips"]]
+        out["num_flips"] = len(flips)
+        out["flips_by_phase"] = {
+            ph: {d: sum(f["phase"] == ph and f["direction"] == d for f in flips) for d in ("D→P", "P→D")}
+            for ph in "AB"
+        }
     return out
 
 
@@ -182,31 +289,64 @@ def main() -> None:
     p.add_argument("--dynamic-start", type=int, default=2, help="prefill instances dynamic PD starts with")
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--flip-cooldown-s", type=float, default=3.0)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (fresh trace each)")
+    p.add_argument("--store", choices=["etcd", "embedded"], default="etcd", help="metadata store")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     model = resolve_checkpoint(args)
-    args.phases = [parse_phase(args.phase_a), parse_phase(args.phase_b)]
-    trace = build_trace(model, args.phases, args.seed)
-    static = [run_config(model, int(n), False, trace, args) for n in args.static.split(",") if n]
-    dynamic = run_config(model, args.dynamic_start, True, trace, args)
-    best = max(static, key=lambda s: s["slo_attainment"])
+    slo = {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms}
+    args.phases = [{**slo, **parse_phase(args.phase_a)}, {**slo, **parse_phase(args.phase_b)}]
+    deps = [Deployment(int(n), False) for n in args.static.split(",") if n]
+    deps.append(Deployment(args.dynamic_start, True))
+    warm_phases = [{**ph, "n": 4.0, "rate": 20.0} for ph in args.phases]
+    with contextlib.ExitStack() as stack:
+        args.etcd_endpoint = stack.enter_context(run_etcd()) if args.store == "etcd" else ""
+        for i, dep in enumerate(deps):
+            dep.port = free_port()
+            path = Path(tempfile.mkstemp(prefix="xllm-dynpd-", suffix=".yaml")[1])
+            path.write_text(yaml.safe_dump(cluster_config(model, dep, i, args)))
+            stack.callback(path.unlink, missing_ok=True)
+            cmd = [sys.executable, "-m", "xservice", "serve", "--config", str(path)]
+            env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+            stack.enter_context(run_server(cmd, dep.port, env=env, name=f"xllm-{dep.label}"))
+        calibration = wait_profiled(deps[-1], args.instances)
+        results: dict[str, list[dict]] = {d.label: [] for d in deps}
+        for r in range(args.rounds):
+            trace = build_trace(model, args.phases, args.seed + 1000 * r)
+            warm = build_trace(model, warm_phases, args.seed + 1000 * r + 500)
+            switch_s = trace[int(args.phases[0]["n"])][0]
+            for k in range(len(deps)):
+                dep = deps[(k + r) % len(deps)]
+                res = run_round(dep, trace, warm, switch_s, args)
+                res["phase_switch_s"] = round(switch_s, 2)
+                results[dep.label].append(res)
+                print(f"round {r} {dep.label}: SLO attainment {res['slo_attainment']:.2f}", file=sys.stderr)
+    static = [aggregate(d, results[d.label], args) for d in deps if not d.dynamic]
+    dynamic = aggregate(deps[-1], results[deps[-1].label], args)
+    best = max(static, key=lambda s: s["slo_attainment"], default=None)
     result = {
         "trace": {
-            "phases": {name: ph for name, ph in zip("AB", args.phases)},
-            "num_requests": len(trace),
-            "slo_ms": {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms},
+            "phases": dict(zip("AB", args.phases)),
+            "num_requests": sum(int(ph["n"]) for ph in args.phases),
+            "rounds": args.rounds,
+            "slo_ms": {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms},  # phases may set their own
             "instances": args.instances,
             "threads_per_instance": 1,
+            "store": args.store,
             "model": model,
+            "dynamic_start": f"{args.dynamic_start}P{args.instances - args.dynamic_start}D",
+            "min_decode": args.min_decode,
+            "flip_cooldown_s": args.flip_cooldown_s,
         },
+        "calibration": calibration,
         "static": static,
         "dynamic": dynamic,
-        "best_static": f"{best['num_prefill']}P{best['num_decode']}D",
-        "dynamic_vs_best_static": dynamic["slo_attainment"] - best["slo_attainment"],
+        "best_static": f"{best['num_prefill']}P{best['num_decode']}D" if best else None,
+        "dynamic_vs_best_static": dynamic["slo_attainment"] - best["slo_attainment"] if best else None,
     }
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2, ensure_ascii=False))
 
 
 if __name__ == "__main__":
