@@ -3,8 +3,8 @@
 The trace has two phases played back to back with Poisson arrivals: (A) prefill-heavy (long prompts,
 short outputs), then (B) decode-heavy (short prompts, long outputs). Each configuration is a real
 ``xllm serve`` cluster of the same ``--instances`` engines (1 thread each), roles in a real etcd
-(``--store embedded``: the service's own store), KV over Mooncake, requests through the ``openai``
-client: ``static`` with P prefill + (N - P) decode instances for every P of ``--static``, and
+(``--store embedded``: the service's own store), KV over Mooncake, requests through the
+``benchmarks/serving`` client: ``static`` with P prefill + (N - P) decode instances for every P of ``--static``, and
 ``dynamic`` (``cluster.pd_mode: dynamic``) starting from ``--dynamic-start`` prefill instances.
 A request attains the SLO when its TTFT and its TPOT both meet theirs (a failed request does not).
 
@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
-import openai
 import yaml
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
 from benchmarks.etcd_process import run_etcd
 from benchmarks.server_process import free_port, run_server
+from benchmarks.serving.client import RequestSpec, send_request
 from benchmarks.serving.dataset import random_prompts
 from benchmarks.serving.metrics import RequestRecord, meets_slos, percentile
 from benchmarks.xllm_server import REPO_ROOT
@@ -134,44 +135,24 @@ def cluster_config(model: str, dep: Deployment, index: int, args: argparse.Names
     }
 
 
-async def send(client: openai.AsyncOpenAI, req: Request) -> RequestRecord:
-    """One streaming completion, timed chunk by chunk (vLLM's TTFT / TPOT); never raises."""
-    rec = RequestRecord(prompt_len=req.prompt_len)
-    num_chunks, usage_tokens = 0, None
-    start = last = time.perf_counter()
-    try:
-        stream = await client.completions.create(
-            model=MODEL_NAME, prompt=req.prompt, max_tokens=req.output_len, temperature=0.0, stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "slo": {"ttft_ms": req.slo_ms["ttft"], "tpot_ms": req.slo_ms["tpot"]}},
-        )  # fmt: skip
-        async for chunk in stream:
-            if chunk.usage is not None:
-                usage_tokens = chunk.usage.completion_tokens
-            if not chunk.choices:
-                continue
-            now = time.perf_counter()
-            if num_chunks == 0:
-                rec.ttft_s = now - start
-            else:
-                rec.itl_s.append(now - last)
-            last, num_chunks = now, num_chunks + 1
-        rec.e2e_s = time.perf_counter() - start
-        rec.output_tokens = usage_tokens if usage_tokens is not None else num_chunks
-        rec.success = num_chunks > 0
-    except openai.OpenAIError as e:
-        rec.error = f"{type(e).__name__}: {e}"
-    return rec
+def spec_of(base_url: str, req: Request) -> RequestSpec:
+    """``req`` as a streaming greedy completion carrying its own SLO (``slo`` in the body)."""
+    slo = {"ttft_ms": req.slo_ms["ttft"], "tpot_ms": req.slo_ms["tpot"]}
+    return RequestSpec(
+        base_url, "completions", MODEL_NAME, req.prompt, req.prompt_len, req.output_len, extra={"slo": slo}
+    )
 
 
 async def play(base_url: str, trace: list[tuple[float, Request]]) -> tuple[list[RequestRecord], float, float]:
-    """Send ``trace`` open-loop; (records, duration, wall-clock start)."""
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=3600) as client:
+    """Send ``trace`` open-loop (timed as ``benchmarks/serving`` times a request); (records, duration,
+    wall-clock start)."""
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t0, wall0 = time.perf_counter(), time.time()
 
         async def one(at: float, req: Request) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            return await send(client, req)
+            return await send_request(session, spec_of(base_url, req))
 
         records = await asyncio.gather(*(one(at, req) for at, req in trace))
         return list(records), time.perf_counter() - t0, wall0

@@ -24,6 +24,7 @@ class RequestSpec:
     ignore_eos: bool = True
     api_key: str | None = None
     image_urls: tuple[str, ...] = ()  # chat only: image_url parts (data: URLs) before the text
+    extra: dict | None = None  # more body fields (e.g. xllm's per-request ``slo``)
 
 
 def build_payload(spec: RequestSpec) -> dict:
@@ -44,7 +45,7 @@ def build_payload(spec: RequestSpec) -> dict:
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
-    return body
+    return {**body, **(spec.extra or {})}
 
 
 def is_output_chunk(chunk: dict) -> bool:

@@ -30,22 +30,8 @@ QUICK += ["--max-prefill-tokens", "512"]
 
 
 @pytest.fixture(scope="module")
-def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("profile-vl") / "qwen2_vl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "xservice",
-        "model",
-        "make-tiny",
-        "--arch",
-        "qwen2_vl",
-        "--out",
-        str(out),
-        "--quiet",
-    ]
-    subprocess.run(cmd, check=True, env=child_env())
-    return out
+def vl_model(make_model_dir) -> Path:
+    return make_model_dir("qwen2_vl")
 
 
 def xllm(*args: str) -> subprocess.CompletedProcess:
