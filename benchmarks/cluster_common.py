@@ -1,94 +1,106 @@
 """Shared set-up of the cluster benchmarks: an in-process service side over locally launched engines.
 
-``LocalCluster`` opens the embedded store (served to the engines over loopback ZMQ), a registry, an
-``InstancePool`` and a ``LocalLauncher``; ``launch(names)`` starts engine instances and waits until
-they registered. Same components as ``xllm serve`` in cluster mode, without HTTP.
+``LocalCluster`` is ``xllm serve``'s cluster mode (``xservice/cluster/serve.py``) without HTTP: the
+service store (``open_service_store``: the embedded store served to the engines over loopback ZMQ),
+a registry, an ``InstancePool`` and a ``LocalLauncher``, with the engine plane and the store's bridge
+authenticated by an ephemeral cluster key (ZMQ CURVE). ``launch(names)`` starts engine instances
+and waits until they registered; ``supervise(True)`` runs the ``InstanceSupervisor`` over them (a
+process that exits is failed over at once and relaunched with backoff, as ``xllm serve`` does).
 """
 
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
+import contextlib
+from typing import Any
 
 from xservice.cluster.launchers import InstanceSpec
 from xservice.cluster.launchers.local import LocalLauncher
 from xservice.cluster.pool import InstancePool
 from xservice.cluster.registry import InstanceRegistry
-from xservice.cluster.serve import watch_exits
-from xservice.cluster.store.bridge_server import StoreBridgeServer
-from xservice.cluster.store.embedded import EmbeddedStore
+from xservice.cluster.serve import open_service_store
+from xservice.cluster.supervisor import InstanceSupervisor
 from xservice.config import load_config
-from xservice.policies import make_policy
-
-
-def ensure_model(model: str | None, size: str = "tiny") -> str:
-    if model:
-        return model
-    out = Path(tempfile.gettempdir()) / f"xllm-bench-qwen3-{size}"
-    if not (out / "config.json").is_file():
-        cmd = [
-            sys.executable,
-            "-m",
-            "xservice",
-            "model",
-            "make-tiny",
-            "--size",
-            size,
-            "--out",
-            str(out),
-            "--quiet",
-        ]
-        subprocess.run(cmd, check=True)
-    return str(out)
+from xservice.policies import PDPolicy, make_policy
 
 
 class LocalCluster:
     def __init__(
-        self, model: str, policy: str = "cache_aware", num_blocks: int = 512, max_model_len: int = 1024
+        self,
+        model: str,
+        policy: str = "cache_aware",
+        num_blocks: int = 512,
+        max_model_len: int = 1024,
+        cluster: dict[str, Any] | None = None,
     ):
+        """``cluster``: overrides of the ``cluster`` config section (lease TTL, heartbeat, ...)."""
         overrides = {
             "model": {"model": model, "max_model_len": max_model_len, "seed": 0},
             "cache": {"block_size": 16, "num_blocks": num_blocks},
             "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 1024},
             "device": {"device": "cpu", "num_threads": 1},
+            "cluster": {"routing_policy": policy, **(cluster or {})},
         }
-        self.engine = load_config(None, overrides).engine
-        self.policy = policy
+        self.cfg = load_config(None, overrides)
+        self.engine = self.cfg.engine
+        self.specs: dict[str, InstanceSpec] = {}
+        self.supervisor: InstanceSupervisor | None = None
+        self._supervising: asyncio.Task | None = None
 
     async def __aenter__(self) -> LocalCluster:
-        self.store = EmbeddedStore()
-        self.bridge = StoreBridgeServer(self.store)
-        self.registry = InstanceRegistry(self.store, "/xllm", lease_ttl_s=3.0, heartbeat_interval_s=0.5)
-        self.pool = InstancePool(self.registry, make_policy(self.policy))
+        cl = self.cfg.cluster
+        self.key = cl.cluster_key()
+        self._stack = contextlib.AsyncExitStack()
+        self.store, self.store_url = await self._stack.enter_async_context(open_service_store(cl, self.key))
+        self.registry = InstanceRegistry(self.store, cl.key_prefix, cl.lease_ttl_s, cl.heartbeat_interval_s)
+        self.pool = InstancePool(
+            self.registry,
+            make_policy(cl.routing_policy, cl.cache_match_weight),
+            cl.migrate_on_failure,
+            PDPolicy(cl.cache_match_weight),
+            self.key,
+        )
+        self.pool.hang_timeout_s = self.cfg.service.engine_hang_timeout_s
         self.launcher = LocalLauncher()
         await self.registry.start()
-        self.exit_watcher: asyncio.Task | None = None
         return self
-
-    def watch_exits(self, on: bool) -> None:
-        if on and self.exit_watcher is None:
-            self.exit_watcher = asyncio.get_running_loop().create_task(watch_exits(self.launcher, self.pool))
-        elif not on and self.exit_watcher is not None:
-            self.exit_watcher.cancel()
-            self.exit_watcher = None
 
     async def launch(
         self, names: list[str], timeout_s: float = 300.0, roles: dict[str, str] | None = None
     ) -> None:
         """Start instances ``names`` (role ``roles[name]``, default ``mixed``) and wait until registered."""
+        if self._supervising is not None:
+            raise RuntimeError("launch instances before supervise(True): the supervisor watches a fixed set")
+        cl = self.cfg.cluster
         for name in names:
             role = (roles or {}).get(name, "mixed")
-            spec = InstanceSpec(name, role, self.engine, f"embedded+{self.bridge.addr}")
-            self.launcher.launch(spec)
+            spec = InstanceSpec(
+                name, role, self.engine, self.store_url, cl.key_prefix, cl.engine_host,
+                cl.lease_ttl_s, cl.heartbeat_interval_s, self.key,
+            )  # fmt: skip
+            self.specs[name] = spec
+            await asyncio.to_thread(self.launcher.launch, spec)
         await self.pool.wait_for(names, timeout_s)
 
+    async def supervise(self, on: bool) -> None:
+        """Start (over every instance launched so far) or stop the ``InstanceSupervisor``."""
+        if on and self._supervising is None:
+            self.supervisor = InstanceSupervisor(
+                self.launcher, dict(self.specs), self.cfg.service.restart_policy(), self.pool.mark_dead
+            )
+            self.pool.supervisor = self.supervisor
+            self._supervising = asyncio.get_running_loop().create_task(self.supervisor.run())
+        elif not on and self._supervising is not None:
+            self._supervising.cancel()
+            await asyncio.gather(self._supervising, return_exceptions=True)
+            self._supervising = None
+            self.supervisor = self.pool.supervisor = None
+
     async def __aexit__(self, *exc: object) -> None:
-        self.watch_exits(False)
-        await self.pool.close()
-        await asyncio.to_thread(self.launcher.stop_all)
-        await self.registry.close()
-        await self.bridge.close()
-        await self.store.close()
+        try:
+            await self.supervise(False)
+            await self.pool.close()
+            await asyncio.to_thread(self.launcher.stop_all)
+            await self.registry.close()
+        finally:
+            await self._stack.aclose()

@@ -5,7 +5,7 @@ question (like a chat client). Turns of all conversations are sent concurrently 
 Both policies run against the same two engines (prefix caches reset in between). Prints JSON:
 prefix hit rate (cached prompt tokens / prompt tokens) and TTFT per policy.
 
-    python benchmarks/cluster_routing.py [--model DIR] [--conversations 8] [--turns 4]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.cluster_routing [--model DIR] [--conversations 8] [--turns 4]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import random
 import statistics
 import time
 
-from cluster_common import LocalCluster, ensure_model
-
+from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
+from benchmarks.cluster_common import LocalCluster
 from xengine.api.messages import AddRequest, SamplingParams
 from xservice.policies import make_policy
 
@@ -74,8 +74,8 @@ async def run_policy(cluster: LocalCluster, policy: str, args: argparse.Namespac
     }
 
 
-async def main(args: argparse.Namespace) -> dict:
-    model = ensure_model(args.model, args.size)
+async def run(args: argparse.Namespace) -> dict:
+    model = resolve_checkpoint(args)
     async with LocalCluster(model) as cluster:
         await cluster.launch(["engine-0", "engine-1"])
         runs = []
@@ -97,10 +97,9 @@ async def main(args: argparse.Namespace) -> dict:
     }
 
 
-if __name__ == "__main__":
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="model folder (default: a generated tiny qwen3)")
-    p.add_argument("--size", default="tiny", choices=("tiny", "small"))
+    add_checkpoint_args(p)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=256)
@@ -108,4 +107,13 @@ if __name__ == "__main__":
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--think-time-s", type=float, default=0.7, help="pause between rounds (>= one heartbeat)")
     p.add_argument("--seed", type=int, default=0)
-    print(json.dumps(asyncio.run(main(p.parse_args())), indent=2))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(json.dumps(asyncio.run(run(build_parser().parse_args(argv))), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

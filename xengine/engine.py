@@ -252,6 +252,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if self.kv_transfer.num_pins:
             self.kv_transfer.release_admitted(self.kv.block_tables)
+            if plan.is_empty:
+                self._unpin_for_head()
         forward_s = 0.0
         counts = (0, 0)
         if not plan.is_empty:
@@ -283,6 +285,8 @@ class Engine:
         plan, deltas = pipeline.step()
         if self.kv_transfer.num_pins:
             self.kv_transfer.release_admitted(self.kv.block_tables)
+            if plan.is_empty and not pipeline.busy:
+                self._unpin_for_head()
         if not plan.is_empty:
             self.num_steps += 1
         elif pipeline.head_stuck and self.scheduler.waiting:
@@ -294,6 +298,18 @@ class Engine:
             *timing.counts, timing.completed,
         )  # fmt: skip
         return deltas
+
+    def _unpin_for_head(self) -> None:
+        """An empty step with requests waiting and none running: if imported prompts pinned for the
+        queued requests hold the pool (PD decode under KV pressure), nothing would ever free a block
+        for the first of them. Expired pins go first; then, if still stuck, every import pin but the
+        head's (its blocks stay cached, so the others usually still hit them)."""
+        self.kv_transfer.expire()
+        if self.scheduler.running or not self.scheduler.waiting:
+            return
+        dropped = self.kv_transfer.release_waiting_imports(keep=self.scheduler.waiting[0].seq_id)
+        if dropped:
+            logger.warning("KV pool held by %d imported prompts of queued requests: unpinned them", dropped)
 
     def _execute(self, plan: SchedulePlan, failed_once: bool = False) -> tuple[SchedulePlan, StepOutput]:
         """Run ``plan``. If the forward raises, run each request of it alone and fail (finish_reason

@@ -164,6 +164,16 @@ class KVTransferManager:
         for pin_id in [p for p, pin in self._pins.items() if pin.until_admitted and p in admitted]:
             self.release(pin_id)
 
+    def release_waiting_imports(self, keep: str) -> int:
+        """Drop every import pin but ``keep``'s; their blocks stay in the prefix cache, evictable. For a
+        decode instance whose pool is all pinned by imported prompts of queued requests, so that the
+        first of them (``keep``) cannot get the block it still needs and nothing runs to free one.
+        Returns the pins dropped."""
+        drop = [p for p, pin in self._pins.items() if pin.until_admitted and p != keep]
+        for pin_id in drop:
+            self.release(pin_id)
+        return len(drop)
+
     def expire(self) -> None:
         now = time.monotonic()
         for pin_id in [p for p, pin in self._pins.items() if pin.deadline < now]:

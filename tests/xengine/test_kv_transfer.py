@@ -104,3 +104,32 @@ def test_block_ranges_coalesce_consecutive_blocks() -> None:
     assert (s[0], d[0], n[0]) == (1000 + 2 * 8, 50000, 16)
     assert (s[1], d[1], n[1]) == (1000 + 7 * 8, 50000 + 2 * 8, 8)
     assert (s[2], d[2]) == (1000 + (10 + 2) * 8, 50000 + (4 + 0) * 8)  # V starts after num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_queued_imports_that_fill_the_pool_do_not_deadlock_the_decode_engine(
+    tiny_qwen3: Path, async_scheduling: str
+) -> None:
+    """Imported prompts of queued requests pin the whole pool: the first of them still needs a block
+    for its last partial block and nothing runs to free one. The engine unpins the others' imports
+    (their blocks stay cached) instead of spinning, and every request finishes with the colocated
+    engine's greedy tokens."""
+    prefill = make_engine(tiny_qwen3, **SETTINGS)
+    colocated = make_engine(tiny_qwen3, **SETTINGS)
+    # 3 prompts of 4 blocks fill its pool
+    decode = make_engine(tiny_qwen3, **{**SETTINGS, "num_blocks": 12}, async_scheduling=async_scheduling)
+    prompts = random_prompts([64, 64, 64], seed=7)
+    firsts, decoded = [], {}
+    for i, prompt in enumerate(prompts):
+        firsts.append(_generate(prefill, f"q{i}-p", prompt, 1))
+        decode.kv_import(prefill.kv_export(f"q{i}-x", prompt), prompt, pin_id=f"q{i}-d")
+        assert prefill.kv_release(f"q{i}-x")
+    assert decode.kv.num_free_blocks == 0 and decode.kv_transfer.num_pins == 3
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS - 1, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        decode.add_request(AddRequest(req_id=f"q{i}-d", prompt_token_ids=prompt + firsts[i], params=params))
+    for d in run_to_completion(decode, max_steps=2000):
+        decoded.setdefault(d.req_id, []).extend(d.new_token_ids)
+    for i, prompt in enumerate(prompts):
+        assert firsts[i] + decoded[f"q{i}-d"] == _generate(colocated, f"c{i}", prompt, MAX_TOKENS)
+    assert decode.kv_transfer.num_pins == 0

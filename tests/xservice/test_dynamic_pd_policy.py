@@ -309,3 +309,60 @@ def test_never_fewer_than_min_prefill() -> None:
 def test_invalid_minimums() -> None:
     with pytest.raises(ValueError):
         DynamicPDPolicy(min_decode=0)
+
+
+def test_decode_capacity_counts_what_placed_streams_will_grow_to() -> None:
+    policy = DynamicPDPolicy()
+    instances = [
+        inst("p0", PREFILL, PREFILL, num_prefilling=1),
+        # d0 holds little KV today, but its young streams are promised 900 tokens
+        inst(
+            "d0", DECODE, DECODE, num_decoding=6, decode_tokens=200, reserved_tokens=900, capacity_tokens=1000
+        ),
+        inst(
+            "d1", DECODE, DECODE, num_decoding=8, decode_tokens=400, reserved_tokens=500, capacity_tokens=1000
+        ),
+    ]
+    assert instances[1].committed_tokens == 900 and instances[1].fits(100) and not instances[1].fits(101)
+    # by context alone d0 is the lightest; the request may grow to 160 tokens, which d0 cannot hold
+    choice = policy.select_decode("p0", 33, SLO_, instances, reserve_tokens=160)
+    assert choice.name == "d1"
+    # without a reservation (max_tokens unbounded) only its context counts
+    assert policy.select_decode("p0", 33, SLO_, instances).name == "d0"
+
+
+def test_full_decode_kv_flips_a_spare_prefill_instance() -> None:
+    policy = DynamicPDPolicy(min_prefill=1, capacity_pressure=0.9)
+    prefill = [
+        inst("p0", PREFILL, PREFILL, num_prefilling=1, queue_s=0.05, prefill_utilization=0.4),
+        inst("p1", PREFILL, PREFILL, prefill_utilization=0.2),  # nothing queued: spare
+    ]
+    full = [
+        inst(
+            "d0", DECODE, DECODE, num_decoding=9, decode_tokens=400, reserved_tokens=950, capacity_tokens=1000
+        ),
+        inst(
+            "d1", DECODE, DECODE, num_decoding=9, decode_tokens=400, reserved_tokens=900, capacity_tokens=1000
+        ),
+    ]
+    flips = policy.plan_flips(SLO_, prefill + full, FlipHistory(), NOW)
+    assert [(f.name, f.to_role) for f in flips] == [("p1", DECODE)]
+    assert "decode KV 92% committed" in flips[0].reason
+    # room left on the decode side: no flip
+    roomy = [inst("d0", DECODE, DECODE, reserved_tokens=500, capacity_tokens=1000), full[1]]
+    assert policy.plan_flips(SLO_, prefill + roomy, FlipHistory(), NOW) == []
+    # the other prefill instance's queue would miss the TTFT SLO without p1: keep it
+    queued = [inst("p0", PREFILL, PREFILL, num_prefilling=4, queue_s=0.4), prefill[1]]
+    assert policy.plan_flips(SLO_, queued + full, FlipHistory(), NOW) == []
+    # the prefill side is too busy for one instance to carry it (60% + 50% > 70%)
+    busy = [
+        inst("p0", PREFILL, PREFILL, prefill_utilization=0.6),
+        inst("p1", PREFILL, PREFILL, prefill_utilization=0.5),
+    ]
+    assert policy.plan_flips(SLO_, busy + full, FlipHistory(), NOW) == []
+    # hysteresis still holds
+    history = FlipHistory()
+    history.record(Flip("d2", PREFILL, "ttft"), NOW - 1.0)
+    assert policy.plan_flips(SLO_, prefill + full, history, NOW) == []
+    # and never below min_prefill
+    assert policy.plan_flips(SLO_, prefill[1:] + full, FlipHistory(), NOW) == []

@@ -20,6 +20,7 @@ to the engines it launches), or a key file of mode 0600 (``cluster.auth_key_file
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import stat
@@ -166,3 +167,12 @@ class ZapGuard:
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             self._auth.stop()
+
+    async def aclose(self) -> None:
+        """``stop`` for an asyncio context, awaiting the authenticator's poll task: pyzmq only cancels
+        it, and its clean-up, run later, would unregister a descriptor a new socket may have reused
+        (a second keyed store bridge in the same process then never answers)."""
+        task = getattr(self._auth, "_AsyncioAuthenticator__task", None)
+        self.stop()
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)

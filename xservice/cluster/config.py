@@ -82,6 +82,11 @@ class ClusterConfig:
     tpot_miss_sustain_s: float = _f(
         1.0, "Dynamic PD: how long observed TPOT must miss its SLO before a flip."
     )
+    decode_capacity_pressure: float = _f(
+        0.9,
+        "Dynamic PD: when the decode side's KV is committed (placed streams at prompt + max_tokens) to this "
+        "share of its capacity, a spare prefill instance flips to decode.",
+    )
     startup_profile: bool = _f(True, "Dynamic PD: probe each instance when it joins to seed its predictors.")
     colocation: bool = _f(
         False,
@@ -299,6 +304,8 @@ class ClusterConfig:
             raise ValueError("cluster.ttft_slo_ms and cluster.tpot_slo_ms must be > 0")
         if self.min_decode_instances < 1 or self.min_prefill_instances < 1:
             raise ValueError("cluster.min_decode_instances and cluster.min_prefill_instances must be >= 1")
+        if not 0 < self.decode_capacity_pressure <= 1:
+            raise ValueError("cluster.decode_capacity_pressure must be in (0, 1]")
         if self.external or not specs:
             return
         roles = [role for _, role in specs]

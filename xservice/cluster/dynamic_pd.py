@@ -130,7 +130,15 @@ class DynamicPD:
         return choice
 
     def pick_decode(self, req: AddRequest, prefill_name: str | None, context_tokens: int) -> DecodeChoice:
-        return self.policy.select_decode(prefill_name, context_tokens, self.slo_for(req), self.snapshots())
+        """Where ``req`` decodes; the choice holds the KV ``req`` may grow to there until
+        ``monitor.release_decode(req.req_id)`` (the dispatcher calls it when the request ends)."""
+        reserve = reserve_tokens(req, context_tokens)
+        choice = self.policy.select_decode(
+            prefill_name, context_tokens, self.slo_for(req), self.snapshots(), reserve
+        )
+        if choice.name is not None:
+            self.monitor.reserve_decode(choice.name, req.req_id, context_tokens, reserve)
+        return choice
 
     def apply(self, flip: Flip, now: float | None = None) -> None:
         """Move the instance to its new pool now; persist in the background."""
@@ -216,6 +224,14 @@ class DynamicPD:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def reserve_tokens(req: AddRequest, context_tokens: int) -> int:
+    """The KV ``req`` may grow to: its prompt plus ``max_tokens`` (its context alone when unbounded)."""
+    max_tokens = req.params.max_tokens
+    if max_tokens is None:
+        return context_tokens
+    return max(context_tokens, len(req.prompt_token_ids) + max_tokens)
 
 
 def msgspec_info(client: RemoteEngineClient) -> dict:

@@ -49,6 +49,9 @@ class InstanceMonitor:
     last_report: tuple[str, int] | None = None  # (incarnation, seq) ingested
     prefills: dict[str, _Prefill] = field(default_factory=dict)  # sub id -> in flight
     decodes: dict[str, int] = field(default_factory=dict)  # req id -> context tokens
+    # req id -> (context, KV it may grow to) of streams placed here (dynamic PD), from placement until
+    # the request ends: counted before their first decoded token, and in capacity at their full size
+    reserved: dict[str, tuple[int, int]] = field(default_factory=dict)
     offline: set[str] = field(default_factory=set)  # of ``decodes``, the offline ones (co-location)
     slos: dict[str, float] = field(default_factory=dict)  # of ``decodes``, online ones' own TPOT SLO
     last_token_at: dict[str, float] = field(default_factory=dict)
@@ -180,6 +183,15 @@ class RuntimeMonitor:
         else:
             mon.over_slo_since = None
 
+    def reserve_decode(self, name: str, req_id: str, context_tokens: int, reserve_tokens: int) -> None:
+        """A decode stream was placed on ``name``; it holds ``reserve_tokens`` of its KV until released."""
+        self.get(name).reserved[req_id] = (context_tokens, max(context_tokens, reserve_tokens))
+
+    def release_decode(self, req_id: str) -> None:
+        """The request ended (or left for another instance): drop its reservations."""
+        for mon in self.instances.values():
+            mon.reserved.pop(req_id, None)
+
     def decode_done(self, name: str, req_id: str) -> None:
         mon = self.instances.get(name)
         if mon is None:
@@ -197,14 +209,17 @@ class RuntimeMonitor:
         self, name: str, origin: str, role: str, last_flip_at: float | None, now: float
     ) -> PDInstance:
         mon = self.get(name)
+        pending = [ctx for rid, (ctx, _) in mon.reserved.items() if rid not in mon.decodes]
+        unreserved = sum(ctx for rid, ctx in mon.decodes.items() if rid not in mon.reserved)
         return PDInstance(
             name=name,
             origin=origin,
             role=role,
             queue_s=mon.queue_s(now),
             num_prefilling=len(mon.prefills),
-            num_decoding=len(mon.decodes),
-            decode_tokens=sum(mon.decodes.values()),
+            num_decoding=len(mon.decodes) + len(pending),
+            decode_tokens=sum(mon.decodes.values()) + sum(pending),
+            reserved_tokens=sum(full for _, full in mon.reserved.values()) + unreserved,
             capacity_tokens=mon.capacity_tokens,
             observed_step_s=mon.observed_step_s,
             prefill_utilization=mon.utilization(now, self.idle_s),
@@ -223,6 +238,8 @@ class RuntimeMonitor:
             "num_prefilling": len(mon.prefills),
             "num_decoding": len(mon.decodes),
             "decode_tokens": sum(mon.decodes.values()),
+            "reserved_tokens": sum(full for _, full in mon.reserved.values()),
+            "capacity_tokens": mon.capacity_tokens if mon.capacity_tokens < 1 << 62 else None,
             "observed_tpot_s": None if mon.observed_step_s is None else round(mon.observed_step_s, 4),
             "prefill_utilization": round(mon.utilization(now, self.idle_s), 3),
             "num_prefills": mon.num_prefills,

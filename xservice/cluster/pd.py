@@ -146,21 +146,25 @@ class PDDispatcher:
         if done:
             return
         context = len(req.prompt_token_ids) + len(generated)
-        target = self._decode_target(req, client, context)
-        if target == client.name:
-            # the prefill instance keeps decoding it: no KV transfer (its prompt blocks are cached there)
-            self.counters.num_kept_on_prefill += 1
-            sub = pool.continuation(req, generated, "d0")
-            assert sub is not None
-            async for delta in self._decode(req, sub, generated, client, cached):
+        try:
+            target = self._decode_target(req, client, context)
+            if target == client.name:
+                # the prefill instance keeps decoding it: no KV transfer (its prompt blocks are cached there)
+                self.counters.num_kept_on_prefill += 1
+                sub = pool.continuation(req, generated, "d0")
+                assert sub is not None
+                async for delta in self._decode(req, sub, generated, client, cached):
+                    yield delta
+                return
+            export = await self._export(req, client)
+            decode, sub_id = await self._import(req, export, target)
+            sub = pool.continuation(req, generated, sub_id)
+            assert sub is not None  # the first token did not finish the request
+            async for delta in self._decode(req, sub, generated, decode, cached):
                 yield delta
-            return
-        export = await self._export(req, client)
-        decode, sub_id = await self._import(req, export, target)
-        sub = pool.continuation(req, generated, sub_id)
-        assert sub is not None  # the first token did not finish the request
-        async for delta in self._decode(req, sub, generated, decode, cached):
-            yield delta
+        finally:
+            if pool.monitor is not None:  # dynamic PD's placement holds KV until the request ends
+                pool.monitor.release_decode(req.req_id)
 
     def _decode_target(self, req: AddRequest, prefill: RemoteEngineClient, context: int) -> str | None:
         """Where the decode half goes when a policy decides it (None: the PD policy's pick)."""

@@ -213,6 +213,7 @@ async def make_dynamic_pd(cl: ClusterConfig, store: BaseMetadataStore) -> Dynami
         min_interval_s=cl.flip_min_interval_s,
         idle_s=cl.prefill_idle_s,
         sustain_s=cl.tpot_miss_sustain_s,
+        capacity_pressure=cl.decode_capacity_pressure,
     )
     slo = SLO(cl.ttft_slo_ms / 1000, cl.tpot_slo_ms / 1000)
     return DynamicPD(roles, policy, slo, RuntimeMonitor(cl.prefill_idle_s), cl.startup_profile)

@@ -23,14 +23,20 @@ predicts the lowest TTFT.
 
 **Decode** (``select_decode``): the prefill instance itself when that avoids the KV transfer and it
 can hold the TPOT SLO (no prefill queued behind, predicted step time with the request added under
-the SLO); else the decode-side instance with the fewest running tokens whose batch stays under its
-token capacity and the TPOT SLO; else the one with the fewest running tokens.
+the SLO); else the decode-side instance with the fewest running tokens whose KV stays within its
+capacity and the TPOT SLO; else the one with the fewest running tokens. Capacity counts what each
+placed stream will grow to (prompt plus ``max_tokens``), not only its context today, so a burst of
+placements cannot overfill an instance whose streams are young.
 
 **Flips** (``plan_flips``, called periodically): prefill-side → decode (``P→D``) when a decode-side
 instance's observed step time misses the TPOT SLO, or a prefill-side instance has idled for
 ``idle_s`` (prefill in flight at most ``idle_utilization`` of that window) while a decode-side
-instance is under pressure (observed step time at least ``pressure`` of the TPOT SLO); the ``D→P`` pool goes back first. Always keeps
-``min_prefill`` prefill-side instances.
+instance is under pressure (observed step time at least ``pressure`` of the TPOT SLO), or the
+decode side's KV is committed to ``capacity_pressure`` of its capacity (the streams placed there
+will fill it: more decode instances are the only way to keep placing without queueing) while the
+prefill side would still meet the TTFT SLO without the instance (nothing queued on it, the others'
+queues within half the SLO, the side's busy time within ``SPARE_UTILIZATION`` of one fewer instance); the ``D→P`` pool goes back first.
+Always keeps ``min_prefill`` prefill-side instances.
 
 **Hysteresis**: at most one flip per ``min_interval_s`` cluster-wide; an instance is not flipped
 again within ``cooldown_s`` of its last flip; a flip opposite to the last one waits ``cooldown_s``
@@ -39,7 +45,7 @@ too; triggers from observations (TPOT miss, idleness) must hold for ``sustain_s`
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from xservice.policies.predictors import TPOTPredictor, TTFTPredictor
@@ -47,6 +53,8 @@ from xservice.policies.predictors import TPOTPredictor, TTFTPredictor
 PREFILL, DECODE = "prefill", "decode"
 POOL_P, POOL_D, POOL_P2D, POOL_D2P = "P", "D", "P→D", "D→P"
 POOLS = (POOL_P, POOL_D, POOL_P2D, POOL_D2P)
+# a capacity flip leaves the prefill side at most this busy (share of time with a prefill in flight)
+SPARE_UTILIZATION = 0.7
 
 
 def pool_of(origin: str, role: str) -> str:
@@ -73,6 +81,7 @@ class PDInstance:
     num_prefilling: int = 0  # prefills sent there and not finished
     num_decoding: int = 0  # decode sequences running there
     decode_tokens: int = 0  # their context tokens (KV the next step attends over)
+    reserved_tokens: int = 0  # KV its placed streams will grow to (prompt + max_tokens each)
     capacity_tokens: int = 1 << 62  # KV tokens it can hold (its pool, minus a margin)
     observed_step_s: float | None = None  # recent observed step time of its decode batches (EWMA)
     prefill_utilization: float = 1.0  # fraction of the last ``idle_s`` it had a prefill in flight
@@ -84,6 +93,14 @@ class PDInstance:
     @property
     def pool(self) -> str:
         return pool_of(self.origin, self.role)
+
+    @property
+    def committed_tokens(self) -> int:
+        """KV promised to its decode streams: what they will grow to, at least what they hold now."""
+        return max(self.reserved_tokens, self.decode_tokens)
+
+    def fits(self, reserve_tokens: int) -> bool:
+        return self.committed_tokens + reserve_tokens <= self.capacity_tokens
 
     def predict_ttft(self, uncached_tokens: int) -> float:
         compute = self.ttft.compute_s(uncached_tokens) if self.ttft is not None else 0.0
@@ -151,6 +168,7 @@ class DynamicPDPolicy:
         idle_utilization: float = 0.2,
         sustain_s: float = 1.0,
         pressure: float = 0.8,
+        capacity_pressure: float = 0.9,
     ) -> None:
         if min_decode < 1 or min_prefill < 1:
             raise ValueError("min_decode and min_prefill must be >= 1")
@@ -162,6 +180,7 @@ class DynamicPDPolicy:
         self.idle_utilization = idle_utilization
         self.sustain_s = sustain_s
         self.pressure = pressure  # idle-prefill flips need a decode batch at this share of the TPOT SLO
+        self.capacity_pressure = capacity_pressure  # decode KV committed at this share: flip P→D
 
     # ------------------------------------------------------------------ hysteresis
 
@@ -240,15 +259,17 @@ class DynamicPDPolicy:
         context_tokens: int,
         slo: SLO,
         instances: Sequence[PDInstance],
+        reserve_tokens: int | None = None,
     ) -> DecodeChoice:
-        """Where a prefilled request decodes (``context_tokens``: its prompt plus first token)."""
+        """Where a prefilled request decodes (``context_tokens``: its prompt plus first token;
+        ``reserve_tokens``: the KV it may grow to, prompt plus ``max_tokens``; default its context)."""
+        reserve = max(context_tokens, reserve_tokens or 0)
         by_name = {i.name: i for i in instances}
         own = by_name.get(prefill_name) if prefill_name is not None else None
         if own is not None and own.num_prefilling == 0:
             # it keeps prefilling: its decode steps will carry prompts like this one
             step = own.predict_step(1, context_tokens, prefill_tokens=context_tokens)
-            fits = own.decode_tokens + context_tokens <= own.capacity_tokens
-            if fits and step <= slo.tpot_s:
+            if own.fits(reserve) and step <= slo.tpot_s:
                 return DecodeChoice(own.name, "prefill instance keeps it (no KV transfer)", step)
         decode_side = sorted(
             (i for i in instances if i.role == DECODE),
@@ -256,7 +277,7 @@ class DynamicPDPolicy:
         )
         for inst in decode_side:
             step = inst.predict_step(1, context_tokens)
-            if inst.decode_tokens + context_tokens <= inst.capacity_tokens and step <= slo.tpot_s:
+            if inst.fits(reserve) and step <= slo.tpot_s:
                 return DecodeChoice(inst.name, "fewest running tokens within capacity and TPOT SLO", step)
         if decode_side:
             inst = decode_side[0]
@@ -293,31 +314,63 @@ class DynamicPDPolicy:
             for i in prefill_side
             if i.prefill_utilization <= self.idle_utilization and i.num_prefilling == 0
         ]
+        committed = sum(i.committed_tokens for i in decode_side)
+        capacity = sum(min(i.capacity_tokens, 1 << 40) for i in decode_side)
+        full = bool(decode_side) and committed >= self.capacity_pressure * capacity
+        # the prefill instances that can go without the rest missing the TTFT SLO: none queued there,
+        # the others' queues well within it, and the prefill side's busy time fits one fewer instance
+        absorbs = sum(i.prefill_utilization for i in prefill_side) <= SPARE_UTILIZATION * (
+            len(prefill_side) - 1
+        )
+        spare = [
+            i
+            for i in prefill_side
+            if absorbs
+            and i.num_prefilling == 0
+            and max((o.queue_s for o in prefill_side if o is not i), default=0.0) <= 0.5 * slo.ttft_s
+        ]
+        triggers: list[tuple[list[PDInstance], Callable[[PDInstance], str]]] = []
         if missing:
             worst = max(missing, key=lambda i: (i.observed_step_s or 0.0, i.name))
-            reason = (
+            miss = (
                 f"TPOT {_ms(worst.observed_step_s or 0.0)} on {worst.name} > SLO {_ms(slo.tpot_s)} "
                 f"for {now - (worst.busy_since or now):.1f}s"
             )
-            candidates = prefill_side
-        elif idle and decode_busy:
-            reason = "prefill idle while decode is busy"
-            candidates = idle
-        else:
-            return []
-        candidates = [i for i in candidates if self.may_flip(i, DECODE, history, now)]
-        if not candidates:
-            return []
-        pick = min(
-            candidates,
-            key=lambda i: (i.pool != POOL_D2P, i.num_prefilling, i.queue_s, i.prefill_utilization, i.name),
-        )
-        if not missing:
-            reason = (
-                f"{pick.name} prefill busy {pick.prefill_utilization:.0%} of the last {self.idle_s:.0f}s "
-                "while decode is busy"
+            triggers.append((prefill_side, lambda _i: miss))
+        if idle and decode_busy:
+            triggers.append(
+                (
+                    idle,
+                    lambda i: (
+                        f"{i.name} prefill busy {i.prefill_utilization:.0%} of the last "
+                        f"{self.idle_s:.0f}s while decode is busy"
+                    ),
+                )
             )
-        return [Flip(pick.name, DECODE, reason)]
+        if full and spare:
+            triggers.append(
+                (
+                    spare,
+                    lambda _i: (
+                        f"decode KV {committed / capacity:.0%} committed ({committed}/{capacity} tokens)"
+                    ),
+                )
+            )
+        for candidates, reason in triggers:
+            allowed = [i for i in candidates if self.may_flip(i, DECODE, history, now)]
+            if allowed:
+                pick = min(
+                    allowed,
+                    key=lambda i: (
+                        i.pool != POOL_D2P,
+                        i.num_prefilling,
+                        i.queue_s,
+                        i.prefill_utilization,
+                        i.name,
+                    ),
+                )
+                return [Flip(pick.name, DECODE, reason(pick))]
+        return []
 
 
 def _direction(to_role: str) -> str:

@@ -69,5 +69,5 @@ class StoreBridgeServer:
         self._task.cancel()
         self._sock.close(linger=0)
         if self._guard is not None:
-            self._guard.stop()
+            await self._guard.aclose()
         self._ctx.term()
