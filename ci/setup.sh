@@ -27,4 +27,7 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
 fi
 # cluster mode: etcd 3.4, libibverbs1, aetcd, ray (skips quickly when present)
 ./ci/install_cluster_deps.sh || echo "[setup] cluster deps not installed (optional; needs root or sudo)" >&2
+# the CPU backend's C kernels (ops/cpu_kernels), built once into the cache; without a C compiler or
+# AVX-512 the engine runs oneDNN and the torch reference instead
+"$VPY" -c 'from ops.cpu_kernels.build import build_all; print("[setup] CPU kernels:", build_all())' >&2 || true
 echo "[setup] ready: $("$VPY" -c 'import torch, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")')" >&2

@@ -69,12 +69,12 @@ def get_op(name: str, platform_name: str | None = None) -> Callable[..., Any]:
     return fn
 
 
-def _load_onednn() -> None:
-    from ops.onednn import onednn_ops
+def _load_cpu() -> None:
+    from ops.cpu_kernels import cpu_kernel_ops  # C kernels, falling back to oneDNN and torch_ref
 
-    for name, fn in onednn_ops().items():
+    for name, fn in cpu_kernel_ops().items():
         register_op(name, "cpu", fn)
 
 
 register_backend(REFERENCE, _load_torch_ref)
-register_backend("cpu", _load_onednn)
+register_backend("cpu", _load_cpu)

@@ -15,61 +15,25 @@ The shim is built from that C file with the machine's C compiler on first use, i
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import ipaddress
-import os
-import platform
-import shutil
 import socket
-import subprocess
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+
+from ops.native_build import build_shared_library
 
 ENV_HOST = "XLLM_BIND_HOST"
 SOURCE = Path(__file__).with_name("bind_host.c")
 _MARKER = "xllm_bind_host_shim"  # a symbol the shim exports
 
 
-def _default_cache_dir() -> Path:
-    # the same default as xengine.api.paths.cache_dir (memory may not import xengine)
-    return Path(os.environ.get("XLLM_CACHE_DIR") or Path.home() / ".cache" / "xllm")
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    raise RuntimeError(
-        "no C compiler (cc, gcc or clang) to build the bind-host shim that keeps the KV transfer "
-        f"listeners on the configured host: install gcc (ci/install_cluster_deps.sh does) or set CC; "
-        f"it compiles {SOURCE}"
-    )
-
-
 def shim_library(cache_dir: Path | None = None) -> Path:
     """The shim's shared library, built on first use (concurrent builders are safe)."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
-    out_dir = (cache_dir or _default_cache_dir()) / "build"
-    lib = out_dir / f"bind_host-{key}.so"
-    if lib.is_file():
-        return lib
-    cc = _compiler()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".bind_host-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        cmd = [cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", tmp, str(SOURCE), "-ldl"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"building the bind-host shim failed ({' '.join(cmd)}):\n{res.stderr}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, lib)  # atomic: a concurrent builder's identical file is simply replaced
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    purpose = (
+        "the bind-host shim that keeps the KV transfer listeners on the configured host "
+        f"(it compiles {SOURCE})"
+    )
+    return build_shared_library(SOURCE, ["-O2", "-Wall"], purpose, cache_dir, libs=["-ldl"])
 
 
 def host_literal(host: str) -> str:

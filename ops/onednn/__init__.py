@@ -2,13 +2,11 @@
 
 On the CPUs this project runs on, ``torch.ops.mkldnn._linear_pointwise`` over a reordered fp32 weight
 runs about twice as fast as ``F.linear`` (MKL sgemm) for decode-sized and prefill-sized inputs alike
-(``benchmarks/linear_gemm.py``). Other dtypes keep ``F.linear``.
+(``benchmarks/linear_gemm.py``). Other dtypes keep ``F.linear``. ``ops/cpu_gemm`` uses it where its
+panel kernel cannot run.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -35,8 +33,3 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> OneDNNLinear
     ):
         return None
     return OneDNNLinear(weight, bias)
-
-
-def onednn_ops() -> dict[str, Callable[..., Any]]:
-    """The CPU ops this backend provides (registered for "cpu" by ``ops/registry.py``)."""
-    return {"pack_linear": pack_linear}

@@ -14,6 +14,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     from ops.torch_ref.attention_contiguous import attention_contiguous
     from ops.torch_ref.kv_store import store_kv
     from ops.torch_ref.norm import fused_add_rms_norm, rms_norm
+    from ops.torch_ref.reduce import row_argmax
     from ops.torch_ref.rope import rotary_embedding
 
     return {
@@ -22,6 +23,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
         "attention_contiguous": attention_contiguous,
         "store_kv": store_kv,
         "rms_norm": rms_norm,
+        "row_argmax": row_argmax,
         "fused_add_rms_norm": fused_add_rms_norm,
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ops.registry import get_op
 from xengine.sampling.constraints import (
     apply_allowed_token_ids,
     apply_grammar,
@@ -45,18 +46,23 @@ class Sampler:
         logits = process_logits(logits.float(), meta)
         logprobs = logits.log_softmax(dim=1) if meta.max_num_logprobs is not None else None
         if meta.all_greedy:
-            sampled = logits.argmax(dim=1)
+            sampled = row_argmax(logits)
         else:
             sampled = random_sample(logits, meta)
             if not meta.all_random:
                 is_greedy = meta.temperature < GREEDY_TEMPERATURE
-                sampled = torch.where(is_greedy, logits.argmax(dim=1), sampled)
+                sampled = torch.where(is_greedy, row_argmax(logits), sampled)
         if logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         out = _with_logprobs(sampled, logprobs, meta.max_num_logprobs)
         if meta.logprob_token_ids is not None:
             out.token_id_logprobs = gather_token_logprobs(logprobs, meta.logprob_token_ids)
         return out
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest value, the first on ties and the first NaN (``torch.max`` rules)."""
+    return get_op("row_argmax")(x)
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -113,7 +119,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         q[row].exponential_(generator=generator)
     # q == 0 is possible in principle; keep 0 / q finite for masked tokens.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=1)
+    return row_argmax(probs / q)
 
 
 def _with_logprobs(sampled: torch.Tensor, logprobs: torch.Tensor, num_top: int) -> SamplerOutput:

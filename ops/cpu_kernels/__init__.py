@@ -1,0 +1,30 @@
+"""CPU kernels in C (AVX-512): what the CPU backend runs where torch's own ops leave time on the table.
+
+- ``panel_gemm.c`` (``linear.py``): linear layers on skinny inputs (decode), streaming each weight
+  once with the next panel prefetched while the current one is multiplied;
+- ``decode_attention.c`` (``attention.py``): decode attention reading each sequence's K/V in place,
+  from the paged cache's blocks or the xTensor slot, with no gather and no padding;
+- ``row_argmax.c`` (``reduce.py``): greedy sampling's argmax over the logits rows.
+
+``build.py`` compiles them once into the cache directory (``ci/setup.sh`` does it ahead) and loads
+them with ``ctypes``; ``XLLM_CPU_KERNELS=off`` turns them off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def cpu_kernel_ops() -> dict[str, Callable[..., Any]]:
+    """The CPU ops these kernels provide (registered for "cpu" by ``ops/registry.py``)."""
+    from ops.cpu_kernels.attention import decode_attention, decode_attention_contiguous
+    from ops.cpu_kernels.linear import pack_linear
+    from ops.cpu_kernels.reduce import row_argmax
+
+    return {
+        "pack_linear": pack_linear,
+        "attention": decode_attention,
+        "attention_contiguous": decode_attention_contiguous,
+        "row_argmax": row_argmax,
+    }

@@ -1,0 +1,93 @@
+"""Build and load this package's C kernels (once per machine, into the cache directory).
+
+Each kernel is one C file here, compiled with AVX-512F, FMA and OpenMP (the process's libgomp, the
+one torch loaded, so kernels and torch ops share one thread pool) and loaded with ``ctypes``, whose
+calls release the GIL. ``XLLM_CPU_KERNELS=off`` keeps every op on oneDNN and the torch reference
+(also the fallback on CPUs without AVX-512 or when a build fails, with a warning).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ops.native_build import build_shared_library
+
+logger = logging.getLogger(__name__)
+
+ENV_KERNELS = "XLLM_CPU_KERNELS"  # "auto" (where the CPU has AVX-512) | "off"
+FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-Wall"]
+
+_i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+# kernel -> {function: argtypes}
+SIGNATURES: dict[str, dict[str, list]] = {
+    "panel_gemm": {
+        "xllm_panel_pack": [_ptr, _i64, _i64, _i64, _i64, _ptr],
+        "xllm_panel_gemm": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32],
+    },
+    "row_argmax": {"xllm_row_argmax": [_ptr, _i64, _i64, _i64, _ptr, _i32]},
+    "decode_attention": {
+        "xllm_decode_attention_supported": [_i64, _i64, _i64],
+        "xllm_decode_attention_paged": [
+            _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
+            _i64, _f32, _i32,
+        ],
+        "xllm_decode_attention_slots": [
+            _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _f32, _i32,
+        ],
+    },
+}  # fmt: skip
+
+_libs: dict[str, ctypes.CDLL | None] = {}
+_errors: dict[str, str] = {}
+
+
+def kernels_disabled_reason() -> str | None:
+    """Why no kernel runs on this machine (None: they may)."""
+    choice = os.environ.get(ENV_KERNELS, "auto").lower()
+    if choice not in ("auto", "off"):
+        raise ValueError(f"invalid value for {ENV_KERNELS}: {choice!r}; choose auto or off")
+    if choice == "off":
+        return f"{ENV_KERNELS}=off"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX512", "AMX"):
+        return f"the CPU lacks AVX-512 (torch reports {capability})"
+    return None
+
+
+def kernel_library(name: str) -> ctypes.CDLL | None:
+    """The loaded kernel ``name`` (``<name>.c``), built on first use; None where it cannot run."""
+    if name in _libs:
+        return _libs[name]
+    lib = None
+    reason = kernels_disabled_reason()
+    if reason is None:
+        source = Path(__file__).with_name(f"{name}.c")
+        try:
+            path = build_shared_library(source, FLAGS, f"the CPU kernel {source}", libs=["-lm"])
+            lib = ctypes.CDLL(str(path))
+            for fn, argtypes in SIGNATURES[name].items():
+                getattr(lib, fn).argtypes = argtypes
+                getattr(lib, fn).restype = _i32 if fn.endswith("_supported") else None
+        except (OSError, RuntimeError) as e:
+            reason = str(e)
+            logger.warning("CPU kernel %s unavailable (the reference path runs instead): %s", name, e)
+    _libs[name] = lib
+    if reason is not None:
+        _errors[name] = reason
+    return lib
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why ``kernel_library(name)`` is None (None when it is loaded)."""
+    kernel_library(name)
+    return _errors.get(name)
+
+
+def build_all() -> dict[str, str]:
+    """Build (or find built) every kernel; ``{name: "ok" | why not}`` (``ci/setup.sh`` runs this)."""
+    return {name: unavailable_reason(name) or "ok" for name in SIGNATURES}

@@ -1,0 +1,233 @@
+/* Decode attention on CPU: one query token per sequence over its cached context, read in place.
+ *
+ * For each sequence the query heads that share a KV head are that head's G query rows, so every K
+ * and V row is read once from memory, whole tokens (all KV heads) at a time so the context streams:
+ * pass 1 computes the Hq x L scores (q . k * scale), then a float32 softmax, pass 2 accumulates the
+ * probabilities times V. The context is a list of runs of
+ * consecutive tokens: the blocks of a paged cache (``xllm_decode_attention_paged``: a block table),
+ * or one run per sequence in a virtually contiguous slot (``xllm_decode_attention_slots``: the address
+ * of each sequence's token 0, the xTensor layout). No gather, no padding, no mask: a sequence reads
+ * positions [max(0, L - window), L) of its own length L.
+ *
+ * float32 q, cache and output; head_dim a multiple of 16; AVX-512F. Threads: OpenMP over sequences
+ * (and KV-head ranges when sequences are fewer than threads; the process's libgomp, torch's).
+ */
+#include <float.h>
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_GROUP 16 /* query heads per KV head */
+#define MAX_DIM 256
+#define MAX_HEAD_FLOATS 8192 /* query heads x head_dim of one task's output accumulators */
+#define TILE 64              /* tokens per run piece: all KV heads of a piece stay in L1/L2 */
+
+typedef struct {
+    const float *k, *v; /* first token of the run, KV head 0 */
+    int64_t n;          /* tokens, at most TILE */
+} run_t;
+
+/* e^x for x <= 0 (scores minus their max), to about 1 ulp: x = n ln2 + r, a degree-6 polynomial
+ * of r (Cody-Waite split of ln2, the coefficients of Cephes' expf), times 2^n. */
+static inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Query heads [h0 * G, h1 * G) of one sequence over its runs (q, out: at query head h0 * G).
+ * G (query heads per KV head) and CH (head_dim / 16) are constants in the specialised copies, so
+ * the query rows and the accumulators of one KV head live in registers. */
+static inline __attribute__((always_inline)) void attend_body(
+    const int G, const int CH, const float *q, float *out, int64_t h0, int64_t h1, const run_t *runs,
+    int64_t num_runs, int64_t stride, float scale, float *scores, int64_t total, float *acc_buf) {
+    const int64_t dim = CH * 16, heads = (h1 - h0) * G;
+    float mx[MAX_HEAD_FLOATS / 16];
+    for (int64_t row = 0; row < heads; row++) mx[row] = -FLT_MAX;
+    /* pass 1: scores, run piece by piece, each piece's tokens once per KV head */
+    for (int64_t r = 0, t0 = 0; r < num_runs; t0 += runs[r].n, r++) {
+        for (int64_t h = h0; h < h1; h++) {
+            const float *qh = q + (h - h0) * G * dim;
+            const int64_t row0 = (h - h0) * G;
+            __m512 qv[MAX_GROUP][MAX_DIM / 16];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < CH; c++) qv[g][c] = _mm512_loadu_ps(qh + g * dim + c * 16);
+            for (int64_t i = 0; i < runs[r].n; i++) {
+                const float *kr = runs[r].k + i * stride + h * dim;
+                __m512 acc[MAX_GROUP];
+                for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+                for (int c = 0; c < CH; c++) {
+                    const __m512 kv = _mm512_loadu_ps(kr + c * 16);
+                    for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(qv[g][c], kv, acc[g]);
+                }
+                for (int g = 0; g < G; g++) {
+                    const float sc = _mm512_reduce_add_ps(acc[g]) * scale;
+                    scores[(row0 + g) * total + t0 + i] = sc;
+                    if (sc > mx[row0 + g]) mx[row0 + g] = sc;
+                }
+            }
+        }
+    }
+    /* softmax numerators and their sums, 16 scores at a time */
+    float inv[MAX_HEAD_FLOATS / 16];
+    for (int64_t row = 0; row < heads; row++) {
+        float *p = scores + row * total;
+        const __m512 m = _mm512_set1_ps(mx[row]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < total; j += 16) {
+            const __mmask16 k = total - j >= 16 ? 0xFFFF : (__mmask16)((1u << (total - j)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + j), m)));
+            _mm512_mask_storeu_ps(p + j, k, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[row] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* pass 2: probabilities times V, one KV head's accumulators in registers per piece */
+    for (int64_t j = 0; j < heads * CH * 16; j++) acc_buf[j] = 0.0f;
+    for (int64_t r = 0, t0 = 0; r < num_runs; t0 += runs[r].n, r++) {
+        for (int64_t h = h0; h < h1; h++) {
+            const int64_t row0 = (h - h0) * G;
+            float *ab = acc_buf + row0 * dim;
+            __m512 acc[MAX_GROUP][MAX_DIM / 16];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < CH; c++) acc[g][c] = _mm512_loadu_ps(ab + g * dim + c * 16);
+            for (int64_t i = 0; i < runs[r].n; i++) {
+                const float *vr = runs[r].v + i * stride + h * dim;
+                __m512 pv[MAX_GROUP];
+                for (int g = 0; g < G; g++) pv[g] = _mm512_set1_ps(scores[(row0 + g) * total + t0 + i]);
+                for (int c = 0; c < CH; c++) {
+                    const __m512 vv = _mm512_loadu_ps(vr + c * 16);
+                    for (int g = 0; g < G; g++) acc[g][c] = _mm512_fmadd_ps(pv[g], vv, acc[g][c]);
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < CH; c++) _mm512_storeu_ps(ab + g * dim + c * 16, acc[g][c]);
+        }
+    }
+    for (int64_t row = 0; row < heads; row++) {
+        const __m512 sc = _mm512_set1_ps(inv[row]);
+        for (int64_t c = 0; c < CH; c++)
+            _mm512_storeu_ps(out + row * dim + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc_buf + row * dim + c * 16), sc));
+    }
+}
+
+static void attend(int g_rows, int64_t dim, const float *q, float *out, int64_t h0, int64_t h1,
+                   const run_t *runs, int64_t num_runs, int64_t stride, float scale, float *scores,
+                   int64_t total, float *acc_buf) {
+#define ARGS q, out, h0, h1, runs, num_runs, stride, scale, scores, total, acc_buf
+    switch (g_rows * 1000 + dim) {
+#define SPECIAL(G, D) case G * 1000 + D: attend_body(G, D / 16, ARGS); return;
+        SPECIAL(1, 32) SPECIAL(2, 32) SPECIAL(4, 32) SPECIAL(8, 32)
+        SPECIAL(1, 64) SPECIAL(2, 64) SPECIAL(4, 64) SPECIAL(8, 64)
+        SPECIAL(1, 128) SPECIAL(2, 128) SPECIAL(4, 128) SPECIAL(8, 128)
+#undef SPECIAL
+    }
+    attend_body(g_rows, (int)(dim / 16), ARGS); /* other shapes: the same code, sizes at run time */
+#undef ARGS
+}
+
+/* The context [first, len) of a virtually contiguous run of tokens as pieces of at most TILE. */
+static int64_t split_run(const float *k, const float *v, int64_t n, int64_t stride, run_t *runs) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i += TILE)
+        runs[count++] = (run_t){k + i * stride, v + i * stride, n - i < TILE ? n - i : TILE};
+    return count;
+}
+
+/* Tasks: (sequence, KV-head range). One range per sequence, unless there are fewer sequences than
+ * threads: then the KV heads are split so every thread has work. */
+static int64_t head_splits(int64_t batch, int64_t num_kv_heads, int threads) {
+    if (threads <= 1 || batch >= threads) return 1;
+    return num_kv_heads < threads ? num_kv_heads : threads;
+}
+
+int xllm_decode_attention_supported(int64_t num_heads, int64_t num_kv_heads, int64_t dim) {
+    return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP &&
+           dim % 16 == 0 && dim <= MAX_DIM && num_heads * dim <= MAX_HEAD_FLOATS;
+}
+
+/* q, out [B, Hq, D]; k_cache / v_cache: token t of block blk, KV head h at
+ * cache + blk * block_stride + (t % block_size) * token_stride + h * D; tables int32 [B, width]. */
+void xllm_decode_attention_paged(const float *q, float *out, int64_t batch, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t dim, const float *k_cache,
+                                 const float *v_cache, int64_t block_stride, int64_t token_stride,
+                                 int64_t block_size, const int32_t *tables, int64_t width,
+                                 const int32_t *seq_lens, int64_t window, float scale, int threads) {
+    const int g_rows = (int)(num_heads / num_kv_heads);
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < batch; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    const int64_t splits = head_splits(batch, num_kv_heads, threads), tasks = batch * splits;
+#pragma omp parallel num_threads(threads > 1 && tasks > 1 ? threads : 1)
+    {
+        float *scores = malloc(sizeof(float) * num_heads * max_len);
+        float *acc_buf = malloc(sizeof(float) * num_heads * dim);
+        run_t *runs = malloc(sizeof(run_t) * (max_len / block_size + max_len / TILE + 2));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t b = task / splits, part = task % splits;
+            const int64_t h0 = num_kv_heads * part / splits, h1 = num_kv_heads * (part + 1) / splits;
+            const int64_t len = seq_lens[b];
+            const int64_t first = window > 0 && len > window ? len - window : 0;
+            int64_t num_runs = 0;
+            for (int64_t pos = first; pos < len;) {
+                const int64_t blk = tables[b * width + pos / block_size], off = pos % block_size;
+                const int64_t n = block_size - off < len - pos ? block_size - off : len - pos;
+                const int64_t base = blk * block_stride + off * token_stride;
+                num_runs += split_run(k_cache + base, v_cache + base, n, token_stride, runs + num_runs);
+                pos += n;
+            }
+            const int64_t qo = (b * num_heads + h0 * g_rows) * dim;
+            attend(g_rows, dim, q + qo, out + qo, h0, h1, runs, num_runs, token_stride, scale, scores,
+                   len - first, acc_buf);
+        }
+        free(runs);
+        free(acc_buf);
+        free(scores);
+    }
+}
+
+/* As above with each sequence's context one virtually contiguous run: token t, KV head h of
+ * sequence b at k_bases[b] + t * token_stride + h * D (addresses as int64). */
+void xllm_decode_attention_slots(const float *q, float *out, int64_t batch, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t dim, const int64_t *k_bases,
+                                 const int64_t *v_bases, int64_t token_stride, const int32_t *seq_lens,
+                                 int64_t window, float scale, int threads) {
+    const int g_rows = (int)(num_heads / num_kv_heads);
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < batch; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    const int64_t splits = head_splits(batch, num_kv_heads, threads), tasks = batch * splits;
+#pragma omp parallel num_threads(threads > 1 && tasks > 1 ? threads : 1)
+    {
+        float *scores = malloc(sizeof(float) * num_heads * max_len);
+        float *acc_buf = malloc(sizeof(float) * num_heads * dim);
+        run_t *runs = malloc(sizeof(run_t) * (max_len / TILE + 2));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t b = task / splits, part = task % splits;
+            const int64_t h0 = num_kv_heads * part / splits, h1 = num_kv_heads * (part + 1) / splits;
+            const int64_t len = seq_lens[b];
+            const int64_t first = window > 0 && len > window ? len - window : 0;
+            const int64_t num_runs = split_run((const float *)(intptr_t)k_bases[b] + first * token_stride,
+                                               (const float *)(intptr_t)v_bases[b] + first * token_stride,
+                                               len - first, token_stride, runs);
+            const int64_t qo = (b * num_heads + h0 * g_rows) * dim;
+            attend(g_rows, dim, q + qo, out + qo, h0, h1, runs, num_runs, token_stride, scale, scores,
+                   len - first, acc_buf);
+        }
+        free(runs);
+        free(acc_buf);
+        free(scores);
+    }
+}

@@ -1,0 +1,77 @@
+"""Linear layers on the panel GEMM (``panel_gemm.c``) for skinny inputs, MKL for wide ones.
+
+Decode steps multiply a few rows (the batch) by every weight of the model, so they stream all the
+weights from memory each step. oneDNN and MKL take about the memory time plus the FMA time there (the
+next weight block is not loaded while the current one is multiplied); the panel kernel packs each
+weight in 32-column panels and prefetches the next panel into L2 while the current one is multiplied
+(``benchmarks/linear_gemm.py``: 0.69 of the roofline at 32 rows on the small checkpoint's weights, where
+oneDNN reaches 0.52 and MKL 0.40). Inputs of more than ``PANEL_MAX_ROWS`` rows (prefill chunks), where
+the panel kernel is slower than MKL, and single rows (MKL's gemv streams slightly faster) run
+``F.linear`` on the layer's own weight, which the model stores input-major
+(``make_weights_input_major``) so MKL runs it as fast as oneDNN would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ops.cpu_kernels.build import kernel_library
+
+PANEL_COLUMNS = 32
+PANEL_MAX_ROWS = 128  # above this many rows MKL (F.linear) is faster than the panel kernel
+
+
+class PanelLinear:
+    """A float32 weight packed in 32-column panels (and its bias); call it on ``x [..., in]``.
+
+    Keeps a reference to ``weight`` itself (no copy) for single rows and more than ``PANEL_MAX_ROWS``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        panels = -(-self.out_features // PANEL_COLUMNS)
+        self.packed = torch.empty(panels * self.in_features * PANEL_COLUMNS, dtype=torch.float32)
+        stride_n, stride_k = self.weight.stride()
+        lib.xllm_panel_pack(
+            self.weight.data_ptr(), self.out_features, self.in_features, stride_n, stride_k,
+            self.packed.data_ptr(),
+        )  # fmt: skip
+        self._gemm = lib.xllm_panel_gemm
+        self._packed_ptr = self.packed.data_ptr()
+        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > PANEL_MAX_ROWS or rows <= 1 or x.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        return self._call_panel(x)
+
+    def _call_panel(self, x: torch.Tensor) -> torch.Tensor:
+        """The panel kernel whatever the row count (``__call__`` picks; benchmarks call it directly)."""
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        out = torch.empty(rows, self.out_features, dtype=torch.float32, device=x.device)
+        self._gemm(
+            flat.data_ptr(), rows, self.in_features, self._packed_ptr, self.out_features,
+            self._bias_ptr, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    """The CPU packed form of a linear layer: ``PanelLinear`` where the kernel runs, else oneDNN's."""
+    from ops.onednn import pack_linear as onednn_pack
+
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return onednn_pack(weight, bias)
+    lib = kernel_library("panel_gemm")
+    if lib is None:
+        return onednn_pack(weight, bias)
+    return PanelLinear(weight, bias, lib)

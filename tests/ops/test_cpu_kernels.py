@@ -1,0 +1,197 @@
+"""The C kernels of the CPU backend (``ops/cpu_kernels``) against float64 references.
+
+The panel GEMM over tail shapes, biases, both weight layouts, 1 and 2 threads, and rows past its
+limit (``F.linear``); decode attention over the paged cache and xTensor slots, GQA groups, sliding
+windows and lengths that end mid-block, checked to run the kernel rather than the reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_attention import _dense
+
+from memory.kv_layout import KVCacheSpec
+from memory.xtensor import XTensorKVLayout
+from ops.attention import ContiguousKV, build_attention_metadata
+from ops.cpu_kernels import attention as kernel_attention
+from ops.cpu_kernels.build import build_all, kernel_library, unavailable_reason
+from ops.cpu_kernels.linear import PANEL_MAX_ROWS, PanelLinear
+from ops.kv_store import store_kv
+from ops.platforms import resolve_platform
+
+pytestmark = pytest.mark.skipif(
+    kernel_library("panel_gemm") is None,
+    reason=f"CPU kernels unavailable: {unavailable_reason('panel_gemm')}",
+)
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_every_kernel_builds() -> None:
+    assert build_all() == {"panel_gemm": "ok", "row_argmax": "ok", "decode_attention": "ok"}
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize(
+    "rows,k,n", [(1, 64, 40), (2, 64, 40), (5, 128, 33), (13, 96, 100), (32, 512, 1024), (128, 80, 7)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("input_major", [False, True])
+def test_panel_linear_matches_float64(threads, rows, k, n, bias, input_major) -> None:
+    gen = torch.Generator().manual_seed(rows * n)
+    weight = torch.randn(n, k, generator=gen)
+    if input_major:  # stored as the transpose of [in, out], as the decoder's weights are
+        weight = weight.t().contiguous().t()
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(rows, k, generator=gen)
+    out = PanelLinear(weight, b, kernel_library("panel_gemm"))._call_panel(x)
+    ref = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_panel_linear_rows_do_not_depend_on_the_batch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    layer = PanelLinear(torch.randn(300, 256, generator=gen), None, kernel_library("panel_gemm"))
+    x = torch.randn(40, 256, generator=gen)
+    full = layer._call_panel(x)
+    for rows in (2, 7, 13, 25):
+        assert torch.equal(layer(x[:rows]), full[:rows])
+    assert torch.equal(
+        layer(x[:1]), F.linear(x[:1], layer.weight)
+    )  # one row: MKL's gemv  # bit-identical: one FMA chain per element
+
+
+def test_panel_linear_wide_inputs_fall_back_to_f_linear_and_views_work() -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(64, 48, generator=gen), torch.randn(64, generator=gen)
+    layer = PanelLinear(weight, bias, kernel_library("panel_gemm"))
+    wide = torch.randn(PANEL_MAX_ROWS + 1, 48, generator=gen)
+    assert torch.equal(layer(wide), F.linear(wide, weight, bias))
+    strided = torch.randn(3, 5, 96, generator=gen)[..., ::2]  # non-contiguous, with leading dims
+    torch.testing.assert_close(layer(strided), F.linear(strided, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def kernel_only(monkeypatch):
+    """Fail if the op falls back to the torch reference."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference ran instead of the kernel")
+
+    monkeypatch.setattr(kernel_attention, "reference_attention", refuse)
+    monkeypatch.setattr(kernel_attention, "reference_contiguous", refuse)
+
+
+def _decode_inputs(seq_lens, num_heads, num_kv_heads, head_dim, gen):
+    ks = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
+    vs = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    return ks, vs, q
+
+
+def _reference(q, ks, vs, seq_lens, scale, window):
+    return torch.cat(
+        [_dense(q[b : b + 1], ks[b], vs[b], n - 1, scale, window) for b, n in enumerate(seq_lens)]
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 64), (4, 2, 32), (16, 1, 128), (4, 2, 16)]
+)
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_attention_matches_dense(
+    kernel_only, threads, num_heads, num_kv_heads, head_dim, window
+):
+    gen = torch.Generator().manual_seed(num_heads + head_dim)
+    block_size, num_blocks = 16, 96
+    seq_lens = [1, 16, 17, 40, 100, 3]
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
+    ks, vs, q = _decode_inputs(seq_lens, num_heads, num_kv_heads, head_dim, gen)
+    ctx = build_attention_metadata([s - 1 for s in seq_lens], [s - 1 for s in seq_lens], tables, block_size)
+    store_kv(torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), cache, ctx.slot_mapping)
+    meta = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, block_size)
+    scale = head_dim**-0.5
+    new_k, new_v = torch.cat([k[-1:] for k in ks]), torch.cat([v[-1:] for v in vs])
+    out = kernel_attention.decode_attention(q, new_k, new_v, cache, meta, scale, window)
+    torch.testing.assert_close(
+        out.double(), _reference(q, ks, vs, seq_lens, scale, window), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("window", [None, 7])
+def test_slot_decode_attention_matches_dense(kernel_only, threads, window) -> None:
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    gen = torch.Generator().manual_seed(3)
+    layout = XTensorKVLayout(resolve_platform("cpu").vmm(), max_model_len=64, slots_per_chunk=2)
+    try:
+        paged = layout.allocate(KVCacheSpec(1, num_kv_heads, head_dim, block_size, torch.float32), 32, "cpu")
+        kv: ContiguousKV = layout.attention_caches(paged)[0]
+        seq_lens = [5, 64, 17, 1, 33]  # five slots over three chunks, in batch order 0..4 reversed below
+        tables = [[b * 4 + i for i in range(-(-s // block_size))] for b, s in enumerate(seq_lens)]
+        slots = layout.prepare([(f"s{b}", t, n) for b, (t, n) in enumerate(zip(tables, seq_lens))])
+        ks, vs, q = _decode_inputs(seq_lens, num_heads, num_kv_heads, head_dim, gen)
+        ctx = build_attention_metadata(
+            [s - 1 for s in seq_lens], [s - 1 for s in seq_lens], tables, block_size
+        )
+        store_kv(torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), paged[0], ctx.slot_mapping)
+        order = [4, 2, 0, 3, 1]  # a batch order that is not slot order
+        meta = build_attention_metadata(
+            [1] * 5, [seq_lens[b] for b in order], [tables[b] for b in order], block_size
+        )
+        meta.kv_slots = [slots[b] for b in order]
+        scale = head_dim**-0.5
+        new_k, new_v = torch.cat([ks[b][-1:] for b in order]), torch.cat([vs[b][-1:] for b in order])
+        out = kernel_attention.decode_attention_contiguous(q[order], new_k, new_v, kv, meta, scale, window)
+        ref = _reference(
+            q[order], [ks[b] for b in order], [vs[b] for b in order], meta.seq_lens_cpu, scale, window
+        )
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    finally:
+        layout.close()
+
+
+def test_mixed_steps_and_other_dtypes_use_the_reference(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(kernel_attention, "reference_attention", lambda *a: calls.append(a) or a[0])
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    mixed = build_attention_metadata([1, 3], [5, 3], [[0], [1]], 16)
+    q = torch.randn(4, 4, 64)
+    kernel_attention.decode_attention(q, torch.zeros(4, 2, 64), torch.zeros(4, 2, 64), cache, mixed, 0.1)
+    decode = build_attention_metadata([1], [5], [[0]], 16)
+    half = cache.to(torch.bfloat16)
+    kernel_attention.decode_attention(
+        q[:1].bfloat16(), q[:1, :2].bfloat16(), q[:1, :2].bfloat16(), half, decode, 0.1
+    )
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_row_argmax_matches_torch_max(threads) -> None:
+    from ops.cpu_kernels.reduce import row_argmax
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 1000, generator=gen)
+    x[1, 10] = x[1, 500] = 100.0  # ties: the first
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, 7] = x[3, 900] = float("nan")  # NaN: the first
+    x[4, 999] = 50.0  # in the last partial vector
+    x[5, :] = 0.0  # all equal
+    x[6, 15] = float("inf")
+    for rows in (x, x[:, :37], x[:, 3:], torch.randn(1, 17, generator=gen), x[:, :16]):
+        assert torch.equal(row_argmax(rows), rows.max(dim=1).indices), rows.shape
+    assert kernel_library("row_argmax") is not None
