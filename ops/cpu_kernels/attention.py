@@ -1,9 +1,10 @@
-"""Decode attention on the C kernel (``decode_attention.c``): every step whose tokens are all decodes.
+"""Decode attention on the C kernel (``decode_attention.c``): the decode rows of every step.
 
 The kernel reads each sequence's K/V where they are: the blocks of its block table (paged layout) or
 its virtually contiguous slot (xTensor layout, one base address per sequence), with no gather into a
-padded buffer and no mask. Steps with prefill chunks, other dtypes or head shapes the kernel does not
-take run the torch reference (``ops/torch_ref``).
+padded buffer and no mask. In a step that also carries prefill chunks, those run the torch reference
+(one SDPA per chunk) and the decodes still run the kernel, so a decode's result does not depend on
+what shares its step. Other dtypes and head shapes the kernel does not take run the reference.
 """
 
 from __future__ import annotations
@@ -12,17 +13,49 @@ import torch
 
 from ops.attention_metadata import AttentionMetadata, ContiguousKV
 from ops.cpu_kernels.build import kernel_library
-from ops.torch_ref.attention import attention as reference_attention
-from ops.torch_ref.attention_contiguous import attention_contiguous as reference_contiguous
+from ops.torch_ref import attention as ref
+from ops.torch_ref import attention_contiguous as ref_contiguous
 from ops.torch_ref.kv_store import store_kv
+
+reference_attention = ref.attention
+reference_contiguous = ref_contiguous.attention_contiguous
 
 _SCRATCH_KEY = "cpu_kernels.decode_attention"
 
 
+class _Rows:
+    """Which tokens of a step are decodes, and the per-sequence tensors of just those (built once)."""
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        starts = [0]
+        for n in meta.query_lens_cpu:
+            starts.append(starts[-1] + n)
+        self.starts = starts
+        self.all_decode = meta.is_all_decode and starts[-1] == meta.num_seqs
+        seqs = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+        self.decode_seqs = seqs
+        if self.all_decode:
+            self.tokens = None
+            self.seq_lens, self.tables = meta.seq_lens, meta.block_tables.contiguous()
+        else:
+            index = torch.tensor(seqs, dtype=torch.long)
+            self.tokens = torch.tensor([starts[b] for b in seqs], dtype=torch.long)
+            self.seq_lens = meta.seq_lens[index].contiguous()
+            self.tables = meta.block_tables[index].contiguous()
+        self.slot_index: tuple[torch.Tensor, torch.Tensor] | None = None  # xTensor (chunk, row) per decode
+
+
+def _rows(meta: AttentionMetadata) -> _Rows:
+    rows = meta.scratch.get(_SCRATCH_KEY)
+    if rows is None:
+        rows = meta.scratch[_SCRATCH_KEY] = _Rows(meta)
+    return rows
+
+
 def _usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-    if not meta.is_all_decode or q.shape[0] != meta.num_seqs or q.shape[0] == 0:
-        return False
     if q.dtype != torch.float32 or cache.dtype != torch.float32 or q.device.type != "cpu":
+        return False
+    if not any(n == 1 for n in meta.query_lens_cpu):
         return False
     lib = kernel_library("decode_attention")
     _, num_heads, head_dim = q.shape
@@ -42,16 +75,24 @@ def decode_attention(
     if not _usable(q, kv_cache, meta) or not kv_cache.is_contiguous():
         return reference_attention(q, k, v, kv_cache, meta, scale, sliding_window)
     store_kv(k, v, kv_cache, meta.slot_mapping)
+    rows = _rows(meta)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    tables = meta.block_tables if meta.block_tables.is_contiguous() else meta.block_tables.contiguous()
+    qd = q.contiguous() if rows.tokens is None else q[rows.tokens]
+    res = torch.empty_like(qd)
     kernel_library("decode_attention").xllm_decode_attention_paged(
-        q.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], num_kv_heads, head_dim,
+        qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim,
         kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_size * num_kv_heads * head_dim,
-        num_kv_heads * head_dim, block_size, tables.data_ptr(), tables.shape[1], meta.seq_lens.data_ptr(),
-        sliding_window or 0, scale, torch.get_num_threads(),
+        num_kv_heads * head_dim, block_size, rows.tables.data_ptr(), rows.tables.shape[1],
+        rows.seq_lens.data_ptr(), sliding_window or 0, scale, torch.get_num_threads(),
     )  # fmt: skip
+    if rows.tokens is None:
+        return res
+    out = torch.empty_like(q)
+    out[rows.tokens] = res
+    for b, q_len in enumerate(meta.query_lens_cpu):
+        if q_len > 1:
+            s, e = rows.starts[b], rows.starts[b + 1]
+            out[s:e] = ref._prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta, b, scale, sliding_window)
     return out
 
 
@@ -74,31 +115,43 @@ def decode_attention_contiguous(
         or kv.v_chunks[0].stride() != view.stride()
     ):
         return reference_contiguous(q, k, v, kv, meta, scale, sliding_window)
+    assert meta.kv_slots is not None, "the xTensor layout sets meta.kv_slots"
     store_kv(k, v, kv.paged, meta.slot_mapping)
-    k_bases, v_bases = _slot_bases(kv, meta)
+    rows = _rows(meta)
+    k_bases, v_bases = _slot_bases(kv, meta, rows)
     _, _, num_kv_heads, head_dim = view.shape
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    qd = q.contiguous() if rows.tokens is None else q[rows.tokens]
+    res = torch.empty_like(qd)
     kernel_library("decode_attention").xllm_decode_attention_slots(
-        q.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], num_kv_heads, head_dim, k_bases.data_ptr(),
-        v_bases.data_ptr(), view.stride(1), meta.seq_lens.data_ptr(), sliding_window or 0, scale,
+        qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim, k_bases.data_ptr(),
+        v_bases.data_ptr(), view.stride(1), rows.seq_lens.data_ptr(), sliding_window or 0, scale,
         torch.get_num_threads(),
     )  # fmt: skip
+    if rows.tokens is None:
+        return res
+    out = torch.empty_like(q)
+    out[rows.tokens] = res
+    for b, q_len in enumerate(meta.query_lens_cpu):
+        if q_len > 1:
+            s, e = rows.starts[b], rows.starts[b + 1]
+            out[s:e] = ref_contiguous._prefill(
+                q[s:e], k[s:e], v[s:e], kv, meta.kv_slots[b], meta.seq_lens_cpu[b], scale, sliding_window
+            )
     return out
 
 
-def _slot_bases(kv: ContiguousKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 addresses of token 0 of each sequence's slot, K and V, for this layer's chunks."""
-    assert meta.kv_slots is not None, "the xTensor layout sets meta.kv_slots"
-    per_chunk = kv.slots_per_chunk
-    index = meta.scratch.get(_SCRATCH_KEY)
-    if index is None:  # which chunk and row each sequence's slot is: the same in every layer
-        chunks = torch.tensor([s // per_chunk for s in meta.kv_slots], dtype=torch.int64)
-        rows = torch.tensor([s % per_chunk for s in meta.kv_slots], dtype=torch.int64)
-        index = meta.scratch[_SCRATCH_KEY] = (chunks, rows)
-    chunks, rows = index
-    row_bytes = kv.k_chunks[0].stride(0) * kv.k_chunks[0].element_size()
+def _slot_bases(kv: ContiguousKV, meta: AttentionMetadata, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 addresses of token 0 of each decode's slot, K and V, for this layer's chunks."""
+    assert meta.kv_slots is not None
+    if rows.slot_index is None:  # which chunk and row each decode's slot is: the same in every layer
+        slots = [meta.kv_slots[b] for b in rows.decode_seqs]
+        per_chunk = kv.slots_per_chunk
+        rows.slot_index = (
+            torch.tensor([s // per_chunk for s in slots], dtype=torch.int64),
+            torch.tensor([s % per_chunk for s in slots], dtype=torch.int64),
+        )
+    chunks, slot_rows = rows.slot_index
+    offsets = slot_rows * (kv.k_chunks[0].stride(0) * kv.k_chunks[0].element_size())
     k_base = torch.tensor([c.data_ptr() for c in kv.k_chunks], dtype=torch.int64)
     v_base = torch.tensor([c.data_ptr() for c in kv.v_chunks], dtype=torch.int64)
-    offsets = rows * row_bytes
     return k_base[chunks] + offsets, v_base[chunks] + offsets

@@ -1,14 +1,14 @@
-"""Linear layers on the panel GEMM (``panel_gemm.c``) for skinny inputs, MKL for wide ones.
+"""Linear layers on the panel GEMM (``panel_gemm.c``), for every row count.
 
 Decode steps multiply a few rows (the batch) by every weight of the model, so they stream all the
 weights from memory each step. oneDNN and MKL take about the memory time plus the FMA time there (the
 next weight block is not loaded while the current one is multiplied); the panel kernel packs each
 weight in 32-column panels and prefetches the next panel into L2 while the current one is multiplied
-(``benchmarks/linear_gemm.py``: 0.69 of the roofline at 32 rows on the small checkpoint's weights, where
-oneDNN reaches 0.52 and MKL 0.40). Inputs of more than ``PANEL_MAX_ROWS`` rows (prefill chunks), where
-the panel kernel is slower than MKL, and single rows (MKL's gemv streams slightly faster) run
-``F.linear`` on the layer's own weight, which the model stores input-major
-(``make_weights_input_major``) so MKL runs it as fast as oneDNN would.
+(``benchmarks/linear_gemm.py``: 0.67-0.69 of the roofline at 32 rows on the small checkpoint's
+weights, where oneDNN reaches 0.51 and MKL 0.40). Wide inputs (prefill chunks) are packed in row
+blocks and run at 0.82 of the roofline (MKL 0.89). One kernel for every row count keeps each row's
+result independent of the batch it shares (bit for bit), as oneDNN did; MKL's gemv for single rows
+would not. The panels replace oneDNN's packed copy, so memory is unchanged.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ import torch.nn.functional as F
 from ops.cpu_kernels.build import kernel_library
 
 PANEL_COLUMNS = 32
-PANEL_MAX_ROWS = 128  # above this many rows MKL (F.linear) is faster than the panel kernel
 
 
 class PanelLinear:
     """A float32 weight packed in 32-column panels (and its bias); call it on ``x [..., in]``.
 
-    Keeps a reference to ``weight`` itself (no copy) for single rows and more than ``PANEL_MAX_ROWS``."""
+    Keeps a reference to ``weight`` itself (no copy) for inputs that are not float32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
         self.out_features, self.in_features = weight.shape
@@ -47,12 +46,12 @@ class PanelLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > PANEL_MAX_ROWS or rows <= 1 or x.dtype != torch.float32:
+        if rows == 0 or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         return self._call_panel(x)
 
     def _call_panel(self, x: torch.Tensor) -> torch.Tensor:
-        """The panel kernel whatever the row count (``__call__`` picks; benchmarks call it directly)."""
+        """The panel kernel on float32 ``x``."""
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         if not flat.is_contiguous():

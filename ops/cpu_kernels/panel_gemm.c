@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define NR 32
 #define MR 12
@@ -49,7 +50,7 @@ void xllm_panel_pack(const float *w, int64_t n, int64_t k, int64_t stride_n, int
 }
 
 static inline __attribute__((always_inline)) void row_block(
-    const int rows, const float *x, int64_t k, const float *panel, const char *pf, int64_t pf_lines,
+    const int rows, const int packed_x, const float *x, int64_t k, const float *panel, const char *pf, int64_t pf_lines,
     float *out, int64_t ldo, __mmask16 m0, __mmask16 m1, const float *bias) {
     __m512 acc[MR][2];
 #pragma GCC unroll 12
@@ -72,7 +73,7 @@ static inline __attribute__((always_inline)) void row_block(
 #pragma GCC unroll 12
         for (int r = 0; r < MR; r++) {
             if (r < rows) {
-                const __m512 xv = _mm512_set1_ps(x[r * k + kk]);
+                const __m512 xv = _mm512_set1_ps(packed_x ? x[kk * MR + r] : x[r * k + kk]);
                 acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
                 acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
             }
@@ -98,27 +99,45 @@ static inline __attribute__((always_inline)) void row_block(
 
 /* Rows [0, m) of x times panel p, rows in blocks of MR (the remainder block has a constant size
  * per switch arm so its accumulators stay in registers). The panel ``next`` (NULL: none) is
- * prefetched into L2 meanwhile, its lines spread evenly over every row block's k steps. */
-static void panel_rows(const float *x, int64_t m, int64_t k, const float *panel, const float *next,
-                       float *out, int64_t ldo, __mmask16 m0, __mmask16 m1, const float *bias) {
+ * prefetched into L2 meanwhile, its lines spread evenly over every row block's k steps. x is
+ * row-major, or (packed_x) packed by pack_rows. */
+static inline __attribute__((always_inline)) void panel_rows(
+    const int packed_x, const float *x, int64_t m, int64_t k, const float *panel, const float *next,
+    float *out, int64_t ldo, __mmask16 m0, __mmask16 m1, const float *bias) {
     const int64_t blocks = (m + MR - 1) / MR;
     const int64_t lines = next ? k * NR * (int64_t)sizeof(float) / 64 : 0;
     for (int64_t r0 = 0, b = 0; r0 < m; r0 += MR, b++) {
         const int64_t rows = m - r0 < MR ? m - r0 : MR;
-        const float *xb = x + r0 * k;
+        const float *xb = x + r0 * k; /* row-major, or packed: block b starts at b * k * MR */
         float *ob = out + r0 * ldo;
         const int64_t l0 = lines * b / blocks, l1 = lines * (b + 1) / blocks;
         const char *pf = next ? (const char *)next + l0 * 64 : 0;
         switch (rows) {
-#define ARM(R) case R: row_block(R, xb, k, panel, pf, l1 - l0, ob, ldo, m0, m1, bias); break;
+#define ARM(R) case R: row_block(R, packed_x, xb, k, panel, pf, l1 - l0, ob, ldo, m0, m1, bias); break;
             ARM(1) ARM(2) ARM(3) ARM(4) ARM(5) ARM(6) ARM(7) ARM(8) ARM(9) ARM(10) ARM(11) ARM(12)
 #undef ARM
         }
     }
 }
 
-static void panel_range(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                        const float *bias, float *out, int64_t p0, int64_t p1) {
+/* x [m, k] row-major -> row blocks [ceil(m / MR)][k][MR] (rows past m zero): a row block's values
+ * of one k are adjacent, so the broadcasts of a k step read one cache line. */
+static void pack_rows(const float *x, int64_t m, int64_t k, float *xp) {
+    const int64_t blocks = (m + MR - 1) / MR;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t r = 0; r < MR; r++) {
+            const int64_t row = b * MR + r;
+            float *dst = xp + b * k * MR + r;
+            if (row < m)
+                for (int64_t kk = 0; kk < k; kk++) dst[kk * MR] = x[row * k + kk];
+            else
+                for (int64_t kk = 0; kk < k; kk++) dst[kk * MR] = 0.0f;
+        }
+}
+
+/* Panels [p0, p1); xp: x packed by pack_rows (NULL: x row-major, for skinny x). */
+static void panel_range(const float *x, const float *xp, int64_t m, int64_t k, const float *packed,
+                        int64_t n, const float *bias, float *out, int64_t p0, int64_t p1) {
     int64_t group = L2_PANEL_BYTES / (k * NR * (int64_t)sizeof(float));
     if (group < 1) group = 1;
     /* Skinny x (decode): one row block per panel, so sweep panel by panel, prefetching the next. */
@@ -133,8 +152,12 @@ static void panel_range(const float *x, int64_t m, int64_t k, const float *packe
                 const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
                 const float *panel = packed + p * k * NR;
                 const float *next = (r0 == 0 && p + PF_AHEAD < p1) ? panel + PF_AHEAD * k * NR : 0;
-                panel_rows(x + r0 * k, rows, k, panel, next, out + r0 * n + p * NR, n, m0, m1,
-                           bias ? bias + p * NR : 0);
+                const float *bp = bias ? bias + p * NR : 0;
+                float *op = out + r0 * n + p * NR;
+                if (xp)
+                    panel_rows(1, xp + r0 * k, rows, k, panel, next, op, n, m0, m1, bp);
+                else
+                    panel_rows(0, x + r0 * k, rows, k, panel, next, op, n, m0, m1, bp);
             }
         }
     }
@@ -144,15 +167,21 @@ static void panel_range(const float *x, int64_t m, int64_t k, const float *packe
 void xllm_panel_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                      const float *bias, float *out, int threads) {
     const int64_t panels = (n + NR - 1) / NR;
-    if (threads <= 1 || panels < 2) {
-        panel_range(x, m, k, packed, n, bias, out, 0, panels);
-        return;
+    float *xp = 0; /* wide x (prefill chunks) is packed once, so its broadcasts stream */
+    if (m > 2 * MR) {
+        xp = aligned_alloc(64, (size_t)((m + MR - 1) / MR * MR * k * sizeof(float) + 63) / 64 * 64);
+        if (xp) pack_rows(x, m, k, xp);
     }
     if (threads > panels) threads = (int)panels;
+    if (threads <= 1) {
+        panel_range(x, xp, m, k, packed, n, bias, out, 0, panels);
+    } else {
 #pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        panel_range(x, m, k, packed, n, bias, out, p0, p1);
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+            panel_range(x, xp, m, k, packed, n, bias, out, p0, p1);
+        }
     }
+    free(xp);
 }

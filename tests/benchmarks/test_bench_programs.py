@@ -80,3 +80,20 @@ def test_offline_vllm_cpu(tiny_qwen3: Path, capsys: pytest.CaptureFixture[str]) 
     assert offline_throughput.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["vllm_cpu"]["num_output_tokens"] == 8, report["vllm_cpu"]
+
+
+def test_engine_modes_and_linear_gemm_print_their_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import engine_modes, linear_gemm
+
+    argv = ["--sizes", "tiny", "--threads", "1", "--batch-sizes", "2", "--steps", "2", "--warmup", "1"]
+    argv += ["--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--no-peers"]
+    assert engine_modes.main(argv) == 0
+    row = json.loads(capsys.readouterr().out)["tiny"]["threads_1"]
+    for combo in ("eager+async_off", "partial+async_on"):
+        assert row[combo]["decode"]["2"]["step_ms"] > 0
+        assert 0 < row[combo]["offline"]["fraction_of_peak"] < 2
+        assert row[combo]["recompiles_after_warmup"] == 0
+    assert linear_gemm.main(["--rows", "2", "200"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in report["model_sweep"]] == [2, 200]
+    assert {"mkl_ms", "onednn_ms", "panel_ms"} <= set(report["model_sweep"][0])

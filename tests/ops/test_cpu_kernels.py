@@ -19,7 +19,7 @@ from memory.xtensor import XTensorKVLayout
 from ops.attention import ContiguousKV, build_attention_metadata
 from ops.cpu_kernels import attention as kernel_attention
 from ops.cpu_kernels.build import build_all, kernel_library, unavailable_reason
-from ops.cpu_kernels.linear import PANEL_MAX_ROWS, PanelLinear
+from ops.cpu_kernels.linear import PanelLinear
 from ops.kv_store import store_kv
 from ops.platforms import resolve_platform
 
@@ -43,7 +43,8 @@ def test_every_kernel_builds() -> None:
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize(
-    "rows,k,n", [(1, 64, 40), (2, 64, 40), (5, 128, 33), (13, 96, 100), (32, 512, 1024), (128, 80, 7)]
+    "rows,k,n",
+    [(1, 64, 40), (2, 64, 40), (5, 128, 33), (13, 96, 100), (32, 512, 1024), (128, 80, 7), (300, 256, 129)],
 )
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("input_major", [False, True])
@@ -54,7 +55,7 @@ def test_panel_linear_matches_float64(threads, rows, k, n, bias, input_major) ->
         weight = weight.t().contiguous().t()
     b = torch.randn(n, generator=gen) if bias else None
     x = torch.randn(rows, k, generator=gen)
-    out = PanelLinear(weight, b, kernel_library("panel_gemm"))._call_panel(x)
+    out = PanelLinear(weight, b, kernel_library("panel_gemm"))(x)
     ref = x.double() @ weight.double().t() + (b.double() if bias else 0)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
 
@@ -62,21 +63,19 @@ def test_panel_linear_matches_float64(threads, rows, k, n, bias, input_major) ->
 def test_panel_linear_rows_do_not_depend_on_the_batch() -> None:
     gen = torch.Generator().manual_seed(0)
     layer = PanelLinear(torch.randn(300, 256, generator=gen), None, kernel_library("panel_gemm"))
-    x = torch.randn(40, 256, generator=gen)
-    full = layer._call_panel(x)
-    for rows in (2, 7, 13, 25):
-        assert torch.equal(layer(x[:rows]), full[:rows])
-    assert torch.equal(
-        layer(x[:1]), F.linear(x[:1], layer.weight)
-    )  # one row: MKL's gemv  # bit-identical: one FMA chain per element
+    x = torch.randn(200, 256, generator=gen)
+    full = layer(x)  # wide: x packed in row blocks
+    for rows in (1, 2, 7, 13, 24, 25, 40):  # skinny (up to 24 rows): x read in place
+        assert torch.equal(layer(x[:rows]), full[:rows])  # bit-identical: one FMA chain per element
 
 
-def test_panel_linear_wide_inputs_fall_back_to_f_linear_and_views_work() -> None:
+def test_panel_linear_wide_inputs_and_views() -> None:
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(64, 48, generator=gen), torch.randn(64, generator=gen)
     layer = PanelLinear(weight, bias, kernel_library("panel_gemm"))
-    wide = torch.randn(PANEL_MAX_ROWS + 1, 48, generator=gen)
-    assert torch.equal(layer(wide), F.linear(wide, weight, bias))
+    wide = torch.randn(301, 48, generator=gen)
+    torch.testing.assert_close(layer(wide), F.linear(wide, weight, bias), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer(torch.empty(0, 48)), torch.empty(0, 64))
     strided = torch.randn(3, 5, 96, generator=gen)[..., ::2]  # non-contiguous, with leading dims
     torch.testing.assert_close(layer(strided), F.linear(strided, weight, bias), rtol=1e-5, atol=1e-5)
 
@@ -165,19 +164,39 @@ def test_slot_decode_attention_matches_dense(kernel_only, threads, window) -> No
         layout.close()
 
 
-def test_mixed_steps_and_other_dtypes_use_the_reference(monkeypatch) -> None:
+def test_mixed_step_decodes_run_the_kernel_beside_reference_prefills(monkeypatch) -> None:
+    from ops.torch_ref.attention import attention as torch_ref_attention
+
+    gen = torch.Generator().manual_seed(8)
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    query_lens, seq_lens = [1, 5, 1, 20], [30, 5, 17, 36]  # decode, prefill, decode, chunk after 16
+    tables = [[0, 1], [2], [3, 4], [5, 6, 7]]
+    cache = torch.randn(2, 8, block_size, num_kv_heads, head_dim, generator=gen)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    q = torch.randn(sum(query_lens), 8, head_dim, generator=gen)
+    k, v = (torch.randn(sum(query_lens), num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    ref_cache = cache.clone()
+    ref = torch_ref_attention(
+        q, k, v, ref_cache, build_attention_metadata(query_lens, seq_lens, tables, 16), 0.1
+    )
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the whole step fell back to the reference")
+
+    monkeypatch.setattr(kernel_attention, "reference_attention", refuse)
+    out = kernel_attention.decode_attention(q, k, v, cache, meta, 0.1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache, ref_cache)  # the new K/V were stored the same way
+
+
+def test_other_dtypes_use_the_reference(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(kernel_attention, "reference_attention", lambda *a: calls.append(a) or a[0])
-    cache = torch.zeros(2, 4, 16, 2, 64)
-    mixed = build_attention_metadata([1, 3], [5, 3], [[0], [1]], 16)
-    q = torch.randn(4, 4, 64)
-    kernel_attention.decode_attention(q, torch.zeros(4, 2, 64), torch.zeros(4, 2, 64), cache, mixed, 0.1)
+    half = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
     decode = build_attention_metadata([1], [5], [[0]], 16)
-    half = cache.to(torch.bfloat16)
-    kernel_attention.decode_attention(
-        q[:1].bfloat16(), q[:1, :2].bfloat16(), q[:1, :2].bfloat16(), half, decode, 0.1
-    )
-    assert len(calls) == 2
+    q = torch.randn(1, 4, 64).bfloat16()
+    kernel_attention.decode_attention(q, q[:, :2], q[:, :2], half, decode, 0.1)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
