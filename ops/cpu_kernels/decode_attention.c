@@ -173,7 +173,8 @@ void xllm_decode_attention_paged(const float *q, float *out, int64_t batch, int6
     {
         float *scores = malloc(sizeof(float) * num_heads * max_len);
         float *acc_buf = malloc(sizeof(float) * num_heads * dim);
-        run_t *runs = malloc(sizeof(run_t) * (max_len / block_size + max_len / TILE + 2));
+        /* pieces: at most len / TILE + 1 from splitting, plus one per block (a partial first and last) */
+        run_t *runs = malloc(sizeof(run_t) * (max_len / block_size + max_len / TILE + 4));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t b = task / splits, part = task % splits;

@@ -108,13 +108,13 @@ def _reference(q, ks, vs, seq_lens, scale, window):
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 64), (4, 2, 32), (16, 1, 128), (4, 2, 16)]
 )
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 100])
+@pytest.mark.parametrize("block_size,seq_lens", [(16, [1, 16, 17, 40, 100, 3]), (128, [300, 129, 64, 1])])
 def test_paged_decode_attention_matches_dense(
-    kernel_only, threads, num_heads, num_kv_heads, head_dim, window
+    kernel_only, threads, num_heads, num_kv_heads, head_dim, window, block_size, seq_lens
 ):
     gen = torch.Generator().manual_seed(num_heads + head_dim)
-    block_size, num_blocks = 16, 96
-    seq_lens = [1, 16, 17, 40, 100, 3]
+    num_blocks = 96
     cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
     free = list(range(num_blocks))
     random.Random(0).shuffle(free)
