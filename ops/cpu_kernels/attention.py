@@ -36,7 +36,7 @@ class _Rows:
         self.decode_seqs = seqs
         if self.all_decode:
             self.tokens = None
-            self.seq_lens, self.tables = meta.seq_lens, meta.block_tables.contiguous()
+            self.seq_lens, self.tables = meta.seq_lens.contiguous(), meta.block_tables.contiguous()
         else:
             index = torch.tensor(seqs, dtype=torch.long)
             self.tokens = torch.tensor([starts[b] for b in seqs], dtype=torch.long)
@@ -55,6 +55,8 @@ def _rows(meta: AttentionMetadata) -> _Rows:
 def _usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> bool:
     if q.dtype != torch.float32 or cache.dtype != torch.float32 or q.device.type != "cpu":
         return False
+    if meta.seq_lens.dtype != torch.int32 or meta.block_tables.dtype != torch.int32 or q.dim() != 3:
+        return False  # the kernel reads int32 lengths and tables
     if not any(n == 1 for n in meta.query_lens_cpu):
         return False
     lib = kernel_library("decode_attention")
