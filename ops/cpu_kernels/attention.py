@@ -9,6 +9,8 @@ what shares its step. Other dtypes and head shapes the kernel does not take run 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ops.attention_metadata import AttentionMetadata, ContiguousKV
@@ -79,23 +81,19 @@ def decode_attention(
     store_kv(k, v, kv_cache, meta.slot_mapping)
     rows = _rows(meta)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    qd = q.contiguous() if rows.tokens is None else q[rows.tokens]
-    res = torch.empty_like(qd)
-    kernel_library("decode_attention").xllm_decode_attention_paged(
-        qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim,
-        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_size * num_kv_heads * head_dim,
-        num_kv_heads * head_dim, block_size, rows.tables.data_ptr(), rows.tables.shape[1],
-        rows.seq_lens.data_ptr(), sliding_window or 0, scale, torch.get_num_threads(),
-    )  # fmt: skip
-    if rows.tokens is None:
-        return res
-    out = torch.empty_like(q)
-    out[rows.tokens] = res
-    for b, q_len in enumerate(meta.query_lens_cpu):
-        if q_len > 1:
-            s, e = rows.starts[b], rows.starts[b + 1]
-            out[s:e] = ref._prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta, b, scale, sliding_window)
-    return out
+
+    def kernel(qd: torch.Tensor, res: torch.Tensor) -> None:
+        kernel_library("decode_attention").xllm_decode_attention_paged(
+            qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim,
+            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_size * num_kv_heads * head_dim,
+            num_kv_heads * head_dim, block_size, rows.tables.data_ptr(), rows.tables.shape[1],
+            rows.seq_lens.data_ptr(), sliding_window or 0, scale, torch.get_num_threads(),
+        )  # fmt: skip
+
+    def prefill(b: int, s: int, e: int) -> torch.Tensor:
+        return ref._prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta, b, scale, sliding_window)
+
+    return _decodes_and_prefills(q, meta, rows, kernel, prefill)
 
 
 def decode_attention_contiguous(
@@ -122,23 +120,41 @@ def decode_attention_contiguous(
     rows = _rows(meta)
     k_bases, v_bases = _slot_bases(kv, meta, rows)
     _, _, num_kv_heads, head_dim = view.shape
+    slots = meta.kv_slots
+
+    def kernel(qd: torch.Tensor, res: torch.Tensor) -> None:
+        kernel_library("decode_attention").xllm_decode_attention_slots(
+            qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim,
+            k_bases.data_ptr(), v_bases.data_ptr(), view.stride(1), rows.seq_lens.data_ptr(),
+            sliding_window or 0, scale, torch.get_num_threads(),
+        )  # fmt: skip
+
+    def prefill(b: int, s: int, e: int) -> torch.Tensor:
+        seq_len = meta.seq_lens_cpu[b]
+        return ref_contiguous._prefill(q[s:e], k[s:e], v[s:e], kv, slots[b], seq_len, scale, sliding_window)
+
+    return _decodes_and_prefills(q, meta, rows, kernel, prefill)
+
+
+def _decodes_and_prefills(
+    q: torch.Tensor,
+    meta: AttentionMetadata,
+    rows: _Rows,
+    kernel: Callable[[torch.Tensor, torch.Tensor], None],
+    prefill: Callable[[int, int, int], torch.Tensor],
+) -> torch.Tensor:
+    """The decode rows through ``kernel(q rows, out rows)``, each prefill chunk ``b`` (tokens
+    ``s:e``) through ``prefill(b, s, e)``."""
     qd = q.contiguous() if rows.tokens is None else q[rows.tokens]
     res = torch.empty_like(qd)
-    kernel_library("decode_attention").xllm_decode_attention_slots(
-        qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim, k_bases.data_ptr(),
-        v_bases.data_ptr(), view.stride(1), rows.seq_lens.data_ptr(), sliding_window or 0, scale,
-        torch.get_num_threads(),
-    )  # fmt: skip
+    kernel(qd, res)
     if rows.tokens is None:
         return res
     out = torch.empty_like(q)
     out[rows.tokens] = res
     for b, q_len in enumerate(meta.query_lens_cpu):
         if q_len > 1:
-            s, e = rows.starts[b], rows.starts[b + 1]
-            out[s:e] = ref_contiguous._prefill(
-                q[s:e], k[s:e], v[s:e], kv, meta.kv_slots[b], meta.seq_lens_cpu[b], scale, sliding_window
-            )
+            out[rows.starts[b] : rows.starts[b + 1]] = prefill(b, rows.starts[b], rows.starts[b + 1])
     return out
 
 

@@ -158,37 +158,54 @@ int xllm_decode_attention_supported(int64_t num_heads, int64_t num_kv_heads, int
            dim % 16 == 0 && dim <= MAX_DIM && num_heads * dim <= MAX_HEAD_FLOATS;
 }
 
-/* q, out [B, Hq, D]; k_cache / v_cache: token t of block blk, KV head h at
- * cache + blk * block_stride + (t % block_size) * token_stride + h * D; tables int32 [B, width]. */
-void xllm_decode_attention_paged(const float *q, float *out, int64_t batch, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t dim, const float *k_cache,
-                                 const float *v_cache, int64_t block_stride, int64_t token_stride,
-                                 int64_t block_size, const int32_t *tables, int64_t width,
-                                 const int32_t *seq_lens, int64_t window, float scale, int threads) {
+/* Where a sequence's context is: the blocks of a paged cache (tables set) or one virtually
+ * contiguous run per sequence (k_bases / v_bases: addresses of token 0, as int64). */
+typedef struct {
+    const float *k_cache, *v_cache;
+    int64_t block_stride, block_size, width;
+    const int32_t *tables;
+    const int64_t *k_bases, *v_bases;
+} source_t;
+
+/* Positions [first, len) of sequence b as pieces of at most TILE tokens; returns how many. */
+static int64_t context_runs(const source_t *src, int64_t b, int64_t first, int64_t len,
+                            int64_t token_stride, run_t *runs) {
+    if (!src->tables)
+        return split_run((const float *)(intptr_t)src->k_bases[b] + first * token_stride,
+                         (const float *)(intptr_t)src->v_bases[b] + first * token_stride, len - first,
+                         token_stride, runs);
+    int64_t num_runs = 0;
+    for (int64_t pos = first; pos < len;) {
+        const int64_t blk = src->tables[b * src->width + pos / src->block_size], off = pos % src->block_size;
+        const int64_t n = src->block_size - off < len - pos ? src->block_size - off : len - pos;
+        const int64_t base = blk * src->block_stride + off * token_stride;
+        num_runs += split_run(src->k_cache + base, src->v_cache + base, n, token_stride, runs + num_runs);
+        pos += n;
+    }
+    return num_runs;
+}
+
+static void decode_attention(const float *q, float *out, int64_t batch, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t dim, const source_t *src, int64_t token_stride,
+                             const int32_t *seq_lens, int64_t window, float scale, int threads) {
     const int g_rows = (int)(num_heads / num_kv_heads);
     int64_t max_len = 1;
     for (int64_t b = 0; b < batch; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    /* pieces: at most len / TILE + 1 from splitting, plus one per block (a partial first and last) */
+    const int64_t max_runs = max_len / TILE + (src->tables ? max_len / src->block_size : 0) + 4;
     const int64_t splits = head_splits(batch, num_kv_heads, threads), tasks = batch * splits;
 #pragma omp parallel num_threads(threads > 1 && tasks > 1 ? threads : 1)
     {
         float *scores = malloc(sizeof(float) * num_heads * max_len);
         float *acc_buf = malloc(sizeof(float) * num_heads * dim);
-        /* pieces: at most len / TILE + 1 from splitting, plus one per block (a partial first and last) */
-        run_t *runs = malloc(sizeof(run_t) * (max_len / block_size + max_len / TILE + 4));
+        run_t *runs = malloc(sizeof(run_t) * max_runs);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t b = task / splits, part = task % splits;
             const int64_t h0 = num_kv_heads * part / splits, h1 = num_kv_heads * (part + 1) / splits;
             const int64_t len = seq_lens[b];
             const int64_t first = window > 0 && len > window ? len - window : 0;
-            int64_t num_runs = 0;
-            for (int64_t pos = first; pos < len;) {
-                const int64_t blk = tables[b * width + pos / block_size], off = pos % block_size;
-                const int64_t n = block_size - off < len - pos ? block_size - off : len - pos;
-                const int64_t base = blk * block_stride + off * token_stride;
-                num_runs += split_run(k_cache + base, v_cache + base, n, token_stride, runs + num_runs);
-                pos += n;
-            }
+            const int64_t num_runs = context_runs(src, b, first, len, token_stride, runs);
             const int64_t qo = (b * num_heads + h0 * g_rows) * dim;
             attend(g_rows, dim, q + qo, out + qo, h0, h1, runs, num_runs, token_stride, scale, scores,
                    len - first, acc_buf);
@@ -199,36 +216,25 @@ void xllm_decode_attention_paged(const float *q, float *out, int64_t batch, int6
     }
 }
 
+/* q, out [B, Hq, D]; k_cache / v_cache: token t of block blk, KV head h at
+ * cache + blk * block_stride + (t % block_size) * token_stride + h * D; tables int32 [B, width]. */
+void xllm_decode_attention_paged(const float *q, float *out, int64_t batch, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t dim, const float *k_cache,
+                                 const float *v_cache, int64_t block_stride, int64_t token_stride,
+                                 int64_t block_size, const int32_t *tables, int64_t width,
+                                 const int32_t *seq_lens, int64_t window, float scale, int threads) {
+    const source_t src = {k_cache, v_cache, block_stride, block_size, width, tables, 0, 0};
+    decode_attention(q, out, batch, num_heads, num_kv_heads, dim, &src, token_stride, seq_lens, window,
+                     scale, threads);
+}
+
 /* As above with each sequence's context one virtually contiguous run: token t, KV head h of
  * sequence b at k_bases[b] + t * token_stride + h * D (addresses as int64). */
 void xllm_decode_attention_slots(const float *q, float *out, int64_t batch, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t dim, const int64_t *k_bases,
                                  const int64_t *v_bases, int64_t token_stride, const int32_t *seq_lens,
                                  int64_t window, float scale, int threads) {
-    const int g_rows = (int)(num_heads / num_kv_heads);
-    int64_t max_len = 1;
-    for (int64_t b = 0; b < batch; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    const int64_t splits = head_splits(batch, num_kv_heads, threads), tasks = batch * splits;
-#pragma omp parallel num_threads(threads > 1 && tasks > 1 ? threads : 1)
-    {
-        float *scores = malloc(sizeof(float) * num_heads * max_len);
-        float *acc_buf = malloc(sizeof(float) * num_heads * dim);
-        run_t *runs = malloc(sizeof(run_t) * (max_len / TILE + 2));
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; task++) {
-            const int64_t b = task / splits, part = task % splits;
-            const int64_t h0 = num_kv_heads * part / splits, h1 = num_kv_heads * (part + 1) / splits;
-            const int64_t len = seq_lens[b];
-            const int64_t first = window > 0 && len > window ? len - window : 0;
-            const int64_t num_runs = split_run((const float *)(intptr_t)k_bases[b] + first * token_stride,
-                                               (const float *)(intptr_t)v_bases[b] + first * token_stride,
-                                               len - first, token_stride, runs);
-            const int64_t qo = (b * num_heads + h0 * g_rows) * dim;
-            attend(g_rows, dim, q + qo, out + qo, h0, h1, runs, num_runs, token_stride, scale, scores,
-                   len - first, acc_buf);
-        }
-        free(runs);
-        free(acc_buf);
-        free(scores);
-    }
+    const source_t src = {0, 0, 0, 1, 0, 0, k_bases, v_bases};
+    decode_attention(q, out, batch, num_heads, num_kv_heads, dim, &src, token_stride, seq_lens, window,
+                     scale, threads);
 }

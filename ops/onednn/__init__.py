@@ -2,7 +2,7 @@
 
 On the CPUs this project runs on, ``torch.ops.mkldnn._linear_pointwise`` over a reordered fp32 weight
 runs about twice as fast as ``F.linear`` (MKL sgemm) for decode-sized and prefill-sized inputs alike
-(``benchmarks/linear_gemm.py``). Other dtypes keep ``F.linear``. ``ops/cpu_gemm`` uses it where its
+(``benchmarks/linear_gemm.py``). Other dtypes keep ``F.linear``. ``ops/cpu_kernels`` uses it where its
 panel kernel cannot run.
 """
 
