@@ -128,7 +128,9 @@ def etcd_keys(etcd: EtcdServer, kind: str) -> dict[str, bytes]:  # noqa: F811
     return asyncio.run(read())
 
 
-def colocated_texts(model_dir: Path, prompts: list[tuple[str, int]]) -> dict[str, str]:
+def colocated_texts(
+    model_dir: Path, prompts: list[tuple[str, int]], max_model_len: int = ENGINE["model"]["max_model_len"]
+) -> dict[str, str]:
     """Greedy texts (``ignore_eos``, ``n`` tokens per prompt) of one colocated offline ``LLM`` with the
     instances' settings: what every cluster path must reproduce."""
     import gc
@@ -138,7 +140,7 @@ def colocated_texts(model_dir: Path, prompts: list[tuple[str, int]]) -> dict[str
 
     llm = LLM(
         model=str(model_dir),
-        max_model_len=ENGINE["model"]["max_model_len"],
+        max_model_len=max_model_len,
         seed=ENGINE["model"]["seed"],
         block_size=ENGINE["cache"]["block_size"],
         num_blocks=ENGINE["cache"]["num_blocks"],

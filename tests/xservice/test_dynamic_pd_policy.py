@@ -229,6 +229,17 @@ def test_decode_prefers_prefill_instance_when_it_holds_tpot() -> None:
     assert policy.select_decode("p0", 100, SLO_, full).name in ("d0", "d1")
 
 
+def test_prefill_instance_observed_over_the_tpot_slo_keeps_no_more_decodes() -> None:
+    """The model predicts the step under the SLO, but the streams already decoding there see it over:
+    what is observed wins (a noisy fit must not pile streams onto a prefill instance)."""
+    policy = DynamicPDPolicy()
+    ok = inst("p0", PREFILL, PREFILL, num_decoding=2, decode_tokens=200, observed_step_s=0.03)
+    over = inst("p0", PREFILL, PREFILL, num_decoding=2, decode_tokens=200, observed_step_s=0.09)
+    d0 = inst("d0", DECODE, DECODE)
+    assert policy.select_decode("p0", 100, SLO_, [ok, d0]).name == "p0"
+    assert policy.select_decode("p0", 100, SLO_, [over, d0]).name == "d0"
+
+
 def test_prefill_instance_keeps_a_decode_only_if_its_prefills_leave_the_tpot_slo() -> None:
     """The prefill instance goes on prefilling: its decode steps are predicted with a prompt like
     this request's riding along (the TPOT model's prefill-token term)."""

@@ -22,8 +22,8 @@ and not within ``cooldown_s`` of its last flip. The request then goes to whichev
 predicts the lowest TTFT.
 
 **Decode** (``select_decode``): the prefill instance itself when that avoids the KV transfer and it
-can hold the TPOT SLO (no prefill queued behind, predicted step time with the request added under
-the SLO); else the decode-side instance with the fewest running tokens whose KV stays within its
+can hold the TPOT SLO (no prefill queued behind; the step time its streams observe, if any, and the
+predicted step time with the request added both under the SLO); else the decode-side instance with the fewest running tokens whose KV stays within its
 capacity and the TPOT SLO; else the one with the fewest running tokens. Capacity counts what each
 placed stream will grow to (prompt plus ``max_tokens``), not only its context today, so a burst of
 placements cannot overfill an instance whose streams are young.
@@ -269,7 +269,10 @@ class DynamicPDPolicy:
         if own is not None and own.num_prefilling == 0:
             # it keeps prefilling: its decode steps will carry prompts like this one
             step = own.predict_step(1, context_tokens, prefill_tokens=context_tokens)
-            if own.fits(reserve) and step <= slo.tpot_s:
+            # what its streams see now overrides the model: a prediction under the SLO while the
+            # observed step is over it (a noisy fit, a busy host) does not keep one more there
+            observed = own.observed_step_s if own.num_decoding else None
+            if own.fits(reserve) and step <= slo.tpot_s and (observed is None or observed <= slo.tpot_s):
                 return DecodeChoice(own.name, "prefill instance keeps it (no KV transfer)", step)
         decode_side = sorted(
             (i for i in instances if i.role == DECODE),
