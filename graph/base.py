@@ -3,7 +3,8 @@
 A graph runner runs the model's token work (``forward_tokens(input_ids, positions)``) for a step whose
 attention context is already set (``graph/forward_context.py``). ``create_graph_runner`` picks one by
 mode and platform from a registry that backends add to lazily: ``partial`` (everything but attention
-compiled per token-count bucket, ``graph/partial.py``: inductor's C++ kernels on CPU, Triton on CUDA),
+compiled per token-count bucket: inductor's C++ kernels on CPU, ``graph/partial.py``; on CUDA and
+the NPU the pieces between attention calls captured as device graphs, ``graph/piecewise.py``),
 and ``full`` where a platform registers whole-step device graphs.
 """
 
@@ -70,10 +71,14 @@ class EagerGraphRunner(GraphRunner):
 
 
 # (mode, platform) -> "module:Class"; "*" matches any platform. Modules are imported on first use.
-# "full" (whole-step device graphs) needs an attention backend that reads its metadata from static
-# device buffers; none is registered yet, so no platform offers it.
+# ``partial`` on a platform with device graphs captures the pieces between attention calls
+# (``graph/piecewise.py``); elsewhere inductor compiles them (``graph/partial.py``). "full"
+# (whole-step device graphs) needs an attention backend that reads its metadata from static device
+# buffers; none is registered yet, so no platform offers it.
 _RUNNERS: dict[tuple[str, str], str] = {
     ("partial", "*"): "graph.partial:PartialGraphRunner",
+    ("partial", "cuda"): "graph.piecewise:PiecewiseGraphRunner",
+    ("partial", "npu"): "graph.piecewise:PiecewiseGraphRunner",
 }
 
 

@@ -49,7 +49,7 @@ class PartialGraphRunner(GraphRunner):
         self._compiled = torch.compile(self.forward, backend=self._backend, dynamic=False, fullgraph=True)
         self.stats.buckets = buckets
         total = time.perf_counter()
-        for size in buckets:
+        for size in self._capture_order(buckets):
             t0 = time.perf_counter()
             with forward_context(None, [], size), torch.inference_mode():  # as the runner calls it
                 ids = torch.zeros(size, dtype=torch.long, device=device)
@@ -61,6 +61,9 @@ class PartialGraphRunner(GraphRunner):
             "partial graphs compiled for %d token-count buckets %s in %.1fs",
             len(buckets), buckets, time.perf_counter() - total,
         )  # fmt: skip
+
+    def _capture_order(self, buckets: list[int]) -> list[int]:
+        return buckets
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
         from torch._inductor.compile_fx import compile_fx

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ops.platforms.device_graph import DeviceGraphs
 from ops.platforms.vmm import BaseVMM
 
 
@@ -71,6 +72,11 @@ class Platform(ABC):
     def vmm(self) -> BaseVMM:
         """This device's virtual memory management calls (xTensor); only where ``supports_vmm``."""
         raise NotImplementedError(f"{self.name} has no VMM support; use the paged KV layout")
+
+    def device_graphs(self) -> DeviceGraphs:
+        """Capture / replay of device graphs (``ops/platforms/device_graph.py``); only where
+        ``supports_graphs``."""
+        raise NotImplementedError(f"{self.name} has no device graphs; use graph mode eager or partial")
 
     def empty_cache(self) -> None:
         """Release cached, unused device memory back to the driver (no-op where there is none)."""

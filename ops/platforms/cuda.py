@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ops.platforms.base import Capabilities, Platform
+from ops.platforms.device_graph import DeviceGraphs, TorchDeviceGraphs
 from ops.platforms.vmm import BaseVMM
 
 
@@ -58,3 +59,6 @@ class CudaPlatform(Platform):
         from ops.platforms.cuda_vmm import CudaVMM
 
         return CudaVMM(torch.cuda.current_device())
+
+    def device_graphs(self) -> DeviceGraphs:
+        return TorchDeviceGraphs(lambda: torch.cuda, "CUDAGraph", compiles_pieces=True)

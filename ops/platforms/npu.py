@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ops.platforms.base import Capabilities, Platform
+from ops.platforms.device_graph import DeviceGraphs, TorchDeviceGraphs
 from ops.platforms.vmm import BaseVMM
 
 
@@ -27,7 +28,8 @@ class NpuPlatform(Platform):
         supports_graphs=True,
         supports_vmm=True,
         dist_backend="hccl",
-        default_graph_mode="eager",  # inductor has no NPU backend; torchair / ACLGraph not wired yet
+        # ``partial`` (piecewise ACLGraph, graph/piecewise.py) has never run on an NPU: not the default
+        default_graph_mode="eager",
         default_async_scheduling=True,  # the device runs the forward: host work overlaps it
     )
 
@@ -68,6 +70,10 @@ class NpuPlatform(Platform):
 
     def empty_cache(self) -> None:
         _torch_npu().npu.empty_cache()
+
+    def device_graphs(self) -> DeviceGraphs:
+        # ACLGraph through torch_npu's NPUGraph; inductor has no NPU backend: pieces run as aten ops
+        return TorchDeviceGraphs(lambda: _torch_npu().npu, "NPUGraph", compiles_pieces=False)
 
     def vmm(self) -> BaseVMM:
         from ops.platforms.npu_vmm import NpuVMM
