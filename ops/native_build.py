@@ -39,10 +39,13 @@ def build_shared_library(
     purpose: str,
     cache_dir: Path | None = None,
     libs: Sequence[str] = (),
+    depends: Sequence[Path] = (),
 ) -> Path:
-    """The shared library of ``source`` compiled with ``flags`` (and linked with ``libs``)."""
+    """The shared library of ``source`` compiled with ``flags`` (and linked with ``libs``);
+    ``depends``: files it includes (part of the key, so editing one rebuilds)."""
     text = source.read_bytes()
     key_parts = [text, " ".join(flags).encode(), " ".join(libs).encode(), platform.machine().encode()]
+    key_parts += [p.read_bytes() for p in depends]
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
     out_dir = (cache_dir or default_cache_dir()) / "build"
     lib = out_dir / f"{source.stem}-{key}.so"

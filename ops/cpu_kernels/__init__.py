@@ -4,7 +4,9 @@
   once with the next panel prefetched while the current one is multiplied;
 - ``decode_attention.c`` (``attention.py``): decode attention reading each sequence's K/V in place,
   from the paged cache's blocks or the xTensor slot, with no gather and no padding;
-- ``row_argmax.c`` (``reduce.py``): greedy sampling's argmax over the logits rows.
+- ``row_argmax.c`` (``reduce.py``): greedy sampling's argmax over the logits rows;
+- ``elementwise.c`` (``elementwise.py``): RMSNorm (with the residual add), the SwiGLU gate and NeoX
+  RoPE, one pass per row instead of a chain of torch ops (eager steps; traced graphs keep torch's).
 
 ``build.py`` compiles them once into the cache directory (``ci/setup.sh`` does it ahead) and loads
 them with ``ctypes``; ``XLLM_CPU_KERNELS=off`` turns them off.
@@ -18,6 +20,7 @@ from typing import Any
 
 def cpu_kernel_ops() -> dict[str, Callable[..., Any]]:
     """The CPU ops these kernels provide (registered for "cpu" by ``ops/registry.py``)."""
+    from ops.cpu_kernels import elementwise
     from ops.cpu_kernels.attention import decode_attention, decode_attention_contiguous
     from ops.cpu_kernels.linear import pack_linear
     from ops.cpu_kernels.reduce import row_argmax
@@ -27,4 +30,8 @@ def cpu_kernel_ops() -> dict[str, Callable[..., Any]]:
         "attention": decode_attention,
         "attention_contiguous": decode_attention_contiguous,
         "row_argmax": row_argmax,
+        "rms_norm": elementwise.rms_norm,
+        "fused_add_rms_norm": elementwise.fused_add_rms_norm,
+        "silu_and_mul": elementwise.silu_and_mul,
+        "rotary_embedding": elementwise.rotary_embedding,
     }

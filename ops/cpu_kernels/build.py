@@ -30,6 +30,13 @@ SIGNATURES: dict[str, dict[str, list]] = {
         "xllm_panel_gemm": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32],
     },
     "row_argmax": {"xllm_row_argmax": [_ptr, _i64, _i64, _i64, _ptr, _i32]},
+    "elementwise": {
+        "xllm_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _i32],
+        "xllm_silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
+        "xllm_rope_neox": [
+            _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32,
+        ],
+    },
     "decode_attention": {
         "xllm_decode_attention_supported": [_i64, _i64, _i64],
         "xllm_decode_attention_paged": [
@@ -68,7 +75,10 @@ def kernel_library(name: str) -> ctypes.CDLL | None:
     if reason is None:
         source = Path(__file__).with_name(f"{name}.c")
         try:
-            path = build_shared_library(source, FLAGS, f"the CPU kernel {source}", libs=["-lm"])
+            headers = sorted(source.parent.glob("*.h"))  # shared includes: an edit rebuilds
+            path = build_shared_library(
+                source, FLAGS, f"the CPU kernel {source}", libs=["-lm"], depends=headers
+            )
             lib = ctypes.CDLL(str(path))
             for fn, argtypes in SIGNATURES[name].items():
                 getattr(lib, fn).argtypes = argtypes

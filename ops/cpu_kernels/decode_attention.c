@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "vec_math.h"
+
 #define MAX_GROUP 16 /* query heads per KV head */
 #define MAX_DIM 256
 #define MAX_HEAD_FLOATS 8192 /* query heads x head_dim of one task's output accumulators */
@@ -28,24 +30,6 @@ typedef struct {
     const float *k, *v; /* first token of the run, KV head 0 */
     int64_t n;          /* tokens, at most TILE */
 } run_t;
-
-/* e^x for x <= 0 (scores minus their max), to about 1 ulp: x = n ln2 + r, a degree-6 polynomial
- * of r (Cody-Waite split of ln2, the coefficients of Cephes' expf), times 2^n. */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* Query heads [h0 * G, h1 * G) of one sequence over its runs (q, out: at query head h0 * G).
  * G (query heads per KV head) and CH (head_dim / 16) are constants in the specialised copies, so
@@ -88,7 +72,7 @@ static inline __attribute__((always_inline)) void attend_body(
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < total; j += 16) {
             const __mmask16 k = total - j >= 16 ? 0xFFFF : (__mmask16)((1u << (total - j)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(k, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + j), m)));
+            const __m512 e = _mm512_maskz_mov_ps(k, vec_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + j), m)));
             _mm512_mask_storeu_ps(p + j, k, e);
             sum = _mm512_add_ps(sum, e);
         }

@@ -105,7 +105,8 @@ def test_piecewise_replays_match_eager(tiny_qwen3: Path) -> None:
     assert runner.num_pieces == 2 * (num_layers + 1) == len(graphs.graphs)
     got = _outputs(engine, prompts, params)
     alone = random_prompts([7], seed=9)  # decodes of one sequence: the 1-token bucket
-    assert _outputs(engine, alone, params) == _outputs(make_engine(tiny_qwen3, **kw), alone, params)
+    want.update({f"alone-{r}": v for r, v in _outputs(make_engine(tiny_qwen3, **kw), alone, params).items()})
+    got.update({f"alone-{r}": v for r, v in _outputs(engine, alone, params).items()})
     stats = runner.stats
     assert stats.buckets == [1, 8] and set(stats.capture_s) == {1, 8}
     assert stats.num_compiles == 2 and stats.num_recompiles_after_warmup == 0

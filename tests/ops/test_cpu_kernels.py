@@ -38,7 +38,12 @@ def threads(request):
 
 
 def test_every_kernel_builds() -> None:
-    assert build_all() == {"panel_gemm": "ok", "row_argmax": "ok", "decode_attention": "ok"}
+    assert build_all() == {
+        "panel_gemm": "ok",
+        "row_argmax": "ok",
+        "decode_attention": "ok",
+        "elementwise": "ok",
+    }
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
