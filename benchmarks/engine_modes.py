@@ -115,6 +115,28 @@ def decode_case(
             "step_over_max_host_forward": round(step / max(h, f), 3)}  # fmt: skip
 
 
+def prefill_case(llm: Any, prompts: list[list[int]], reps: int = 3) -> dict:
+    """Median time of the steps that prefill ``prompts`` (each step full of prompt tokens)."""
+    from xengine.api.messages import AddRequest, SamplingParams
+
+    engine = llm.engine
+    times, tokens = [], []
+    for rep in range(reps):
+        for i, p in enumerate(prompts):  # a new first token each rep: no prefix-cache hit
+            ids = [p[0] + rep + 1, *p[1:]]
+            engine.add_request(AddRequest(req_id=f"p{rep}-{i}", prompt_token_ids=ids,
+                                          params=SamplingParams(temperature=0.0, max_tokens=1)))  # fmt: skip
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.seqs.values()):
+            engine.step()
+            t = engine.last_step_timing
+            times.append(t.total_s)
+            tokens.append(t.num_tokens)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return {"step_ms": round(statistics.median(times) * 1e3, 2), "num_steps": len(times) // reps,
+            "tokens_per_step": statistics.median(tokens)}  # fmt: skip
+
+
 def combo(
     model_dir: str, graph: str, async_mode: str, threads: int, args: argparse.Namespace, ctx: dict
 ) -> dict:
@@ -137,6 +159,7 @@ def combo(
         case["gflop_s"] = round(flops / (case["step_ms"] / 1e3) / 1e9, 1)
         case["fraction_of_peak"] = round(case["gflop_s"] / ctx["peak"], 3)
         out["decode"][batch] = case
+    out["prefill"] = prefill_case(llm, ctx["prompts"])
     llm.generate(ctx["prompts"][:2], greedy(4), use_tqdm=False)
     out["offline"] = xllm_throughput(llm, ctx["prompts"], args.output_len)
     flops = offline_flops(model_dir, len(ctx["prompts"]), args.input_len, args.output_len)

@@ -19,7 +19,8 @@ from ops.native_build import build_shared_library
 
 logger = logging.getLogger(__name__)
 
-ENV_KERNELS = "XLLM_CPU_KERNELS"  # "auto" (where the CPU has AVX-512) | "off"
+# "auto" (where the CPU has AVX-512) | "off" | kernels to turn off, e.g. "-elementwise,-panel_gemm"
+ENV_KERNELS = "XLLM_CPU_KERNELS"
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-Wall"]
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -53,13 +54,20 @@ _libs: dict[str, ctypes.CDLL | None] = {}
 _errors: dict[str, str] = {}
 
 
-def kernels_disabled_reason() -> str | None:
-    """Why no kernel runs on this machine (None: they may)."""
-    choice = os.environ.get(ENV_KERNELS, "auto").lower()
-    if choice not in ("auto", "off"):
-        raise ValueError(f"invalid value for {ENV_KERNELS}: {choice!r}; choose auto or off")
+def kernels_disabled_reason(name: str | None = None) -> str | None:
+    """Why no kernel (or kernel ``name``) runs on this machine (None: it may)."""
+    choice = os.environ.get(ENV_KERNELS, "auto").lower().replace(" ", "")
+    parts = [] if choice in ("auto", "off") else choice.split(",")
+    off = {p[1:] for p in parts}  # "-elementwise,-panel_gemm"
+    if any(not p.startswith("-") for p in parts) or off - set(SIGNATURES):
+        raise ValueError(
+            f"invalid value for {ENV_KERNELS}: {choice!r}; choose auto, off, or kernels to turn off "
+            f"as -name[,-name...] ({', '.join(SIGNATURES)})"
+        )
     if choice == "off":
         return f"{ENV_KERNELS}=off"
+    if name in off:
+        return f"{ENV_KERNELS} turns {name} off"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX512", "AMX"):
         return f"the CPU lacks AVX-512 (torch reports {capability})"
@@ -71,7 +79,7 @@ def kernel_library(name: str) -> ctypes.CDLL | None:
     if name in _libs:
         return _libs[name]
     lib = None
-    reason = kernels_disabled_reason()
+    reason = kernels_disabled_reason(name)
     if reason is None:
         source = Path(__file__).with_name(f"{name}.c")
         try:

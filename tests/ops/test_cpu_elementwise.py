@@ -97,3 +97,14 @@ def test_other_inputs_take_the_reference() -> None:
     got = kernels.rotary_embedding(torch.tensor([1, 2]), q, k, cache)
     want = ref_rope.rotary_embedding(torch.tensor([1, 2]), q, k, cache)
     torch.testing.assert_close(got, want)
+
+
+def test_one_kernel_can_be_turned_off_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ops.cpu_kernels.build import ENV_KERNELS, kernels_disabled_reason
+
+    monkeypatch.setenv(ENV_KERNELS, "-elementwise,-row_argmax")
+    assert "elementwise off" in kernels_disabled_reason("elementwise")
+    assert kernels_disabled_reason("panel_gemm") is None
+    monkeypatch.setenv(ENV_KERNELS, "-nope")
+    with pytest.raises(ValueError, match="panel_gemm"):
+        kernels_disabled_reason("panel_gemm")
