@@ -32,7 +32,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
     },
     "row_argmax": {"xllm_row_argmax": [_ptr, _i64, _i64, _i64, _ptr, _i32]},
     "elementwise": {
-        "xllm_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _i32],
+        "xllm_rms_norm": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _f32, _i32],
         "xllm_silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
         "xllm_rope_neox": [
             _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32,

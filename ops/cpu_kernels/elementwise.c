@@ -21,22 +21,26 @@ static inline int threads_for(int64_t floats, int nthreads) {
     return floats >= PARALLEL_MIN_FLOATS && nthreads > 1 ? nthreads : 1;
 }
 
-/* out[r] = (x[r] * rsqrt(mean(x[r]^2) + eps)) * w; with residual: x[r] += residual[r] first (x is
- * the new residual stream then). */
-void xllm_rms_norm(float *x, int64_t x_stride, const float *residual, int64_t res_stride, const float *w,
-                   float *out, int64_t out_stride, int64_t rows, int64_t n, float eps, int nthreads) {
-    const int64_t vec = n & ~(int64_t)15;
+/* out[r] = (x[r] * rsqrt(mean(x[r]^2) + eps)) * w for the rows r = (o, i) of x, o < outer, i < inner,
+ * at x + o * x_so + i * x_si (a [T, heads, n] view of a fused projection: outer T, inner heads); out
+ * is contiguous [outer * inner, n]. With residual (same shape, its own strides): x[r] += residual[r]
+ * first (x is the new residual stream then). */
+void xllm_rms_norm(float *x, int64_t outer, int64_t inner, int64_t x_so, int64_t x_si, const float *residual,
+                   int64_t r_so, int64_t r_si, const float *w, float *out, int64_t n, float eps, int nthreads) {
+    const int64_t vec = n & ~(int64_t)15, rows = outer * inner;
     const __mmask16 tail = (__mmask16)((1u << (n - vec)) - 1);
 #pragma omp parallel for num_threads(threads_for(rows * n, nthreads)) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        float *xr = x + r * x_stride;
-        float *orow = out + r * out_stride;
+        const int64_t o = r / inner, i = r % inner;
+        float *xr = x + o * x_so + i * x_si;
+        const float *rr = residual ? residual + o * r_so + i * r_si : 0;
+        float *orow = out + r * n;
         __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
         int64_t j = 0;
         for (; j < vec; j += 16) {
             __m512 v = _mm512_loadu_ps(xr + j);
             if (residual) {
-                v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * res_stride + j));
+                v = _mm512_add_ps(v, _mm512_loadu_ps(rr + j));
                 _mm512_storeu_ps(xr + j, v);
             }
             if ((j >> 4) & 1)
@@ -47,7 +51,7 @@ void xllm_rms_norm(float *x, int64_t x_stride, const float *residual, int64_t re
         if (tail) {
             __m512 v = _mm512_maskz_loadu_ps(tail, xr + j);
             if (residual) {
-                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(tail, residual + r * res_stride + j));
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(tail, rr + j));
                 _mm512_mask_storeu_ps(xr + j, tail, v);
             }
             s0 = _mm512_fmadd_ps(v, v, s0);

@@ -26,26 +26,37 @@ def _lib(*tensors: torch.Tensor):  # noqa: ANN202 - a ctypes.CDLL or None
 
 
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor | None:
-    """``x`` as a ``[rows, n]`` view with contiguous rows, or None."""
-    if x.numel() == 0 or x.shape[-1] != n:
+    """``x`` as a ``[rows, n]`` view with contiguous rows, or None (no exception on the hot path)."""
+    if x.dim() == 0 or x.numel() == 0 or x.shape[-1] != n or x.stride(-1) != 1:
         return None
-    try:
-        rows = x.view(-1, n)
-    except RuntimeError:
+    if x.dim() == 2:
+        return x
+    return x.view(-1, n) if x.is_contiguous() else None
+
+
+def _row_grid(x: torch.Tensor, n: int) -> tuple[int, int, int, int] | None:
+    """``(outer, inner, outer stride, inner stride)`` of the rows of ``x`` (last dim ``n``
+    contiguous): 2-D ``[rows, n]``, 3-D ``[T, heads, n]`` with any strides, or contiguous; else None."""
+    if x.dim() == 0 or x.numel() == 0 or x.shape[-1] != n or x.stride(-1) != 1:
         return None
-    return rows if rows.stride(1) == 1 else None
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    if x.dim() == 3:
+        return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+    return (x.numel() // n, 1, n, 0) if x.is_contiguous() else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     lib = _lib(x, weight)
     n = x.shape[-1] if x.dim() else 0
-    rows = _rows(x, n) if lib is not None and weight.is_contiguous() and weight.numel() == n else None
-    if rows is None:
+    grid = _row_grid(x, n) if lib is not None and weight.is_contiguous() and weight.numel() == n else None
+    if grid is None:
         return ref_norm.rms_norm(x, weight, eps)
-    out = torch.empty(rows.shape, dtype=x.dtype)
-    lib.xllm_rms_norm(rows.data_ptr(), rows.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), n,
-                      rows.shape[0], n, eps, torch.get_num_threads())  # fmt: skip
-    return out.view(x.shape)
+    outer, inner, so, si = grid
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.xllm_rms_norm(x.data_ptr(), outer, inner, so, si, None, 0, 0, weight.data_ptr(), out.data_ptr(), n,
+                      eps, torch.get_num_threads())  # fmt: skip
+    return out
 
 
 def fused_add_rms_norm(
@@ -55,13 +66,14 @@ def fused_add_rms_norm(
     lib = _lib(x, residual, weight)
     n = x.shape[-1] if x.dim() else 0
     ok = lib is not None and x.shape == residual.shape and weight.is_contiguous() and weight.numel() == n
-    rows, res = (_rows(x, n), _rows(residual, n)) if ok else (None, None)
-    if rows is None or res is None:
+    grid, res = (_row_grid(x, n), _row_grid(residual, n)) if ok else (None, None)
+    if grid is None or res is None or grid[:2] != res[:2]:
         return ref_norm.fused_add_rms_norm(x, residual, weight, eps)
-    out = torch.empty(rows.shape, dtype=x.dtype)
-    lib.xllm_rms_norm(rows.data_ptr(), rows.stride(0), res.data_ptr(), res.stride(0), weight.data_ptr(),
-                      out.data_ptr(), n, rows.shape[0], n, eps, torch.get_num_threads())  # fmt: skip
-    return out.view(x.shape), x
+    outer, inner, so, si = grid
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.xllm_rms_norm(x.data_ptr(), outer, inner, so, si, residual.data_ptr(), res[2], res[3],
+                      weight.data_ptr(), out.data_ptr(), n, eps, torch.get_num_threads())  # fmt: skip
+    return out, x
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

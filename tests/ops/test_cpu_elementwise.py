@@ -47,6 +47,24 @@ def test_rms_norm_and_fused_add_match_float64(threads, rows, n) -> None:
     torch.testing.assert_close(out, _norm64(want_sum, w, 1e-5), rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 4, 32), (9, 8, 64), (300, 4, 40)])
+def test_rms_norm_of_heads_in_a_fused_projection(threads, tokens, heads, dim) -> None:
+    """Qwen3's per-head q/k norm: a [T, heads, D] view whose token stride is the fused width."""
+    gen = torch.Generator().manual_seed(tokens * heads)
+    fused = torch.randn(tokens, (heads + 3) * dim, generator=gen)
+    q = fused[:, dim : (heads + 1) * dim].view(tokens, heads, dim)
+    w = torch.randn(dim, generator=gen)
+    got = kernels.rms_norm(q, w, 1e-6)
+    assert got.shape == q.shape and got.is_contiguous()
+    torch.testing.assert_close(got, _norm64(q, w, 1e-6), rtol=2e-6, atol=2e-6)
+    residual = torch.randn(tokens, heads, dim, generator=gen)
+    want_sum = q + residual
+    out, new_residual = kernels.fused_add_rms_norm(q, residual, w, 1e-6)
+    assert new_residual.data_ptr() == q.data_ptr()
+    torch.testing.assert_close(new_residual, want_sum, rtol=0, atol=0)
+    torch.testing.assert_close(out, _norm64(want_sum, w, 1e-6), rtol=2e-6, atol=2e-6)
+
+
 @pytest.mark.parametrize("shape", [(1, 32), (5, 3, 200), (700, 2 * 96)])
 def test_silu_and_mul_matches_float64(threads, shape) -> None:
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 6
