@@ -86,8 +86,9 @@ class LocalCluster:
         """Start (over every instance launched so far) or stop the ``InstanceSupervisor``."""
         if on and self._supervising is None:
             self.supervisor = InstanceSupervisor(
-                self.launcher, dict(self.specs), self.cfg.service.restart_policy(), self.pool.mark_dead
-            )
+                self.launcher, dict(self.specs), self.cfg.service.restart_policy(), self.pool.mark_dead,
+                self.registry.incarnation_of,
+            )  # fmt: skip
             self.pool.supervisor = self.supervisor
             self._supervising = asyncio.get_running_loop().create_task(self.supervisor.run())
         elif not on and self._supervising is not None:

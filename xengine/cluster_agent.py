@@ -7,7 +7,8 @@ one: ``observe_prefill`` / ``observe_step``) and (when the prefix cache changed)
 ``KVEventBatch``. When the store is unreachable it retries with backoff; when its lease expired
 meanwhile it registers again under a new lease and republishes its whole KV set. Registration is
 fenced: the instance key is created in a transaction and never taken over from another live
-incarnation of the same name.
+incarnation of the same name; a relaunched process may take over the one incarnation its supervisor
+saw exit (``replaces``) without waiting for that incarnation's lease to expire.
 
 The store clients are ``xengine.api.cluster.store`` (torch-free), imported lazily.
 """
@@ -46,8 +47,10 @@ class ClusterAgent:
         lease_ttl_s: float = 3.0,
         heartbeat_interval_s: float = 0.5,
         key: ClusterKey | None = None,  # authenticates to a service's embedded store
+        replaces: str | None = None,  # the dead incarnation of this name it may take the name over from
     ) -> None:
         self.store_url = store_url
+        self.replaces = replaces
         self.key_prefix = key_prefix
         self.record = record
         self.lease_ttl_s = lease_ttl_s
@@ -149,12 +152,15 @@ class ClusterAgent:
         value = keys.encode(self.record)
         if not await store.create(k, value, lease):
             existing = keys.decode(await store.get(k) or b"", keys.InstanceRecord)
-            if existing is not None and existing.incarnation != self.record.incarnation:
+            held_by = existing.incarnation if existing is not None else None
+            if held_by not in (None, self.record.incarnation, self.replaces):
                 await store.revoke(lease)
                 raise RegistrationConflictError(
-                    f"instance name {self.record.name!r} is held by incarnation {existing.incarnation}"
+                    f"instance name {self.record.name!r} is held by incarnation {held_by}"
                 )
-            await store.put(k, value, lease)  # our own key from an older lease: take it over
+            if held_by is not None and held_by == self.replaces:  # its process exited: no lease wait
+                logger.info("took the name %s over from dead incarnation %s", self.record.name, held_by)
+            await store.put(k, value, lease)  # our own key from an older lease, or the dead one's
         self._lease = lease
         self._need_full = True
         self.num_registrations += 1

@@ -259,6 +259,7 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             args.lease_ttl_s,
             args.heartbeat_interval_s,
             key,
+            replaces=args.replaces,
         )
         prefix_cache = getattr(getattr(engine, "kv", None), "prefix_cache", None)
         if prefix_cache is not None and hasattr(prefix_cache, "event_sink"):
@@ -298,6 +299,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="Input port (output: port + 1); 0: free ports.")
     p.add_argument("--lease-ttl-s", type=float, default=3.0, help="Registration lease TTL.")
     p.add_argument("--heartbeat-interval-s", type=float, default=0.5, help="Heartbeat period.")
+    p.add_argument(
+        "--replaces",
+        default=None,
+        help="Incarnation id of this name's exited process (a supervisor's relaunch): take the name over "
+        "at once instead of waiting for its lease to expire.",
+    )
     p.add_argument(
         "--auth-key-file",
         default=None,

@@ -296,8 +296,8 @@ def test_kill_9_mid_stream_migrates_requests_without_losing_or_repeating_tokens(
         assert "".join(faulty[str(i)]) == "".join(baseline[str(i)]), f"stream {i} differs"
     assert cluster.admin()["num_migrations"] >= 1
 
-    # the dead incarnation's lease expires within TTL + one heartbeat; the supervisor relaunches the
-    # instance under its name, with a new incarnation, and it serves again
+    # the supervisor relaunches the instance under its name, with a new incarnation that takes the name
+    # over from the dead one (no wait for its lease), and it serves again
     def registered_incarnation() -> str | None:
         raw = etcd_keys(etcd, "instances").get(victim["name"])
         return json.loads(raw)["incarnation"] if raw else None
@@ -308,6 +308,9 @@ def test_kill_9_mid_stream_migrates_requests_without_losing_or_repeating_tokens(
     assert time.monotonic() - killed_at < TTL_S + HEARTBEAT_S + 2.0
     wait_until(lambda: cluster.instances().get(victim["name"], {}).get("healthy"), 120, "the relaunch")
     assert cluster.instances()[victim["name"]]["incarnation"] != victim["incarnation"]
+    assert f"took the name {victim['name']} over from dead incarnation {victim['incarnation']}" in (
+        cluster.log_path.read_text()
+    )
     metrics = cluster.http.get("/metrics").text
     assert f'xllm_engine_restarts_total{{instance="{victim["name"]}"}} 1.0' in metrics
     assert complete(client, "after the failure").choices[0].finish_reason == "length"

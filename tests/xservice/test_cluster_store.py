@@ -228,3 +228,30 @@ def test_agent_registration_is_fenced_against_another_live_incarnation(etcd: Etc
         await store.close()
 
     asyncio.run(main())
+
+
+def test_a_relaunch_takes_the_name_over_from_the_dead_incarnation_it_replaces(etcd: EtcdServer) -> None:
+    """The supervisor saw inc-1's process exit: inc-2 (``replaces="inc-1"``) registers at once, while
+    inc-1's lease is still alive; a process naming another incarnation is still fenced off."""
+    from xengine.api.cluster.store.etcd import EtcdStore
+    from xengine.api.messages import EngineStats
+    from xengine.cluster_agent import ClusterAgent, RegistrationConflictError
+
+    async def main() -> None:
+        store = EtcdStore("127.0.0.1", etcd.port)
+        prefix = f"/takeover-{time.monotonic_ns()}"
+        dead = ClusterAgent(etcd.endpoint, prefix, _record("e0", "inc-1"), EngineStats, lease_ttl_s=60.0)
+        await dead._register(store)  # its lease outlives this test
+        wrong = ClusterAgent(etcd.endpoint, prefix, _record("e0", "inc-x"), EngineStats, replaces="inc-0")
+        with pytest.raises(RegistrationConflictError):
+            await wrong._register(store)
+        relaunch = ClusterAgent(etcd.endpoint, prefix, _record("e0", "inc-2"), EngineStats, replaces="inc-1")
+        await relaunch._register(store)
+        raw = await store.get(f"{prefix}/instances/e0")
+        assert keys.decode(raw, keys.InstanceRecord).incarnation == "inc-2"
+        await store.revoke(dead._lease)  # the dead lease ending takes nothing of the new incarnation's
+        raw = await store.get(f"{prefix}/instances/e0")
+        assert raw is not None and keys.decode(raw, keys.InstanceRecord).incarnation == "inc-2"
+        await store.close()
+
+    asyncio.run(main())

@@ -92,6 +92,11 @@ class InstanceRegistry:
             except Exception:  # noqa: BLE001
                 pass
 
+    def incarnation_of(self, name: str) -> str | None:
+        """The incarnation registered under ``name``, if any."""
+        state = self.instances.get(name)
+        return state.record.incarnation if state is not None else None
+
     @property
     def dead_after_s(self) -> float:
         return self.lease_ttl_s + self.heartbeat_interval_s

@@ -141,7 +141,7 @@ async def serve_cluster(
                 await asyncio.to_thread(launcher.launch, spec)
             print(f"xllm: launched {len(specs)} instance(s) with the {cl.launcher} launcher", file=sys.stderr)
             pool.supervisor = InstanceSupervisor(
-                launcher, specs, cfg.service.restart_policy(), pool.mark_dead
+                launcher, specs, cfg.service.restart_policy(), pool.mark_dead, registry.incarnation_of
             )
             watcher = asyncio.get_running_loop().create_task(pool.supervisor.run())
             await pool.wait_for(list(specs), cl.instance_startup_timeout_s)

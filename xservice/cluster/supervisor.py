@@ -3,7 +3,8 @@
 It watches every handle of a launcher (local subprocesses, Ray actors). When an instance's process
 exits, the pool fails its requests over at once (migration), and the supervisor launches it again
 under the same name after a backoff chosen by ``RestartPolicy``; the new process registers a new
-incarnation and the pool connects to it like to any instance. Once an instance used up its restart
+incarnation (taking the name over from the dead one at once, without waiting for its lease) and the
+pool connects to it like to any instance. Once an instance used up its restart
 budget the supervisor gives up on it loudly. Attach mode (``launcher: external``) launches nothing,
 so it supervises nothing: standalone engines belong to the user's process manager.
 """
@@ -11,9 +12,11 @@ so it supervises nothing: standalone engines belong to the user's process manage
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from xservice.cluster.launchers import BaseLauncher, InstanceSpec
@@ -32,8 +35,10 @@ class InstanceSupervisor:
         specs: dict[str, InstanceSpec],
         policy: RestartPolicy,
         mark_dead: Any,  # pool.mark_dead(name, reason)
+        incarnation_of: Callable[[str], str | None] | None = None,  # the registered incarnation of a name
     ) -> None:
         self.launcher = launcher
+        self._incarnation_of = incarnation_of
         self.specs = specs
         self.policy = policy
         self._mark_dead = mark_dead
@@ -64,13 +69,16 @@ class InstanceSupervisor:
 
     def _on_exit(self, name: str, code: int) -> None:
         _say(f"instance {name} exited with code {code}")
+        # its registered incarnation is this process's (or an older, also dead, one's): the relaunch
+        # may take the name over from it at once
+        dead = self._incarnation_of(name) if self._incarnation_of is not None else None
         self._mark_dead(name, f"process exited with code {code}")
         self.restarting.add(name)
-        task = asyncio.get_running_loop().create_task(self._relaunch(name), name=f"relaunch-{name}")
+        task = asyncio.get_running_loop().create_task(self._relaunch(name, dead), name=f"relaunch-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _relaunch(self, name: str) -> None:
+    async def _relaunch(self, name: str, dead_incarnation: str | None = None) -> None:
         times = self._restart_times[name]
         delay = self.policy.delay(times, time.monotonic())
         if delay is None:
@@ -86,7 +94,8 @@ class InstanceSupervisor:
         times.append(time.monotonic())
         self.num_restarts[name] += 1
         try:
-            await asyncio.to_thread(self.launcher.launch, self.specs[name])
+            spec = dataclasses.replace(self.specs[name], replaces=dead_incarnation)
+            await asyncio.to_thread(self.launcher.launch, spec)
         except Exception as e:  # noqa: BLE001 - counts as a failed restart; the watch loop retries
             logger.error("relaunching instance %s failed: %s", name, e)
         finally:

@@ -27,6 +27,7 @@ class InstanceSpec:
     lease_ttl_s: float = 3.0
     heartbeat_interval_s: float = 0.5
     key: ClusterKey | None = None  # handed to the engine in its environment; None: --no-auth
+    replaces: str | None = None  # a relaunch: the dead incarnation it may take the name over from
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         """The engine process's environment: ``base`` plus the cluster key."""
@@ -45,6 +46,7 @@ class InstanceSpec:
             "--heartbeat-interval-s", str(self.heartbeat_interval_s),
         ]  # fmt: skip
         args += ["--no-auth"] if self.key is None else []
+        args += ["--replaces", self.replaces] if self.replaces else []
         return args + (["--parent-pid", str(parent_pid)] if parent_pid is not None else [])
 
 
