@@ -5,7 +5,7 @@ attention context is already set (``graph/forward_context.py``). ``create_graph_
 mode and platform from a registry that backends add to lazily: ``partial`` (everything but attention
 compiled per token-count bucket: inductor's C++ kernels on CPU, ``graph/partial.py``; on CUDA and
 the NPU the pieces between attention calls captured as device graphs, ``graph/piecewise.py``),
-and ``full`` where a platform registers whole-step device graphs.
+and ``full`` on CUDA (whole decode steps as device graphs, the rest piecewise, ``graph/full.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ class GraphStats:
     num_recompiles_after_warmup: int = 0  # should stay 0: a new shape or a failed guard
     num_replays: int = 0
     num_eager_steps: int = 0  # steps larger than the largest bucket
+    # full mode (``graph/full.py``): decode batch sizes captured as whole-step graphs
+    decode_graph_buckets: list[int] = field(default_factory=list)
+    decode_graph_capture_s: dict[int, float] = field(default_factory=dict)
+    num_decode_graph_replays: int = 0  # decode steps run as one whole-step graph
 
 
 class GraphRunner(ABC):
@@ -48,6 +52,11 @@ class GraphRunner(ABC):
 
     @abstractmethod
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def bind_kv(self, caches: list[Any], block_size: int, max_blocks_per_seq: int) -> None:
+        """The per-layer KV caches the model's attention reads (before ``capture``): runners that
+        capture attention itself (``full``) size their block-table buffers from this."""
+        return None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.can_replay(input_ids.shape[0]):
@@ -72,13 +81,14 @@ class EagerGraphRunner(GraphRunner):
 
 # (mode, platform) -> "module:Class"; "*" matches any platform. Modules are imported on first use.
 # ``partial`` on a platform with device graphs captures the pieces between attention calls
-# (``graph/piecewise.py``); elsewhere inductor compiles them (``graph/partial.py``). "full"
-# (whole-step device graphs) needs an attention backend that reads its metadata from static device
-# buffers; none is registered yet, so no platform offers it.
+# (``graph/piecewise.py``); elsewhere inductor compiles them (``graph/partial.py``). ``full``
+# (``graph/full.py``: whole decode steps as device graphs, the rest piecewise) needs an attention op
+# that reads its metadata from device buffers only: CUDA has one in Triton (``ops/triton_kernels``).
 _RUNNERS: dict[tuple[str, str], str] = {
     ("partial", "*"): "graph.partial:PartialGraphRunner",
     ("partial", "cuda"): "graph.piecewise:PiecewiseGraphRunner",
     ("partial", "npu"): "graph.piecewise:PiecewiseGraphRunner",
+    ("full", "cuda"): "graph.full:FullGraphRunner",
 }
 
 

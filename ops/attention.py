@@ -31,6 +31,8 @@ def attention(
 
     ``kv_cache`` is the paged tensor (reads go through ``meta.block_tables``) or, with the xTensor
     layout, a ``ContiguousKV`` (reads go straight to each sequence's slot, ``meta.kv_slots``)."""
+    if meta.static:  # a full device graph's decode step: everything read from device tensors
+        return get_op("attention_static")(q, k, v, kv_cache, meta, scale, sliding_window)
     name = "attention_contiguous" if isinstance(kv_cache, ContiguousKV) else "attention"
     return get_op(name)(q, k, v, kv_cache, meta, scale, sliding_window)
 

@@ -39,6 +39,12 @@ class AttentionMetadata:
     block_size: int
     # xTensor: each sequence's slot (``ContiguousKV``); None with the paged layout
     kv_slots: list[int] | None = None
+    # A full-step device graph's metadata (``graph/full.py``): one decode token per row, and only the
+    # device tensors are current (the graph runner refreshes them before each replay); the host fields
+    # describe the capture, not the step. Attention dispatches to ``attention_static``, which reads
+    # nothing else. Rows with ``seq_lens`` 0 and ``slot_mapping`` -1 are padding: nothing is read or
+    # written for them.
+    static: bool = False
     # Per-step values a backend derives once and reuses in every layer (gather indices, masks, buffers);
     # keyed by backend. Lives as long as this metadata, i.e. one step.
     scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)

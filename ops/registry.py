@@ -30,8 +30,8 @@ def _load_torch_ref() -> None:
 def register_backend(platform_name: str, factory: Callable[[], None]) -> None:
     """Add a lazy factory that registers ops for ``platform_name`` on first lookup there.
 
-    Accelerator backends (e.g. ``ops/triton`` for "cuda", ``ops/npu`` for "npu") add themselves here;
-    none ship yet, so those platforms run the reference ops.
+    Backends add themselves here: the C kernels for "cpu", the Triton kernels for "cuda" (only the
+    ops full device graphs need; the rest of CUDA runs the reference ops).
     """
     _factories.setdefault(platform_name, []).append(factory)
     _loaded.discard(platform_name)
@@ -69,6 +69,15 @@ def get_op(name: str, platform_name: str | None = None) -> Callable[..., Any]:
     return fn
 
 
+def _load_cuda() -> None:
+    try:  # Triton ships with torch's CUDA builds; without it CUDA runs the reference ops
+        from ops.triton_kernels import triton_ops
+    except ImportError:
+        return
+    for name, fn in triton_ops().items():
+        register_op(name, "cuda", fn)
+
+
 def _load_cpu() -> None:
     from ops.cpu_kernels import cpu_kernel_ops  # C kernels, falling back to oneDNN and torch_ref
 
@@ -78,3 +87,4 @@ def _load_cpu() -> None:
 
 register_backend(REFERENCE, _load_torch_ref)
 register_backend("cpu", _load_cpu)
+register_backend("cuda", _load_cuda)

@@ -44,7 +44,7 @@ class _Rows:
             self.tokens = torch.tensor([starts[b] for b in seqs], dtype=torch.long)
             self.seq_lens = meta.seq_lens[index].contiguous()
             self.tables = meta.block_tables[index].contiguous()
-        self.slot_index: tuple[torch.Tensor, torch.Tensor] | None = None  # xTensor (chunk, row) per decode
+        self.slot_index: tuple[torch.Tensor, torch.Tensor] | None = None  # xTensor (chunk, offset) per decode
 
 
 def _rows(meta: AttentionMetadata) -> _Rows:
@@ -118,15 +118,17 @@ def decode_attention_contiguous(
     assert meta.kv_slots is not None, "the xTensor layout sets meta.kv_slots"
     store_kv(k, v, kv.paged, meta.slot_mapping)
     rows = _rows(meta)
-    k_bases, v_bases = _slot_bases(kv, meta, rows)
+    chunk, offset = _slot_index(kv, meta, rows)
+    k_chunks = torch.tensor([c.data_ptr() for c in kv.k_chunks], dtype=torch.int64)
+    v_chunks = torch.tensor([c.data_ptr() for c in kv.v_chunks], dtype=torch.int64)
     _, _, num_kv_heads, head_dim = view.shape
     slots = meta.kv_slots
 
     def kernel(qd: torch.Tensor, res: torch.Tensor) -> None:
         kernel_library("decode_attention").xllm_decode_attention_slots(
             qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim,
-            k_bases.data_ptr(), v_bases.data_ptr(), view.stride(1), rows.seq_lens.data_ptr(),
-            sliding_window or 0, scale, torch.get_num_threads(),
+            k_chunks.data_ptr(), v_chunks.data_ptr(), chunk.data_ptr(), offset.data_ptr(),
+            view.stride(1), rows.seq_lens.data_ptr(), sliding_window or 0, scale, torch.get_num_threads(),
         )  # fmt: skip
 
     def prefill(b: int, s: int, e: int) -> torch.Tensor:
@@ -158,18 +160,15 @@ def _decodes_and_prefills(
     return out
 
 
-def _slot_bases(kv: ContiguousKV, meta: AttentionMetadata, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 addresses of token 0 of each decode's slot, K and V, for this layer's chunks."""
+def _slot_index(kv: ContiguousKV, meta: AttentionMetadata, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which chunk each decode's slot is in and its byte offset there (int64): the same in every
+    layer, so built once per step; the kernel adds the layer's chunk base."""
     assert meta.kv_slots is not None
-    if rows.slot_index is None:  # which chunk and row each decode's slot is: the same in every layer
+    if rows.slot_index is None:
+        per_chunk, row_bytes = kv.slots_per_chunk, kv.k_chunks[0].stride(0) * kv.k_chunks[0].element_size()
         slots = [meta.kv_slots[b] for b in rows.decode_seqs]
-        per_chunk = kv.slots_per_chunk
         rows.slot_index = (
             torch.tensor([s // per_chunk for s in slots], dtype=torch.int64),
-            torch.tensor([s % per_chunk for s in slots], dtype=torch.int64),
+            torch.tensor([s % per_chunk * row_bytes for s in slots], dtype=torch.int64),
         )
-    chunks, slot_rows = rows.slot_index
-    offsets = slot_rows * (kv.k_chunks[0].stride(0) * kv.k_chunks[0].element_size())
-    k_base = torch.tensor([c.data_ptr() for c in kv.k_chunks], dtype=torch.int64)
-    v_base = torch.tensor([c.data_ptr() for c in kv.v_chunks], dtype=torch.int64)
-    return k_base[chunks] + offsets, v_base[chunks] + offsets
+    return rows.slot_index

@@ -45,7 +45,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _i64, _f32, _i32,
         ],
         "xllm_decode_attention_slots": [
-            _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _f32, _i32,
+            _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _f32, _i32,
         ],
     },
 }  # fmt: skip

@@ -5,8 +5,8 @@
  * pass 1 computes the Hq x L scores (q . k * scale), then a float32 softmax, pass 2 accumulates the
  * probabilities times V. The context is a list of runs of
  * consecutive tokens: the blocks of a paged cache (``xllm_decode_attention_paged``: a block table),
- * or one run per sequence in a virtually contiguous slot (``xllm_decode_attention_slots``: the address
- * of each sequence's token 0, the xTensor layout). No gather, no padding, no mask: a sequence reads
+ * or one run per sequence in a virtually contiguous slot (``xllm_decode_attention_slots``: its
+ * chunk's base address and its offset there, the xTensor layout). No gather, no padding, no mask: a sequence reads
  * positions [max(0, L - window), L) of its own length L.
  *
  * float32 q, cache and output; head_dim a multiple of 16; AVX-512F. Threads: OpenMP over sequences
@@ -143,21 +143,23 @@ int xllm_decode_attention_supported(int64_t num_heads, int64_t num_kv_heads, int
 }
 
 /* Where a sequence's context is: the blocks of a paged cache (tables set) or one virtually
- * contiguous run per sequence (k_bases / v_bases: addresses of token 0, as int64). */
+ * contiguous run per sequence: token 0 of sequence b at k_chunks[chunk[b]] + offset[b] bytes
+ * (addresses as int64; likewise V). */
 typedef struct {
     const float *k_cache, *v_cache;
     int64_t block_stride, block_size, width;
     const int32_t *tables;
-    const int64_t *k_bases, *v_bases;
+    const int64_t *k_chunks, *v_chunks, *chunk, *offset;
 } source_t;
 
 /* Positions [first, len) of sequence b as pieces of at most TILE tokens; returns how many. */
 static int64_t context_runs(const source_t *src, int64_t b, int64_t first, int64_t len,
                             int64_t token_stride, run_t *runs) {
     if (!src->tables)
-        return split_run((const float *)(intptr_t)src->k_bases[b] + first * token_stride,
-                         (const float *)(intptr_t)src->v_bases[b] + first * token_stride, len - first,
-                         token_stride, runs);
+        return split_run(
+            (const float *)(intptr_t)(src->k_chunks[src->chunk[b]] + src->offset[b]) + first * token_stride,
+            (const float *)(intptr_t)(src->v_chunks[src->chunk[b]] + src->offset[b]) + first * token_stride,
+            len - first, token_stride, runs);
     int64_t num_runs = 0;
     for (int64_t pos = first; pos < len;) {
         const int64_t blk = src->tables[b * src->width + pos / src->block_size], off = pos % src->block_size;
@@ -212,13 +214,16 @@ void xllm_decode_attention_paged(const float *q, float *out, int64_t batch, int6
                      scale, threads);
 }
 
-/* As above with each sequence's context one virtually contiguous run: token t, KV head h of
- * sequence b at k_bases[b] + t * token_stride + h * D (addresses as int64). */
+/* As above with each sequence's context one virtually contiguous run (a slot of the xTensor
+ * layout): token t, KV head h of sequence b at k_chunks[chunk[b]] + offset[b] bytes
+ * + (t * token_stride + h * D) floats; k_chunks / v_chunks: the layer's chunk base addresses, the
+ * same for every layer's call of a step except these two. */
 void xllm_decode_attention_slots(const float *q, float *out, int64_t batch, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t dim, const int64_t *k_bases,
-                                 const int64_t *v_bases, int64_t token_stride, const int32_t *seq_lens,
-                                 int64_t window, float scale, int threads) {
-    const source_t src = {0, 0, 0, 1, 0, 0, k_bases, v_bases};
+                                 int64_t num_kv_heads, int64_t dim, const int64_t *k_chunks,
+                                 const int64_t *v_chunks, const int64_t *chunk, const int64_t *offset,
+                                 int64_t token_stride, const int32_t *seq_lens, int64_t window,
+                                 float scale, int threads) {
+    const source_t src = {0, 0, 0, 1, 0, 0, k_chunks, v_chunks, chunk, offset};
     decode_attention(q, out, batch, num_heads, num_kv_heads, dim, &src, token_stride, seq_lens, window,
                      scale, threads);
 }

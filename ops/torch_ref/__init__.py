@@ -12,6 +12,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     from ops.torch_ref.activation import silu_and_mul
     from ops.torch_ref.attention import attention
     from ops.torch_ref.attention_contiguous import attention_contiguous
+    from ops.torch_ref.attention_static import attention_static
     from ops.torch_ref.kv_store import store_kv
     from ops.torch_ref.norm import fused_add_rms_norm, rms_norm
     from ops.torch_ref.reduce import row_argmax
@@ -21,6 +22,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
         "pack_linear": lambda weight, bias: None,  # no packed form: layers call F.linear
         "attention": attention,
         "attention_contiguous": attention_contiguous,
+        "attention_static": attention_static,
         "store_kv": store_kv,
         "rms_norm": rms_norm,
         "row_argmax": row_argmax,

@@ -3,6 +3,7 @@ released slots, memory that follows tokens (not max_model_len), and the mapping 
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,7 @@ def test_memory_follows_tokens_not_max_model_len(make_config_variant, max_model_
         max_model_len=max_model_len, enable_prefix_caching=False, max_num_batched_tokens=8192,
     )  # fmt: skip
     layout = _xt(engine)
+    gc.collect()  # an earlier test's engine freed now, not while this one is measured
     before = _rss_shmem_bytes()
     for i, prompt in enumerate(random_prompts([100] * 64, seed=3)):
         _add(engine, f"r{i}", prompt, max_tokens=2)
@@ -133,7 +135,6 @@ def _num_mappings() -> int:
 def test_a_dropped_engine_gives_back_its_mappings(tiny_qwen3: Path) -> None:
     """Nobody closes an ``LLM`` / engine explicitly: once it is gone its ranges are unmapped and its
     memfd closed, so engine after engine in one process never runs out of ``vm.max_map_count``."""
-    import gc
     import os
 
     gc.collect()

@@ -184,6 +184,9 @@ class GraphStatsMsg(msgspec.Struct, kw_only=True):
     num_recompiles_after_warmup: int = 0  # should stay 0
     num_replays: int = 0  # steps run through a graph
     num_eager_steps: int = 0  # steps run eagerly (larger than every bucket)
+    decode_graph_buckets: list[int] = []  # full mode: decode batch sizes captured as whole-step graphs
+    decode_graph_capture_s: dict[int, float] = {}
+    num_decode_graph_replays: int = 0  # decode steps run as one whole-step graph
 
 
 class XTensorStatsMsg(msgspec.Struct, kw_only=True):

@@ -56,6 +56,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     execution = config.execution
     mode = caps.default_graph_mode if execution.graph_mode == "auto" else execution.graph_mode
     graph = create_graph_runner(mode, platform.name, model.forward_tokens)
+    graph.bind_kv(caches, block_size, -(-max_model_len // block_size))
     graph.capture(execution.buckets(), device)
     logger.info("expert-parallel worker rank %d/%d ready (pid %d)", rank, world_size, os.getpid())
     while True:

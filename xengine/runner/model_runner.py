@@ -71,6 +71,8 @@ class ModelRunner:
 
     def capture_graphs(self, sizes: list[int]) -> None:
         """Build the graph runner's graphs (start-up; a no-op in eager mode)."""
+        if self.max_model_len:
+            self.graph.bind_kv(self.attn_caches, self.block_size, -(-self.max_model_len // self.block_size))
         self.graph.capture(sizes, self.device)
 
     @torch.inference_mode()

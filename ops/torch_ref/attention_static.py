@@ -1,0 +1,60 @@
+"""Decode attention of a full device graph's step, from device tensors only (the reference).
+
+``meta.static`` metadata (``graph/full.py``): row ``b`` is one decode token of a sequence whose
+context after this step is ``seq_lens[b]`` tokens in the blocks of ``block_tables[b]``; its K/V go to
+``slot_mapping[b]``. Rows with ``seq_lens`` 0 and slot -1 are bucket padding. Nothing here reads the
+host fields (they describe the capture, not the step), which is what lets a captured graph replay
+this work on new metadata. The CUDA backend (``ops/triton/decode_attention.py``) does the same in two
+Triton kernels; this is their oracle and what the CPU runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ops.attention_metadata import AttentionMetadata
+
+
+def store_kv_static(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``k``/``v`` rows ([T, Hkv, D]) into the paged cache at their slots; rows with slot < 0 skipped."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat[0].index_copy_(0, slots, k[keep].to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v[keep].to(kv_cache.dtype))
+
+
+def attention_static(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``ops.attention.attention`` for ``meta.static``: q [B, Hq, D] (one token per row) -> [B, Hq, D]."""
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError("full device graphs run on the paged KV layout")
+    store_kv_static(k, v, kv_cache, meta.slot_mapping)
+    batch, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    tables = meta.block_tables.long()  # [B, W]
+    width = tables.shape[1]
+    keys = kv_cache[0][tables].reshape(batch, width * block_size, num_kv_heads, head_dim)
+    values = kv_cache[1][tables].reshape(batch, width * block_size, num_kv_heads, head_dim)
+    pos = torch.arange(width * block_size, device=q.device)
+    lens = meta.seq_lens.long()[:, None]
+    valid = pos[None, :] < lens  # [B, L]
+    if sliding_window:
+        valid &= pos[None, :] >= lens - sliding_window
+    group = num_heads // num_kv_heads
+    qg = q.view(batch, num_kv_heads, group, head_dim).float()
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padding row (no context) attends nothing
+    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
