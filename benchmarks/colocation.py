@@ -136,6 +136,11 @@ def pin(pid: int, core: int) -> None:
             pass
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def server_config(model: str, port: int, name: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model": {
@@ -149,6 +154,7 @@ def server_config(model: str, port: int, name: str, args: argparse.Namespace) ->
             "max_num_seqs": 64,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "offline_preemption": "step" if name == "step_level" else "layer",
+            "offline_max_batched_tokens": args.offline_max_batched_tokens,
         },
         "device": {"device": "cpu", "num_threads": args.threads},
         "service": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
@@ -166,6 +172,7 @@ def server_config(model: str, port: int, name: str, args: argparse.Namespace) ->
         }
     else:
         cfg["scheduler"]["offline_preemption"] = "step"  # what one engine did before co-location
+        cfg["scheduler"]["offline_max_batched_tokens"] = 0
         cfg["scheduler"]["isolate_online_prefill"] = False
     return cfg
 
@@ -182,8 +189,13 @@ def run_config(name: str, model: str, content: bytes, args: argparse.Namespace) 
     ):
         if args.pin and name != "single_engine":  # one core per instance, as numactl would in production
             instances = sorted(http.get("/admin/instances").json()["instances"], key=lambda i: i["name"])
-            for core, inst in enumerate(instances):
-                pin(inst["pid"], core % (os.cpu_count() or 1))
+            cores = {inst["name"]: core % (os.cpu_count() or 1) for core, inst in enumerate(instances)}
+            for inst in instances:
+                pin(inst["pid"], cores[inst["name"]])
+            if args.pin_service:  # the API server (the engines' parent) and this client beside decode
+                strict = next(i for i in instances if i["role"] == "decode")
+                pin(_parent(strict["pid"]), cores[strict["name"]])
+                pin(os.getpid(), cores[strict["name"]])
         print(f"[colocation] {name}: warm-up", file=sys.stderr)
         online_phase(base_url, MODEL_NAME, model, args, num_prompts=8)
         print(f"[colocation] {name}: A online alone", file=sys.stderr)
@@ -315,21 +327,38 @@ def online_phase(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(p)
-    p.add_argument("--online-requests", type=int, default=40)
+    p.add_argument("--online-requests", type=int, default=80)
     p.add_argument("--request-rate", type=float, default=2.0, help="online requests/s (Poisson)")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--online-output-len", type=int, default=16)
-    p.add_argument("--batch-lines", type=int, default=160)
+    p.add_argument("--batch-lines", type=int, default=300)
     p.add_argument("--batch-input-len", type=int, default=512)
     p.add_argument("--batch-output-len", type=int, default=32)
     p.add_argument("--batch-concurrency", type=int, default=16, help="batch lines in flight")
     p.add_argument("--tpot-slo-ms", type=float, default=100.0, help="strict pool's TPOT SLO")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument(
+        "--offline-max-batched-tokens",
+        type=int,
+        default=256,
+        help="scheduler.offline_max_batched_tokens of the co-location configs (0: the step budget)",
+    )
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1, help="CPU threads per engine instance")
     p.add_argument("--settle-s", type=float, default=2.0)
-    p.add_argument("--pin", action="store_true", help="pin each engine instance to its own core")
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pin each engine instance to its own core (--no-pin: let the OS place them)",
+    )
+    p.add_argument(
+        "--pin-service",
+        action="store_true",
+        help="with --pin: the API server and this client on the decode (latency-strict) instance's core, "
+        "so the prefill core runs prefills only",
+    )
     p.add_argument("--configs", default="colocation,step_level", help="configurations to run, in order")
     p.add_argument("--baselines", action="store_true", help="also run one engine with priorities only")
     p.add_argument("--seed", type=int, default=0)

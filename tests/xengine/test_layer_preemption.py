@@ -135,3 +135,28 @@ def test_online_steps_and_offline_decodes_are_not_interruptible(make_model_dir):
     engine.add_request(AddRequest(req_id="on", prompt_token_ids=p[1], params=PARAMS))
     plan = s.schedule()  # the online prompt; no offline chunk joins it
     assert not plan.interruptible and [x.req.req_id for x in plan.seqs] == ["on"]
+
+
+def test_an_eager_step_stops_inside_the_mlp(make_model_dir):
+    """An arrival during a layer's gate/up projection stops the step before its down projection
+    (the MLP is most of a layer: the check inside it halves the longest wait)."""
+    import threading
+
+    import torch
+
+    from graph.forward_context import forward_context
+    from graph.interrupt import StepInterrupted
+    from ops.attention_metadata import build_attention_metadata
+
+    engine = make_engine(make_model_dir("qwen3"), num_blocks=64, max_num_seqs=8)
+    model, runner = engine.runner.model, engine.runner
+    layer = model.model.layers[1]
+    arrived, downs = threading.Event(), []
+    layer.mlp.gate_up_proj.register_forward_hook(lambda *_: arrived.set())
+    layer.mlp.down_proj.register_forward_hook(lambda *_: downs.append(1))
+    meta = build_attention_metadata([8], [8], [[0, 1]], engine.kv.block_size)
+    ids = torch.tensor(random_prompts([8], seed=26)[0])
+    with torch.inference_mode(), forward_context(meta, runner.attn_caches, 8, interrupt=arrived):
+        with pytest.raises(StepInterrupted) as stopped:
+            model.forward_tokens(ids, torch.arange(8))
+    assert stopped.value.layer == 1 and not downs

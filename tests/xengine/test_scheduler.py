@@ -10,10 +10,15 @@ from xengine.scheduler.scheduler import Scheduler
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=16, max_seqs=8, chunked=True, prefix=True):
+def make_scheduler(
+    num_blocks=64, block_size=4, budget=16, max_seqs=8, chunked=True, prefix=True, offline_budget=0
+):
     kv = KVCacheManager(num_blocks, block_size, prefix)
     cfg = SchedulerConfig(
-        max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        offline_max_batched_tokens=offline_budget,
     )
     # like the engine: one request never outgrows the whole pool
     return Scheduler(cfg, kv, max_model_len=min(256, num_blocks * block_size), eos_token_ids=[EOS])
@@ -101,3 +106,21 @@ def test_abort_frees_everything_and_n_forks_share_blocks():
     assert not s.has_unfinished()
     assert s.kv.num_free_blocks == 32
     assert {r.finish_reason for r in s.take_updated()} == {"abort"}
+
+
+def test_offline_work_takes_at_most_its_budget():
+    """``offline_max_batched_tokens`` caps the offline share of a step; online work keeps the whole
+    budget, and the plan counts the tokens it carries."""
+    s = make_scheduler(budget=32, offline_budget=12)
+    s.add(make_req("off", 40, priority="offline"))
+    plan = run_step(s)
+    assert [x.num_new_tokens for x in plan.seqs] == [12] and plan.num_batched_tokens == 12
+    assert plan.interruptible
+    s.add(make_req("on", 40, t=1.0, first=100))
+    plan = run_step(s)  # the online prompt alone (isolated), with the whole budget
+    assert [(x.req.seq_id, x.num_new_tokens) for x in plan.seqs] == [("on", 32)]
+    plan = run_step(s)  # online: the 8 left; offline: still at most 12
+    assert [(x.req.seq_id, x.num_new_tokens) for x in plan.seqs] == [("on", 8)]
+    plan = run_step(s)  # the online decode, then offline up to its cap
+    assert [(x.req.seq_id, x.num_new_tokens) for x in plan.seqs] == [("on", 1), ("off", 12)]
+    assert plan.num_batched_tokens == 13

@@ -114,6 +114,11 @@ class SchedulerConfig:
     isolate_online_prefill: bool = _f(
         True, "A step that carries an online prompt chunk carries no offline work (online TTFT first)."
     )
+    offline_max_batched_tokens: int = _f(
+        0,
+        "Token budget of the offline work of one step (0: max_num_batched_tokens). Smaller offline "
+        "chunks make an online arrival's wait for the layer in progress shorter (co-location).",
+    )
     encode_scheduling: str = _f(
         "stage",
         "stage | inline: vision-language models encode images in steps of their own, only in a step "
@@ -143,6 +148,8 @@ class SchedulerConfig:
             raise ValueError("scheduler.max_beam_width must be in [1, 1024]")
         if self.max_num_batched_tokens < 1:
             raise ValueError("scheduler.max_num_batched_tokens must be >= 1")
+        if self.offline_max_batched_tokens < 0:
+            raise ValueError("scheduler.offline_max_batched_tokens must be >= 0 (0: max_num_batched_tokens)")
 
 
 @dataclass(frozen=True)

@@ -53,14 +53,19 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, layer_idx: int | None = None) -> None:
+        """``layer_idx``: the layer it is the MLP of, where an offline step may stop inside it."""
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias)
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.layer_idx = layer_idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        act = silu_and_mul(self.gate_up_proj(x))
+        if self.layer_idx is not None and not torch.compiler.is_compiling():
+            interrupt_point(self.layer_idx)  # the MLP is most of a layer: a check inside it too
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -77,7 +82,7 @@ class DecoderLayer(nn.Module):
             attn = DecoderAttention(cfg, rotary, cfg.sliding_windows[layer_idx], layer_idx)
         self.self_attn = attn
         self.layer_idx = layer_idx
-        self.mlp = DecoderMLP(cfg) if mlp is None else mlp  # a sparse MoE block in MoE models
+        self.mlp = DecoderMLP(cfg, layer_idx) if mlp is None else mlp  # a sparse MoE block in MoE models
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -88,13 +93,16 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``; their sum is the layer's output."""
+        eager = not torch.compiler.is_compiling()
+        if eager and residual is not None:  # an offline step may stop between layers (eager: here too,
+            interrupt_point(self.layer_idx)  # before the QKV projection; compiled: at attention)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        if not torch.compiler.is_compiling():  # eager: an offline step may also stop before the MLP
+        if eager:  # eager: an offline step may also stop before the MLP
             interrupt_point(self.layer_idx)
         return self.mlp(hidden), residual
 

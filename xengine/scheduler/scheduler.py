@@ -7,8 +7,9 @@ No prefill/decode phases: every sequence has ``num_computed_tokens`` catching up
 ``online`` before ``offline``: running online sequences, waiting online ones (which may preempt
 offline ones), then running and waiting offline ones. Within a class running sequences go
 first (decode-first, stall-free admission). A step with an online prompt chunk takes no offline work
-(``isolate_online_prefill``), and a step of only offline work that prefills is ``interruptible``: an
-online arrival stops it between layers (``graph/interrupt.py``) unless ``offline_preemption: step``.
+(``isolate_online_prefill``), offline work takes at most ``offline_max_batched_tokens`` of a step, and
+a step of only offline work that prefills is ``interruptible``: an online arrival stops it between
+layers (``graph/interrupt.py``) unless ``offline_preemption: step``.
 
 A beam-search request is one ``BeamGroup``: its root sequence is admitted (and prefilled) like any
 other; afterwards its live beams are scheduled together or not at all, since choosing the next
@@ -122,6 +123,8 @@ class Scheduler:
         for cls in sorted(PRIORITY_RANK.values()):
             if cls > ONLINE and self._online_prefill and self.config.isolate_online_prefill:
                 break  # an online prompt chunk runs in a step of online work only
+            if cls > ONLINE and self.config.offline_max_batched_tokens:
+                self._budget = min(self._budget, self.config.offline_max_batched_tokens)
             self._schedule_running(cls, plan)
             self._admit_waiting(cls, plan)
         if self.encode_stage is not None:  # Algorithm 1: encodes only in a step without a prefill chunk
@@ -129,7 +132,7 @@ class Scheduler:
             plan.encodes = self.encode_stage.select(self.waiting, has_prefill)
         plan.block_tables = {s.req.seq_id: self.kv.get_block_table(s.req.seq_id) for s in plan.seqs}
         plan.block_copies = self.kv.take_pending_copies()
-        plan.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
+        plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.seqs)
         plan.sync = any(s.num_samples > 1 or s.req.req_id in self.beam_groups for s in plan.seqs)
         plan.interruptible = (
             not plan.is_empty
