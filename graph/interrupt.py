@@ -13,26 +13,51 @@ after the online request's prefill. KV rows the interrupted layers wrote are rew
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
 from graph.forward_context import ForwardContext, get_forward_context
 
 
-class StepInterrupted(Exception):
-    """The step was stopped between layers for a higher-priority arrival; nothing of it applies."""
+@dataclass
+class ResumePoint:
+    """Where an eager forward stopped, with what it had computed: ``DecoderModel.forward_from``
+    carries on from here. ``phase``: "layer" (before layer ``layer``: ``hidden`` / ``residual`` are
+    the previous layer's outputs), "mlp" (layer ``layer``'s attention done: ``hidden`` is the MLP's
+    input) or "down" (its MLP's gate/up done: ``hidden`` is the down projection's input)."""
 
-    def __init__(self, layer: int) -> None:
+    phase: str
+    layer: int
+    hidden: torch.Tensor
+    residual: torch.Tensor | None
+
+
+class StepInterrupted(Exception):
+    """The step was stopped between layers for a higher-priority arrival; nothing of it applies.
+    ``resume``: where it stopped, when the forward can carry on from there (eager checks); the
+    engine keeps the step and resumes it (``xengine/step_resume.py``) instead of computing it again."""
+
+    def __init__(self, layer: int, resume: ResumePoint | None = None) -> None:
         super().__init__(f"step interrupted before layer {layer}")
         self.layer = layer
+        self.resume = resume
+        self.step: Any = None  # the prepared step, attached by the model runner
 
 
-def check_interrupt(ctx: ForwardContext, layer: int) -> None:
+def check_interrupt(ctx: ForwardContext, layer: int, resume: ResumePoint | None = None) -> None:
     """Raise ``StepInterrupted`` when the step's interrupt event is set (called per layer)."""
     if ctx.interrupt is not None and ctx.interrupt.is_set():
-        raise StepInterrupted(layer)
+        raise StepInterrupted(layer, resume)
 
 
-def interrupt_point(layer: int) -> None:
-    """A second check inside a layer, before its MLP (eager forwards only: compiled graphs check at
-    attention, which stays eager). Halves the expected wait of an online arrival."""
+def interrupt_point(
+    layer: int, phase: str = "", hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> None:
+    """A check inside an eager forward (compiled graphs check at attention, which stays eager);
+    with ``phase`` and ``hidden`` the stop is resumable from here."""
     ctx = get_forward_context()
-    if ctx is not None:
-        check_interrupt(ctx, layer)
+    if ctx is not None and ctx.interrupt is not None and ctx.interrupt.is_set():
+        point = ResumePoint(phase, layer, hidden, residual) if phase and hidden is not None else None
+        raise StepInterrupted(layer, point)

@@ -39,6 +39,7 @@ from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.plan import ScheduledSeq, SchedulePlan, StepOutput, StepSample
 from xengine.scheduler.scheduler import Scheduler
+from xengine.step_resume import PausedStep, StepResumer
 from xengine.structured.manager import StructuredOutputs, compile_error_message
 from xengine.validation import validate_request
 
@@ -158,6 +159,7 @@ class Engine:
             encode_stage=self._encode_stage(config),
         )
         self.pipeline = StepPipeline(self) if self.async_scheduling else None
+        self.resumer = StepResumer(self.scheduler)  # interrupted offline steps carry on later
         self.kv_transfer = KVTransferManager(  # PD: Mooncake agent on first use
             self.kv, kv_caches, spec, port_range=config.cache.transfer_ports()
         )
@@ -249,7 +251,8 @@ class Engine:
         if self.pipeline is not None:
             return self._step_async(self.pipeline)
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        paused = self.resumer.ready(self.interrupter.pending_online)
+        plan = paused.plan if paused is not None else self.scheduler.schedule()
         if self.kv_transfer.num_pins:
             self.kv_transfer.release_admitted(self.kv.block_tables)
             if plan.is_empty:
@@ -259,9 +262,9 @@ class Engine:
         if not plan.is_empty:
             self.interrupter.started(plan)
             try:
-                plan, out = self._execute(plan)
-            except StepInterrupted:  # nothing of it applied: its sequences run again later
-                self.interrupter.interrupted(plan)
+                plan, out = self._execute(plan) if paused is None else self._resume(paused)
+            except StepInterrupted as stop:  # nothing of it applied: paused, or run again later
+                self.interrupter.interrupted(plan, resumable=self.resumer.pause(plan, stop))
                 self.last_step_timing = StepTiming(time.perf_counter() - t0, 0.0, 0, 0, None)
                 return self._collect_deltas()
             forward_s = out.forward_s
@@ -310,6 +313,19 @@ class Engine:
         dropped = self.kv_transfer.release_waiting_imports(keep=self.scheduler.waiting[0].seq_id)
         if dropped:
             logger.warning("KV pool held by %d imported prompts of queued requests: unpinned them", dropped)
+
+    def _resume(self, paused: PausedStep) -> tuple[SchedulePlan, StepOutput]:
+        """Carry a paused step on from where it stopped; if that fails, run it again from its start."""
+        try:
+            out = self.interrupter.run(paused.plan, lambda: self.runner.resume(paused.step, paused.point))
+        except StepInterrupted:
+            raise
+        except Exception:  # noqa: BLE001 - the plain path isolates what is wrong with it
+            logger.exception("resuming an interrupted step failed; running it again from its start")
+            self.resumer.drop()
+            return self._execute(paused.plan)
+        self.resumer.resumed()
+        return paused.plan, out
 
     def _execute(self, plan: SchedulePlan, failed_once: bool = False) -> tuple[SchedulePlan, StepOutput]:
         """Run ``plan``. If the forward raises, run each request of it alone and fail (finish_reason

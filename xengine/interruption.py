@@ -9,8 +9,10 @@ With ``offline_preemption: step`` the inputs are read the same way (so arrivals 
 way) but the event is never set: the online request waits for the step to end.
 
 Nothing of an interrupted step applies (``Scheduler.update`` does not run; under async scheduling
-the plans are rewound), so its sequences keep their KV blocks and their progress and run again
-after the online prefill; the rows the interrupted layers wrote are rewritten then. In-process use
+the plans are rewound), so its sequences keep their KV blocks and their progress. After the online
+prefill the step carries on from where it stopped when it stopped at an eager check of the
+synchronous engine (``xengine/step_resume.py``); otherwise its sequences run again and the rows the
+interrupted layers wrote are rewritten then. In-process use
 (``LLM``) has no watcher: steps are never interrupted there.
 
 Preemption latency, measured per online request that arrived while an offline prefill step ran (in
@@ -47,6 +49,7 @@ class Interrupter:
         self.pending_online = 0  # online requests read by ``watch`` and not yet handed to the engine
         self.num_interrupted_steps = 0
         self.num_interrupted_tokens = 0  # tokens of interrupted steps, computed again later
+        self.num_paused_steps = 0  # interrupted steps kept to carry on later (``step_resume.py``)
         self.latencies: deque[float] = deque(maxlen=MAX_LATENCIES)
         self.arrivals: dict[str, float] = {}  # online req id -> when ``watch`` read it
         self._executor: ThreadPoolExecutor | None = None
@@ -107,9 +110,13 @@ class Interrupter:
         self.wait(future, plan)
         return future.result()
 
-    def interrupted(self, plan: SchedulePlan) -> None:
+    def interrupted(self, plan: SchedulePlan, resumable: bool = False) -> None:
+        """``plan`` stopped: paused to carry on later (``resumable``), or to be computed again."""
         self.num_interrupted_steps += 1
-        self.num_interrupted_tokens += sum(s.num_new_tokens for s in plan.seqs)
+        if resumable:
+            self.num_paused_steps += 1
+        else:
+            self.num_interrupted_tokens += sum(s.num_new_tokens for s in plan.seqs)
 
     def started(self, plan: SchedulePlan) -> None:
         """``plan`` starts running: record the preemption latency of online prefills it begins."""
@@ -131,6 +138,7 @@ class Interrupter:
             offline_preemption=self.mode,
             num_interrupted_steps=self.num_interrupted_steps,
             num_interrupted_tokens=self.num_interrupted_tokens,
+            num_paused_steps=self.num_paused_steps,
             num_latencies=len(lat),
             preemption_latency_p50_ms=pct(0.5),
             preemption_latency_p99_ms=pct(0.99),

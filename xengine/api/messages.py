@@ -168,7 +168,8 @@ class ColocationStatsMsg(msgspec.Struct, kw_only=True):
 
     offline_preemption: str = "layer"  # layer | step
     num_interrupted_steps: int = 0  # offline steps stopped between layers for an online arrival
-    num_interrupted_tokens: int = 0  # their tokens, computed again later
+    num_interrupted_tokens: int = 0  # tokens of those not resumed: computed again later
+    num_paused_steps: int = 0  # of those, kept and carried on from where they stopped
     # online requests that arrived while an offline prefill step ran: arrival -> their first step
     num_latencies: int = 0
     preemption_latency_p50_ms: float = 0.0

@@ -11,7 +11,7 @@ from torch import nn
 
 from graph.attention_op import unified_attention
 from graph.forward_context import forward_context
-from graph.interrupt import interrupt_point
+from graph.interrupt import ResumePoint, StepInterrupted, interrupt_point
 from ops.activation import silu_and_mul
 from ops.attention import AttentionMetadata
 from ops.rope_scaling import max_context_len
@@ -64,7 +64,7 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = silu_and_mul(self.gate_up_proj(x))
         if self.layer_idx is not None and not torch.compiler.is_compiling():
-            interrupt_point(self.layer_idx)  # the MLP is most of a layer: a check inside it too
+            interrupt_point(self.layer_idx, "down", act)  # the MLP is most of a layer: a check inside too
         return self.down_proj(act)
 
 
@@ -94,17 +94,23 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``; their sum is the layer's output."""
         eager = not torch.compiler.is_compiling()
-        if eager and residual is not None:  # an offline step may stop between layers (eager: here too,
-            interrupt_point(self.layer_idx)  # before the QKV projection; compiled: at attention)
+        if eager:  # an offline step may stop between layers (eager: here too; compiled: at attention)
+            interrupt_point(self.layer_idx, "layer", hidden, residual)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        if eager:  # eager: an offline step may also stop before the MLP
-            interrupt_point(self.layer_idx)
-        return self.mlp(hidden), residual
+        if not eager:
+            return self.mlp(hidden), residual
+        interrupt_point(self.layer_idx, "mlp", hidden, residual)  # eager: also before the MLP
+        try:
+            return self.mlp(hidden), residual
+        except StepInterrupted as e:  # stopped inside the MLP: the residual stream is ours
+            if e.resume is not None and e.resume.phase == "down":
+                e.resume.residual = residual
+            raise
 
 
 class DecoderModel(nn.Module):
@@ -135,8 +141,22 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states of the tokens; attention reads its metadata and caches from the forward context."""
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        return self._layers_from(0, positions, self.embed_tokens(input_ids), None)
+
+    def forward_from(self, point: ResumePoint, positions: torch.Tensor) -> torch.Tensor:
+        """The rest of a forward an interrupt stopped at ``point`` (same step, same context):
+        the same operations on the same tensors as the forward it interrupted would have run."""
+        hidden, residual, start = point.hidden, point.residual, point.layer
+        if point.phase != "layer":
+            mlp = self.layers[start].mlp
+            hidden = mlp.down_proj(hidden) if point.phase == "down" else mlp(hidden)
+            start += 1
+        return self._layers_from(start, positions, hidden, residual)
+
+    def _layers_from(
+        self, start: int, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor:
+        for layer in self.layers[start:]:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -10,6 +10,7 @@ import torch
 
 from graph.base import create_graph_runner
 from graph.forward_context import forward_context
+from graph.interrupt import ResumePoint, StepInterrupted
 from memory.kv_layout import BaseKVLayout
 from ops.platforms import Platform
 from xengine.api.messages import TokenLogprob
@@ -114,21 +115,51 @@ class ModelRunner:
             return StepOutput(forward_s=time.perf_counter() - t0)
         try:
             out = self._run_model(step, prev_rows, t0)
+        except StepInterrupted as e:  # the engine may resume it: it needs the step, and a forward
+            e.step = step  # that can carry on from where it stopped
+            if not (self._resumable(step) and prev_rows is None):
+                e.resume = None
+            raise
         finally:
             EncodeRunner.wait(encoding)
         return out
 
-    def _run_model(self, step: PreparedStep, prev_rows: torch.Tensor | None, t0: float) -> StepOutput:
-        self.layout.copy_blocks(self.kv_caches, step.plan.block_copies)
+    @torch.inference_mode()
+    def resume(self, step: PreparedStep, point: ResumePoint) -> StepOutput:
+        """Carry an interrupted step's forward on from ``point``, then its logits and sampling (its
+        copies, inputs and the KV of the layers it finished are as it left them)."""
+        try:
+            return self._run_model(step, None, time.perf_counter(), point)
+        except StepInterrupted as e:  # stopped again: resumable from the new point
+            e.step = step
+            raise
+
+    def _resumable(self, step: PreparedStep) -> bool:
+        """Whether an interrupted ``step`` can carry on where it stopped: an eager forward of a model
+        with ``forward_from``, in this process alone, text only."""
+        return (
+            self.graph.mode == "eager"
+            and self.parallel is None
+            and (step.mm is None or not step.mm.pieces)
+            and hasattr(getattr(self.model, "model", None), "forward_from")
+        )
+
+    def _run_model(
+        self, step: PreparedStep, prev_rows: torch.Tensor | None, t0: float, resume: ResumePoint | None = None
+    ) -> StepOutput:
         inputs = step.inputs
         assert inputs is not None
-        if prev_rows is not None:
-            inputs.input_ids = _resolve(inputs.input_ids, prev_rows)
-        if self.parallel is not None:
-            self.parallel.publish(inputs, step.plan.block_copies)
+        if resume is None:  # a resumed step did these when it started
+            self.layout.copy_blocks(self.kv_caches, step.plan.block_copies)
+            if prev_rows is not None:
+                inputs.input_ids = _resolve(inputs.input_ids, prev_rows)
+            if self.parallel is not None:
+                self.parallel.publish(inputs, step.plan.block_copies)
         interrupt = self.interrupt if step.plan.interruptible else None
         with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens, interrupt):
-            if step.mm is not None and step.mm.pieces:
+            if resume is not None:
+                hidden = self.model.model.forward_from(resume, inputs.positions)
+            elif step.mm is not None and step.mm.pieces:
                 hidden = self._forward_images(inputs, step.mm)
             else:
                 hidden = self.graph.run(inputs.input_ids, inputs.positions)

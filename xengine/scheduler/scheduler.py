@@ -59,6 +59,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.waiting: list[Request] = []  # sorted by rank
         self.running: list[Request] = []
+        self.held: set[str] = set()  # sequences of a paused step: not scheduled until it resumes
         self.seqs: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # req_id -> seq_ids
         self.updated: dict[str, Request] = {}  # sequences with news for the client
@@ -154,6 +155,8 @@ class Scheduler:
             if self._budget <= 0:
                 return
             if req.rank[0] != cls or req.status != RequestStatus.RUNNING or req.seq_id in self._scheduled:
+                continue
+            if req.seq_id in self.held:  # in a paused step (``xengine/step_resume.py``)
                 continue
             if done_pending(req, self.max_model_len):  # its in-flight token ends it
                 continue

@@ -1,0 +1,82 @@
+"""Interrupted offline steps carry on from the layer where they stopped (xLLM §3.1).
+
+An online arrival stops an offline prefill step between layers (``graph/interrupt.py``). When the
+stop came at an eager check, the exception carries a ``ResumePoint`` (the hidden states at that
+point) and the prepared step: instead of discarding the step and computing its chunks again later,
+the engine keeps it here, paused. Its sequences are held (the scheduler skips them), the online
+prefill runs, and as soon as no online prefill is pending the engine carries the paused step's
+forward on from the point (``ModelRunner.resume``), samples and applies it as if it had never
+stopped: the same operations on the same tensors, so the tokens are the same bit for bit. The KV
+rows its finished layers wrote stay where they are.
+
+A paused step is dropped (its sequences then run again from where they were, as without resume)
+when any of its sequences moved meanwhile: aborted, finished, or preempted to make room for the
+online request. A resumed step that is interrupted again pauses again, from its new point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graph.interrupt import ResumePoint, StepInterrupted
+from xengine.request import RequestStatus
+from xengine.scheduler.plan import SchedulePlan
+from xengine.scheduler.scheduler import ONLINE, Scheduler
+
+
+@dataclass
+class PausedStep:
+    plan: SchedulePlan
+    step: object  # the model runner's PreparedStep
+    point: ResumePoint
+    computed: dict[str, int]  # seq id -> its num_computed_tokens when the step was scheduled
+
+
+class StepResumer:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.paused: PausedStep | None = None
+        self.num_resumed = 0  # paused steps carried on to their end
+        self.num_dropped = 0  # paused steps given up (a sequence moved): computed again
+
+    def pause(self, plan: SchedulePlan, stop: StepInterrupted) -> bool:
+        """Keep ``plan``'s step when ``stop`` says where to carry on from; False: it runs again."""
+        self.paused = None
+        if stop.resume is None or stop.step is None:
+            self.scheduler.held = set()
+            return False
+        computed = {s.req.seq_id: s.req.num_computed_tokens for s in plan.seqs}
+        self.paused = PausedStep(plan, stop.step, stop.resume, computed)
+        self.scheduler.held = set(computed)
+        return True
+
+    def ready(self, online_pending: int) -> PausedStep | None:
+        """The paused step, when it can carry on now: its sequences where they were and no online
+        prefill waiting or in progress (``online_pending``: arrivals read, not yet in the engine)."""
+        paused = self.paused
+        if paused is None:
+            return None
+        for s in paused.plan.seqs:
+            req = s.req
+            if req.status != RequestStatus.RUNNING or req.num_computed_tokens != paused.computed[req.seq_id]:
+                self.drop()
+                return None
+        if online_pending or self._online_prefill():
+            return None
+        return paused
+
+    def resumed(self) -> None:
+        self.paused = None
+        self.scheduler.held = set()
+        self.num_resumed += 1
+
+    def drop(self) -> None:
+        self.paused = None
+        self.scheduler.held = set()
+        self.num_dropped += 1
+
+    def _online_prefill(self) -> bool:
+        s = self.scheduler
+        if any(r.rank[0] == ONLINE for r in s.waiting):
+            return True
+        return any(r.rank[0] == ONLINE and r.num_computed_tokens < r.num_prompt_tokens for r in s.running)
