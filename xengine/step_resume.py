@@ -10,8 +10,8 @@ stopped: the same operations on the same tensors, so the tokens are the same bit
 rows its finished layers wrote stay where they are.
 
 A paused step is dropped (its sequences then run again from where they were, as without resume)
-when any of its sequences moved meanwhile: aborted, finished, or preempted to make room for the
-online request. A resumed step that is interrupted again pauses again, from its new point.
+when any of its sequences moved meanwhile (aborted, finished, or preempted to make room for the
+online request), or when online prefills kept it waiting for ``MAX_WAIT_STEPS`` steps. A resumed step that is interrupted again pauses again, from its new point.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from xengine.request import RequestStatus
 from xengine.scheduler.plan import SchedulePlan
 from xengine.scheduler.scheduler import ONLINE, Scheduler
 
+MAX_WAIT_STEPS = 64  # a paused step still waiting after this many steps is dropped (run again)
+
 
 @dataclass
 class PausedStep:
@@ -30,6 +32,7 @@ class PausedStep:
     step: object  # the model runner's PreparedStep
     point: ResumePoint
     computed: dict[str, int]  # seq id -> its num_computed_tokens when the step was scheduled
+    waited: int = 0  # engine steps it has waited for online prefills
 
 
 class StepResumer:
@@ -62,6 +65,9 @@ class StepResumer:
                 self.drop()
                 return None
         if online_pending or self._online_prefill():
+            paused.waited += 1
+            if paused.waited > MAX_WAIT_STEPS:  # never leave its sequences held for long
+                self.drop()
             return None
         return paused
 

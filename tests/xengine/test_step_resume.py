@@ -103,3 +103,32 @@ def test_a_paused_step_whose_request_is_aborted_is_dropped(make_model_dir) -> No
     # the other request of the dropped step ran again from where it was: the same tokens
     assert out["off1"] == want["off0"][0]
     assert_engine_idle(engine, 64)
+
+
+def test_a_paused_step_does_not_wait_forever(make_model_dir) -> None:
+    """Online prefills that keep coming hold a paused step back only ``MAX_WAIT_STEPS`` steps."""
+    from xengine.step_resume import MAX_WAIT_STEPS
+
+    engine = make_engine(make_model_dir("qwen3"), **KW)
+    engine.add_request(
+        AddRequest(
+            req_id="off",
+            prompt_token_ids=random_prompts([150], seed=33)[0],
+            params=PARAMS,
+            priority="offline",
+        )
+    )
+    hook = engine.runner.model.model.layers[1].self_attn.register_forward_hook(
+        lambda *_: engine.interrupter.event.set()
+    )
+    engine.step()
+    hook.remove()
+    engine.interrupter.event.clear()
+    assert engine.resumer.paused is not None
+    for _ in range(MAX_WAIT_STEPS):
+        assert engine.resumer.ready(online_pending=1) is None and engine.resumer.paused is not None
+    assert engine.resumer.ready(online_pending=1) is None and engine.resumer.paused is None
+    assert engine.resumer.num_dropped == 1 and not engine.scheduler.held
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_engine_idle(engine, 64)
