@@ -162,7 +162,9 @@ def test_online_arrivals_stop_offline_prefill_between_layers(
         if stats["num_interrupted_steps"] > before:
             break
     assert stats["offline_preemption"] == "layer" and stats["num_interrupted_steps"] > 0, stats
-    assert stats["num_interrupted_tokens"] > 0 and stats["num_latencies"] > 0
+    # each interrupted step was either kept and resumed (the sync eager engines here) or computed again
+    assert stats["num_paused_steps"] > 0 or stats["num_interrupted_tokens"] > 0, stats
+    assert stats["num_latencies"] > 0
     metrics = cluster.http.get("/metrics").text
     assert "xllm_offline_interrupted_steps" in metrics
 

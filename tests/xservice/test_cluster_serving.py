@@ -305,12 +305,14 @@ def test_kill_9_mid_stream_migrates_requests_without_losing_or_repeating_tokens(
     wait_until(
         lambda: registered_incarnation() != victim["incarnation"], TTL_S + HEARTBEAT_S + 2.0, "lease expiry"
     )
-    assert time.monotonic() - killed_at < TTL_S + HEARTBEAT_S + 2.0
+    replaced_after = time.monotonic() - killed_at
+    assert replaced_after < TTL_S + HEARTBEAT_S + 2.0
     wait_until(lambda: cluster.instances().get(victim["name"], {}).get("healthy"), 120, "the relaunch")
     assert cluster.instances()[victim["name"]]["incarnation"] != victim["incarnation"]
-    assert f"took the name {victim['name']} over from dead incarnation {victim['incarnation']}" in (
-        cluster.log_path.read_text()
-    )
+    if replaced_after < TTL_S - HEARTBEAT_S:  # before the dead lease could expire: only a takeover
+        assert f"took the name {victim['name']} over from dead incarnation {victim['incarnation']}" in (
+            cluster.log_path.read_text()
+        )  # (a relaunch slower than the lease, on a loaded box, registers the plain way)
     metrics = cluster.http.get("/metrics").text
     assert f'xllm_engine_restarts_total{{instance="{victim["name"]}"}} 1.0' in metrics
     assert complete(client, "after the failure").choices[0].finish_reason == "length"
