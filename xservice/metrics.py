@@ -121,6 +121,11 @@ class ServiceMetrics:
             "Offline prefill steps stopped between layers for an online arrival (co-location).",
             registry=r,
         )
+        self.offline_paused_steps = Gauge(
+            "xllm_offline_paused_steps",
+            "Of those, steps kept and carried on from the layer where they stopped (not recomputed).",
+            registry=r,
+        )
         self.offline_preemption_latency = Gauge(
             "xllm_offline_preemption_latency_ms",
             "Online requests that arrived during offline work: arrival to the start of their prefill.",
@@ -262,6 +267,7 @@ class ServiceMetrics:
         if stats.colocation is not None:
             col = stats.colocation
             self.offline_interrupted_steps.set(col.num_interrupted_steps)
+            self.offline_paused_steps.set(col.num_paused_steps)
             self.offline_preemption_latency.labels(quantile="0.5").set(col.preemption_latency_p50_ms)
             self.offline_preemption_latency.labels(quantile="0.99").set(col.preemption_latency_p99_ms)
         if stats.moe is not None:

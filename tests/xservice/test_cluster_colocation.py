@@ -167,6 +167,8 @@ def test_online_arrivals_stop_offline_prefill_between_layers(
     assert stats["num_latencies"] > 0
     metrics = cluster.http.get("/metrics").text
     assert "xllm_offline_interrupted_steps" in metrics
+    paused = next(line for line in metrics.splitlines() if line.startswith("xllm_offline_paused_steps "))
+    assert float(paused.split()[1]) == stats["num_paused_steps"]
 
 
 LONG_OFFLINE = [f"Essay {i}: " + SENTENCE * 2 + "Go on:" for i in range(6)]  # ~35 tokens each
