@@ -13,18 +13,15 @@ from __future__ import annotations
 import torch
 
 from ops.attention_metadata import AttentionMetadata
+from ops.torch_ref.kv_store import store_kv
 
 
 def store_kv_static(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """``k``/``v`` rows ([T, Hkv, D]) into the paged cache at their slots; rows with slot < 0 skipped."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    flat[0].index_copy_(0, slots, k[keep].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v[keep].to(kv_cache.dtype))
+    store_kv(k[keep], v[keep], kv_cache, slot_mapping[keep])
 
 
 def attention_static(

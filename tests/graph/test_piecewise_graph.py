@@ -124,17 +124,24 @@ def test_partial_mode_on_graph_platforms_is_piecewise() -> None:
     assert not isinstance(create_graph_runner("partial", "cpu", lambda ids, pos: ids), PiecewiseGraphRunner)
 
 
-@pytest.mark.cuda
-def test_cuda_piecewise_graphs_match_eager(tiny_qwen3: Path) -> None:
+def cuda_tokens_against_eager(model: Path, graph_mode: str) -> Any:
+    """Greedy tokens of a CUDA engine in ``graph_mode`` equal to an eager one's (skips without a
+    GPU); returns the graph engine for the caller's own checks."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     prompts = random_prompts([1, 5, 9, 30, 2, 70], seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     kw: dict[str, Any] = dict(device="cuda", max_model_len=256, max_num_batched_tokens=64, num_blocks=128)
-    want = _outputs(make_engine(tiny_qwen3, graph_mode="eager", **kw), prompts, params)
-    engine = make_engine(tiny_qwen3, graph_mode="partial", graph_batch_sizes="1,4,8", **kw)
+    want = _outputs(make_engine(model, graph_mode="eager", **kw), prompts, params)
+    engine = make_engine(model, graph_mode=graph_mode, graph_batch_sizes="1,4,8", **kw)
     got = _outputs(engine, prompts, params)
+    assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in want.items()}
+    return engine
+
+
+@pytest.mark.cuda
+def test_cuda_piecewise_graphs_match_eager(tiny_qwen3: Path) -> None:
+    engine = cuda_tokens_against_eager(tiny_qwen3, "partial")
     stats = engine.get_stats().graph
     assert isinstance(engine.runner.graph, PiecewiseGraphRunner) and stats.num_replays > 0
     assert stats.num_recompiles_after_warmup == 0
-    assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in want.items()}
