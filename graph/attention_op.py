@@ -22,7 +22,8 @@ def _attention_op(
     ctx = get_forward_context()
     if ctx is None or ctx.meta is None:
         return torch.zeros_like(q)
-    check_interrupt(ctx, layer)  # an online arrival stops an offline step here, between layers
+    if not ctx.resumable_checks:  # an online arrival stops an offline step here, between layers
+        check_interrupt(ctx, layer)
     sliding = window if window > 0 else None
     n = ctx.num_tokens
     if n == q.shape[0]:

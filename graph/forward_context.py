@@ -27,6 +27,9 @@ class ForwardContext:
     # set while the step may be interrupted between layers (offline work only): an online arrival
     # sets it and the next layer's attention raises ``StepInterrupted`` (``graph/interrupt.py``)
     interrupt: threading.Event | None = None
+    # the model's eager forward checks ``interrupt`` itself, at points it can resume from
+    # (``graph/interrupt.py``): attention then leaves the check to it
+    resumable_checks: bool = False
 
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("xllm_forward", default=None)
@@ -42,8 +45,9 @@ def forward_context(
     caches: list[Any],
     num_tokens: int,
     interrupt: threading.Event | None = None,
+    resumable_checks: bool = False,
 ) -> Iterator[ForwardContext]:
-    ctx = ForwardContext(meta, caches, num_tokens, interrupt)
+    ctx = ForwardContext(meta, caches, num_tokens, interrupt, resumable_checks)
     token = _current.set(ctx)
     try:
         yield ctx

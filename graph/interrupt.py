@@ -6,9 +6,15 @@ sees it and raises ``StepInterrupted`` before touching that layer's KV, so the s
 layer instead of running to its end. Eager forwards also check at each layer's start, before its MLP
 and between the MLP's two projections (``interrupt_point``): the longest stretch without a check is
 then the gate/up projection, about half a layer, and the mean wait about a sixth of one (one layer of
-a 512-token chunk of the small checkpoint: ~21 ms). The engine then discards the step: nothing of it was applied
-(``Scheduler.update`` never ran), so its sequences are still where they were and run again later,
-after the online request's prefill. KV rows the interrupted layers wrote are rewritten then.
+a 512-token chunk of the small checkpoint: ~21 ms). Where the forward checks at these points (the
+synchronous engine's eager forward: ``ForwardContext.resumable_checks``) attention leaves the check
+to them, so every stop carries a ``ResumePoint``.
+
+Nothing of a stopped step is applied (``Scheduler.update`` never ran). With a ``ResumePoint`` the
+engine keeps the step and, after the online prefill, carries its forward on from that point; the
+KV its finished layers wrote stays (``xengine/step_resume.py``). Without one (a stop at the
+attention op of a compiled graph) its sequences run again later and the rows its layers wrote are
+rewritten then.
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ class ModelRunner:
             if self.parallel is not None:
                 self.parallel.publish(inputs, step.plan.block_copies)
         interrupt = self.interrupt if step.plan.interruptible else None
-        with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens, interrupt):
+        resumable = interrupt is not None and prev_rows is None and self._resumable(step)
+        with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens, interrupt, resumable):
             if resume is not None:
                 hidden = self.model.model.forward_from(resume, inputs.positions)
             elif step.mm is not None and step.mm.pieces:
