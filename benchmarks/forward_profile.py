@@ -116,7 +116,7 @@ def component_timers(model: Any, totals: dict[str, float]) -> Iterator[None]:
 
         return wrapper
 
-    saved = {name: getattr(decoder, name) for name in ("attention", "silu_and_mul")}
+    saved = {name: getattr(decoder, name) for name in ("unified_attention", "silu_and_mul")}
     rotary = model.model.rotary
     rotary_call = type(rotary).__call__
     for name, fn in saved.items():

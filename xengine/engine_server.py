@@ -43,6 +43,8 @@ from xengine.engine_proc import SEND_LINGER_MS, EngineProc, apply_num_threads, s
 from xengine.image_publisher import ImageHashTracker, ImagePublishingAgent
 
 logger = logging.getLogger("xengine.engine_server")
+# a service's first call can arrive before its output connection completes (CURVE handshake)
+REPLY_WAIT_MS = 2000
 
 
 class _ObservedEngine:
@@ -164,10 +166,27 @@ class ServedEngineProc(EngineProc):
             if not deltas:
                 return
             msg = StepOutputs(deltas) if deltas is not msg.deltas else msg
-        try:
-            self._out.send(self._encoder.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
+        # step outputs of a service that went away are dropped at once; a reply (to a call that a
+        # service just sent) waits a moment for that service's output connection to come up
+        wait_ms = 0 if isinstance(msg, StepOutputs) else REPLY_WAIT_MS
+        if not send_or_drop(self._out, self._encoder.encode(msg), wait_ms):
             logger.warning("no service connected: dropped a %s frame", type(msg).__name__)
+
+
+def send_or_drop(sock: zmq.Socket, frame: bytes, wait_ms: int) -> bool:
+    """Send ``frame`` without blocking the engine; with no peer connected, wait up to ``wait_ms``
+    for one. False: nobody connected in time, the frame is dropped."""
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        if wait_ms <= 0 or not sock.poll(wait_ms, zmq.POLLOUT):
+            return False
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
 
 
 def bind_sockets(

@@ -58,8 +58,10 @@ def test_imported_embeddings_spare_the_prefill_its_encodes(pair) -> None:
 
 
 def test_staging_full_is_an_error_and_frees_what_it_took(pair) -> None:
-    _, _, exporter, _ = pair
+    encode, _, exporter, _ = pair
+    encode.chat([user_turn("Compare", SMALL, "with", WIDE)], GREEDY, use_tqdm=False)  # (or cached)
     hashes = sorted(exporter.images.hashes())
+    assert hashes
     small = EmbedTransferManager(exporter.images, exporter._agent_fn, staging_bytes=ALIGN)  # noqa: SLF001
     with pytest.raises(RuntimeError, match="staging buffer full"):
         small.export("x2", hashes)

@@ -28,6 +28,7 @@ from xengine.beam.catalog import ItemCatalog
 from xengine.beam.group import BeamGroup
 from xengine.multimodal.encode_stage import EncodeStage
 from xengine.request import PRIORITY_RANK, Request, RequestStatus
+from xengine.scheduler.beams import BeamScheduling
 from xengine.scheduler.in_flight import advance, done_pending, strip_placeholders
 from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
 from xengine.scheduler.prompt_outputs import apply_prompt_outputs, limit_prefix, prefill_done
@@ -41,7 +42,7 @@ def _is_prefill(req: Request, num_new: int) -> bool:
     return num_new > 1 or req.num_computed_tokens < req.num_prompt_tokens
 
 
-class Scheduler:
+class Scheduler(BeamScheduling):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -176,21 +177,6 @@ class Scheduler:
             else:
                 self._add_to_plan(plan, req, num_new)
 
-    def _schedule_beams(self, group: BeamGroup, plan: SchedulePlan) -> None:
-        """All live beams of ``group`` (one new token each) or none of them."""
-        beams = group.slots
-        if len(beams) > self._budget:
-            return
-        for beam in beams:
-            while not self.kv.allocate_slots(beam.seq_id, beam.num_tokens):
-                victim = self._pick_victim(exclude=group.req_id, max_rank=None)
-                if victim is None:
-                    self._preempt(beam, plan)
-                    return
-                self._preempt(victim, plan)
-        for beam in beams:
-            self._add_to_plan(plan, beam, beam.num_tokens - beam.num_computed_tokens)
-
     def _admit_waiting(self, cls: int, plan: SchedulePlan) -> None:
         while self.waiting and self._budget > 0:
             req = self._next_waiting()
@@ -277,24 +263,6 @@ class Scheduler:
         plan.preempted_seq_ids.append(req.seq_id)
         self._push_waiting(req)
 
-    def _preempt_beams(self, group: BeamGroup, plan: SchedulePlan) -> None:
-        self._drop_beams(group, plan)
-        root = group.reset()
-        root.num_preemptions += 1
-        self.num_preemptions += 1
-        self._push_waiting(root)
-
-    def _drop_beams(self, group: BeamGroup, plan: SchedulePlan | None) -> None:
-        for beam in group.slots:
-            if beam.status == RequestStatus.RUNNING:
-                self.running.remove(beam)
-            elif beam.status == RequestStatus.WAITING:
-                self.waiting.remove(beam)
-            self.kv.free(beam.seq_id)
-            beam.status = RequestStatus.FINISHED
-            if plan is not None:
-                plan.preempted_seq_ids.append(beam.seq_id)
-
     # ------------------------------------------------------------------ update
     def update(self, plan: SchedulePlan, out: StepOutput) -> None:
         stepped: dict[str, int] = {}  # beam groups that got candidates: req_id -> epoch
@@ -349,28 +317,6 @@ class Scheduler:
         req.output_token_ids[s.output_index] = sample.token_id
         req.num_placeholders -= 1
         self._append_token(req, sample, num_output=s.output_index + 1)
-
-    def _advance_beams(self, group: BeamGroup, plan: SchedulePlan, out: StepOutput) -> None:
-        cands = [out.beam_candidates[b.seq_id] for b in group.slots]
-        step = group.advance([c[0] for c in cands], [c[1] for c in cands])
-        if step.done:
-            self._finish_beam_group(group, None)
-            return
-        for beam in step.dropped:
-            self.running.remove(beam)
-            self.kv.free(beam.seq_id)
-            beam.status = RequestStatus.FINISHED
-        for parent, child in step.forks:
-            # full blocks are shared, the partial last block is copied on write
-            while not self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens):
-                victim = self._pick_victim(exclude=group.req_id, max_rank=None)
-                if victim is None:
-                    self._preempt_beams(group, plan)
-                    return
-                self._preempt(victim, plan)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
 
     def _apply_samples(self, req: Request, samples: list[SampledToken]) -> None:
         children = []
@@ -453,37 +399,6 @@ class Scheduler:
     def fail(self, req: Request, finish_reason: str) -> None:
         """End ``req`` (and its beam group) now, e.g. when it can never be scheduled."""
         self._finish(req, finish_reason)
-
-    def _finish_beam_group(self, group: BeamGroup, reason: str | None) -> None:
-        """Free every beam and publish the results (``reason`` None: the search completed)."""
-        self._drop_beams(group, None)
-        del self.beam_groups[group.req_id]
-        self.seqs.pop(group.root.seq_id, None)
-        hyps = group.results() if reason is None else []
-        results = []
-        for i in range(group.root.params.n):
-            out = Request(
-                seq_id=f"{group.req_id}#out{i}",
-                req_id=group.req_id,
-                index=i,
-                prompt_token_ids=group.root.prompt_token_ids,
-                params=group.root.params,
-                num_cached_tokens=group.root.num_cached_tokens,
-                status=RequestStatus.FINISHED,
-                finish_reason=reason or "length",
-            )
-            if i < len(hyps):
-                hyp = hyps[i]
-                out.output_token_ids, out.new_token_ids = list(hyp.token_ids), list(hyp.token_ids)
-                out.beam_score, out.cumulative_logprob = hyp.score, hyp.cumulative_logprob
-                if hyp.finished_by_stop:
-                    last = hyp.token_ids[-1]
-                    out.finish_reason = "stop"
-                    out.stop_reason = last if last in group.root.params.stop_token_ids else None
-            results.append(out)
-            self.seqs[out.seq_id] = out
-            self.updated[out.seq_id] = out
-        self.groups[group.req_id] = [r.seq_id for r in results]
 
     def take_updated(self) -> list[Request]:
         """Sequences with news since the last call; forgets fully finished requests."""
