@@ -136,16 +136,6 @@ def pin(pid: int, core: int) -> None:
             pass
 
 
-def renice(pid: int, niceness: int) -> None:
-    """Every thread of process ``pid`` to ``niceness`` (on Linux a nice value is per thread; threads it
-    starts later inherit their creator's)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
-
-
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -179,6 +169,7 @@ def server_config(model: str, port: int, name: str, args: argparse.Namespace) ->
             "metadata_store": "embedded",
             "colocation": True,
             "tpot_slo_ms": args.tpot_slo_ms,
+            "engine_nice": args.engine_nice,
         }
     else:
         cfg["scheduler"]["offline_preemption"] = "step"  # what one engine did before co-location
@@ -206,13 +197,6 @@ def run_config(name: str, model: str, content: bytes, args: argparse.Namespace) 
                 strict = next(i for i in instances if i["role"] == "decode")
                 pin(_parent(strict["pid"]), cores[strict["name"]])
                 pin(os.getpid(), cores[strict["name"]])
-        if args.service_nice:  # the front door ahead of the engines' compute, as its own cores would be
-            some = http.get("/admin/instances").json()["instances"][0]
-            try:
-                renice(_parent(some["pid"]), args.service_nice)
-                renice(os.getpid(), args.service_nice)
-            except PermissionError:
-                print("[colocation] cannot raise priorities (not root): --service-nice 0", file=sys.stderr)
         print(f"[colocation] {name}: warm-up", file=sys.stderr)
         online_phase(base_url, MODEL_NAME, model, args, num_prompts=8)
         print(f"[colocation] {name}: A online alone", file=sys.stderr)
@@ -316,6 +300,7 @@ def run(args: argparse.Namespace) -> dict:
             },
             "tpot_slo_ms": args.tpot_slo_ms,
             "threads_per_instance": args.threads,
+            "engine_nice": args.engine_nice,
             "model": model,
         },
         "configs": configs,
@@ -377,11 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
         "so the prefill core runs prefills only",
     )
     p.add_argument(
-        "--service-nice",
+        "--engine-nice",
         type=int,
-        default=-10,
-        help="nice value of the API server and this client (0: leave them as the engines); in a "
-        "deployment they run on other cores than the engines, here they share two",
+        default=10,
+        help="cluster.engine_nice: the engines' nice value, so the API server and this client (nice 0) come "
+        "first on cores they share with busy engines (in a deployment they have cores of their own)",
     )
     p.add_argument("--configs", default="colocation,step_level", help="configurations to run, in order")
     p.add_argument("--baselines", action="store_true", help="also run one engine with priorities only")

@@ -335,6 +335,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--parent-pid", type=int, default=None, help="Exit when this process is no longer the parent."
     )
+    p.add_argument(
+        "--nice", type=int, default=0, help="Lower this process's scheduling priority by this much (0-19)."
+    )
     return p.parse_args(argv)
 
 
@@ -358,6 +361,17 @@ def confine_binds(args: argparse.Namespace, argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "xengine.engine_server", *argv], env)
 
 
+def lower_priority(nice: int) -> None:
+    """Every thread of this process to nice value ``nice`` (absolute: the re-exec of ``confine_binds``
+    does not add it twice; on Linux a nice value is per thread, and new threads inherit it)."""
+    tids = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -365,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s xengine[{args.name}:{os.getpid()}] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if args.nice:  # before torch starts its threads: they inherit it
+        lower_priority(args.nice)
     if args.parent_pid is not None:
         set_parent_death_signal(signal.SIGTERM)
         if os.getppid() != args.parent_pid:

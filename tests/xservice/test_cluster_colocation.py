@@ -37,6 +37,7 @@ CLUSTER = {
     "metadata_store": "embedded",
     "colocation": True,
     "tpot_slo_ms": 2000.0,  # loose: the strict pool admits offline decodes
+    "engine_nice": 5,  # the front door ahead of the engines on shared cores
 }
 ENGINE = {
     "cache": {"kv_transfer_port_range": "23600-23699"},
@@ -105,6 +106,17 @@ def _online(client: openai.OpenAI, prompt: str, max_tokens: int = ONLINE_TOKENS,
 
 def _stats(cluster: ClusterServer) -> dict[str, Any]:
     return cluster.http.get("/v1/admin/stats").json()["colocation"]
+
+
+def test_engines_run_at_the_configured_nice(cluster: ClusterServer) -> None:
+    insts = cluster.http.get("/v1/admin/instances").json()["instances"]
+    assert len(insts) == 2
+    for inst in insts:  # every thread of the engine process, torch's and zmq's included
+        tids = [int(t) for t in os.listdir(f"/proc/{inst['pid']}/task")]
+        assert len(tids) > 1 and {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {5}, inst["name"]
+    with open(f"/proc/{insts[0]['pid']}/stat") as f:  # the service (the engines' parent) is not lowered
+        service_pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    assert os.getpriority(os.PRIO_PROCESS, service_pid) == 0
 
 
 def test_batch_job_beside_online_streams_is_exact_and_uses_both_pools(

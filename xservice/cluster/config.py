@@ -52,6 +52,14 @@ class ClusterConfig:
     cache_match_weight: float = _f(2.0, "cache_aware: weight of the prefix-match fraction against load.")
     lease_ttl_s: float = _f(3.0, "Instance registration lease TTL; a dead instance is gone after it.")
     heartbeat_interval_s: float = _f(0.5, "How often instances renew their lease and report load/KV events.")
+    engine_nice: int = _f(
+        0,
+        "Nice value (0-19) of engine processes: those the service launches ('local', 'ray') and 'xllm engine' "
+        "with this config. On "
+        "CPU hosts where the API server shares cores with busy engines, a positive value keeps the front "
+        "door responsive (online TTFT beside a saturating batch job: docs/colocation.md); no privilege "
+        "needed. Engines on accelerators rarely need it.",
+    )
     migrate_on_failure: bool = _f(True, "Re-run in-flight requests of a dead instance on a healthy one.")
     pd_mode: str = _f(
         "static",
@@ -214,6 +222,8 @@ class ClusterConfig:
         self._validate_pd_mode(specs)
         if not (0 < self.heartbeat_interval_s < self.lease_ttl_s):
             raise ValueError("cluster: need 0 < heartbeat_interval_s < lease_ttl_s")
+        if not 0 <= self.engine_nice <= 19:
+            raise ValueError(f"cluster.engine_nice must be in 0..19, got {self.engine_nice}")
 
     def _validate_epd(self, specs: list[tuple[str, str]]) -> None:
         roles = {role for _, role in specs}

@@ -134,6 +134,7 @@ async def serve_cluster(
                     cl.lease_ttl_s,
                     cl.heartbeat_interval_s,
                     key,
+                    nice=cl.engine_nice,
                 )  # fmt: skip
                 for name, role in cl.instance_specs()
             }

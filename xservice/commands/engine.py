@@ -79,6 +79,8 @@ def run_engine(args: argparse.Namespace) -> int:
         "--lease-ttl-s", str(cl.lease_ttl_s),
         "--heartbeat-interval-s", str(cl.heartbeat_interval_s),
     ]  # fmt: skip
+    if cl.engine_nice:
+        server_args += ["--nice", str(cl.engine_nice)]
     if cl.auth:  # the key file the attaching service reads too (created here on first use)
         key_file = cl.auth_key_file or str(default_cluster_key_file())
         try:

@@ -28,6 +28,7 @@ class InstanceSpec:
     heartbeat_interval_s: float = 0.5
     key: ClusterKey | None = None  # handed to the engine in its environment; None: --no-auth
     replaces: str | None = None  # a relaunch: the dead incarnation it may take the name over from
+    nice: int = 0  # the engine process lowers its own scheduling priority by this much at start
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         """The engine process's environment: ``base`` plus the cluster key."""
@@ -47,6 +48,7 @@ class InstanceSpec:
         ]  # fmt: skip
         args += ["--no-auth"] if self.key is None else []
         args += ["--replaces", self.replaces] if self.replaces else []
+        args += ["--nice", str(self.nice)] if self.nice else []
         return args + (["--parent-pid", str(parent_pid)] if parent_pid is not None else [])
 
 
