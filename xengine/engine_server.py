@@ -336,9 +336,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--parent-pid", type=int, default=None, help="Exit when this process is no longer the parent."
     )
     p.add_argument(
-        "--nice", type=int, default=0, help="Lower this process's scheduling priority by this much (0-19)."
+        "--nice", type=int, default=0, help="Run every thread at this nice value (0-19; 0: unchanged)."
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.nice <= 19:
+        p.error(f"--nice must be in 0..19 (raising priority needs privileges), got {args.nice}")
+    return args
 
 
 def confine_binds(args: argparse.Namespace, argv: list[str]) -> None:

@@ -20,6 +20,13 @@ def test_out_of_range_is_refused(nice: int) -> None:
         ClusterConfig(instances="a,b", engine_nice=nice).validate()
 
 
+def test_engine_server_refuses_a_negative_nice() -> None:
+    from xengine.engine_server import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--config-json", "{}", "--name", "e0", "--store", "x", "--nice", "-5"])
+
+
 def test_spec_passes_it_only_when_set() -> None:
     spec = InstanceSpec("e0", "mixed", EngineConfig(), "embedded+tcp://127.0.0.1:1")
     assert "--nice" not in spec.command_args(None)

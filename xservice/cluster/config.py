@@ -55,10 +55,9 @@ class ClusterConfig:
     engine_nice: int = _f(
         0,
         "Nice value (0-19) of engine processes: those the service launches ('local', 'ray') and 'xllm engine' "
-        "with this config. On "
-        "CPU hosts where the API server shares cores with busy engines, a positive value keeps the front "
-        "door responsive (online TTFT beside a saturating batch job: docs/colocation.md); no privilege "
-        "needed. Engines on accelerators rarely need it.",
+        "with this config. On CPU hosts where the API server shares cores with busy engines, a positive "
+        "value keeps the front door responsive (online TTFT beside a saturating batch job: "
+        "docs/colocation.md); no privilege needed. Engines on accelerators rarely need it.",
     )
     migrate_on_failure: bool = _f(True, "Re-run in-flight requests of a dead instance on a healthy one.")
     pd_mode: str = _f(

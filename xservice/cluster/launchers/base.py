@@ -28,7 +28,7 @@ class InstanceSpec:
     heartbeat_interval_s: float = 0.5
     key: ClusterKey | None = None  # handed to the engine in its environment; None: --no-auth
     replaces: str | None = None  # a relaunch: the dead incarnation it may take the name over from
-    nice: int = 0  # the engine process lowers its own scheduling priority by this much at start
+    nice: int = 0  # the engine process sets every thread to this nice value at start (0: unchanged)
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         """The engine process's environment: ``base`` plus the cluster key."""
