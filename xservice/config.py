@@ -76,6 +76,11 @@ class ServiceConfig:
     max_n: int = _f(16, "Largest 'n' accepted over HTTP.")
     engine_startup_timeout_s: float = _f(900.0, "How long to wait for the engine process to become ready.")
     log_level: str = _f("info", "Log level: debug, info, warning, error.")
+    keep_alive_s: float = _f(
+        30.0,
+        "How long an idle HTTP keep-alive connection stays open, in seconds. Keep it above the clients' own "
+        "idle expiry (httpx and the openai client: 5 s), or a client may send on a connection being closed.",
+    )
     engine_max_restarts: int = _f(
         5,
         "Engine restarts allowed within engine_restart_window_s when an engine process dies (single node and "
@@ -142,6 +147,8 @@ class ServiceConfig:
             raise ValueError(
                 "service.engine_max_restarts must be >= 0, engine_restart_window_s > 0, engine_restart_backoff_s >= 0"
             )
+        if self.keep_alive_s <= 0:
+            raise ValueError("service.keep_alive_s must be > 0")
         if self.engine_hang_timeout_s <= 0:
             raise ValueError("service.engine_hang_timeout_s must be > 0")
         if min(self.max_image_bytes, self.max_image_pixels, self.max_images_per_request) < 1:

@@ -51,7 +51,13 @@ async def main(overrides):
     )
     try:
         app = build_app(client, Tokenizer.from_dir(cfg.model.model), cfg)
-        uv = uvicorn.Config(app, host=cfg.service.host, port=cfg.service.port, log_level="warning")
+        uv = uvicorn.Config(
+            app,
+            host=cfg.service.host,
+            port=cfg.service.port,
+            log_level="warning",
+            timeout_keep_alive=cfg.service.keep_alive_s,
+        )
         await uvicorn.Server(uv).serve()
     finally:
         await client.close(drain_timeout_s=2.0)

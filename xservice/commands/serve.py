@@ -117,7 +117,12 @@ async def _serve_http(cfg: XllmConfig, sock: socket.socket, client: Any, tokeniz
     from xservice.app import build_app
 
     app = build_app(client, tokenizer, cfg)
-    config = uvicorn.Config(app, log_level=cfg.service.log_level, timeout_graceful_shutdown=10)
+    config = uvicorn.Config(
+        app,
+        log_level=cfg.service.log_level,
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=cfg.service.keep_alive_s,
+    )
     server = phases.server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not serving.done():
