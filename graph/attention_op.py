@@ -13,9 +13,18 @@ import torch
 from graph.forward_context import get_forward_context
 from graph.interrupt import check_interrupt
 from ops.attention import attention
+from ops.opaque_op import opaque_op
 
 
-@torch.library.custom_op("xllm::attention", mutates_args=())
+def _attention_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
+) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+@opaque_op(
+    "attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window) -> Tensor", _attention_fake
+)
 def _attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
 ) -> torch.Tensor:
@@ -31,13 +40,6 @@ def _attention_op(
     out = torch.zeros_like(q)
     out[:n] = attention(q[:n], k[:n], v[:n], ctx.caches[layer], ctx.meta, scale, sliding)
     return out
-
-
-@_attention_op.register_fake
-def _(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
-) -> torch.Tensor:
-    return torch.empty_like(q)
 
 
 def unified_attention(

@@ -130,14 +130,20 @@ class KVCacheManager:
         prefer = self.placement.preferred_blocks(seq_id, first, num) if self.placement is not None else ()
         return self.pool.allocate(num, prefer)
 
+    def has_blocks_to_cache(self, req_id: str, num_computed_tokens: int) -> bool:
+        """Whether ``cache_blocks`` would insert anything: a full block completed since the last call
+        (checked first, so the caller builds the token list only when one did)."""
+        return (
+            self.prefix_cache is not None
+            and num_computed_tokens // self.block_size > self._num_cached_blocks.get(req_id, 0)
+        )
+
     def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Insert the request's newly completed full blocks into the prefix cache."""
-        if self.prefix_cache is None:
+        if not self.has_blocks_to_cache(req_id, num_computed_tokens):
             return
         num_full = num_computed_tokens // self.block_size
         done = self._num_cached_blocks.get(req_id, 0)
-        if num_full <= done:
-            return
         table = self.block_tables[req_id]
         self.prefix_cache.insert(token_ids[: num_full * self.block_size], table[:num_full], done)
         self._num_cached_blocks[req_id] = num_full

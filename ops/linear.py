@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ops.opaque_op import opaque_op
 from ops.registry import get_op
 
 # handle -> the backend's packed weight (callable on x, with out_features). Weak: the layer that packed
@@ -41,11 +42,10 @@ def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     return _PACKED[handle](x)
 
 
-@torch.library.custom_op("xllm::packed_linear", mutates_args=())
+def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _PACKED[handle].out_features)
+
+
+@opaque_op("packed_linear(Tensor x, int handle) -> Tensor", _packed_linear_fake)
 def _packed_linear_op(x: torch.Tensor, handle: int) -> torch.Tensor:
     return _PACKED[handle](x)
-
-
-@_packed_linear_op.register_fake
-def _(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _PACKED[handle].out_features)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ops.opaque_op import opaque_op
 from ops.registry import get_op
 
 
@@ -105,7 +106,20 @@ def fused_experts(
     return get_op("moe_fused_experts")(hidden, topk_weights, topk_ids, w13, w2)
 
 
-@torch.library.custom_op("xllm::moe_fused_experts", mutates_args=())
+def _fused_experts_fake(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
+@opaque_op(
+    "moe_fused_experts(Tensor hidden, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2) -> Tensor",
+    _fused_experts_fake,
+)
 def _fused_experts_op(
     hidden: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -114,14 +128,3 @@ def _fused_experts_op(
     w2: torch.Tensor,
 ) -> torch.Tensor:
     return get_op("moe_fused_experts")(hidden, topk_weights, topk_ids, w13, w2)
-
-
-@_fused_experts_op.register_fake
-def _(
-    hidden: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-) -> torch.Tensor:
-    return torch.empty_like(hidden)

@@ -45,6 +45,7 @@ class _Rows:
             self.seq_lens = meta.seq_lens[index].contiguous()
             self.tables = meta.block_tables[index].contiguous()
         self.slot_index: tuple[torch.Tensor, torch.Tensor] | None = None  # xTensor (chunk, offset) per decode
+        self.usable: dict[tuple, bool] = {}  # _usable by (q dtype, cache dtype, heads, KV heads, head_dim)
 
 
 def _rows(meta: AttentionMetadata) -> _Rows:
@@ -55,6 +56,18 @@ def _rows(meta: AttentionMetadata) -> _Rows:
 
 
 def _usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether the kernel takes this step's decodes (the same answer for every layer of one shape)."""
+    rows = meta.scratch.get(_SCRATCH_KEY)
+    key = (q.dtype, cache.dtype, q.device.type, *q.shape[1:], cache.shape[-2])
+    if rows is not None and key in rows.usable:
+        return rows.usable[key]
+    usable = _check_usable(q, cache, meta)
+    if usable:
+        _rows(meta).usable[key] = usable
+    return usable
+
+
+def _check_usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> bool:
     if q.dtype != torch.float32 or cache.dtype != torch.float32 or q.device.type != "cpu":
         return False
     if meta.seq_lens.dtype != torch.int32 or meta.block_tables.dtype != torch.int32 or q.dim() != 3:
@@ -78,14 +91,16 @@ def decode_attention(
     """``ops.attention.attention`` over the paged cache ``[2, blocks, block_size, Hkv, D]``."""
     if not _usable(q, kv_cache, meta) or not kv_cache.is_contiguous():
         return reference_attention(q, k, v, kv_cache, meta, scale, sliding_window)
-    store_kv(k, v, kv_cache, meta.slot_mapping)
+    _store_kv(k, v, kv_cache, meta.slot_mapping)
     rows = _rows(meta)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    k_base = kv_cache.data_ptr()  # K and V planes (no per-call views)
+    v_base = k_base + kv_cache.stride(0) * kv_cache.element_size()
 
     def kernel(qd: torch.Tensor, res: torch.Tensor) -> None:
         kernel_library("decode_attention").xllm_decode_attention_paged(
             qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim,
-            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_size * num_kv_heads * head_dim,
+            k_base, v_base, block_size * num_kv_heads * head_dim,
             num_kv_heads * head_dim, block_size, rows.tables.data_ptr(), rows.tables.shape[1],
             rows.seq_lens.data_ptr(), sliding_window or 0, scale, torch.get_num_threads(),
         )  # fmt: skip
@@ -116,7 +131,7 @@ def decode_attention_contiguous(
     ):
         return reference_contiguous(q, k, v, kv, meta, scale, sliding_window)
     assert meta.kv_slots is not None, "the xTensor layout sets meta.kv_slots"
-    store_kv(k, v, kv.paged, meta.slot_mapping)
+    _store_kv(k, v, kv.paged, meta.slot_mapping)
     rows = _rows(meta)
     chunk, offset = _slot_index(kv, meta, rows)
     k_chunks = torch.tensor([c.data_ptr() for c in kv.k_chunks], dtype=torch.int64)
@@ -136,6 +151,27 @@ def decode_attention_contiguous(
         return ref_contiguous._prefill(q[s:e], k[s:e], v[s:e], kv, slots[b], seq_len, scale, sliding_window)
 
     return _decodes_and_prefills(q, meta, rows, kernel, prefill)
+
+
+def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``store_kv`` with one C call (``xllm_store_kv``) where the rows are float32 ``[T, Hkv, D]``
+    with contiguous heads and the cache ``[2, ..., Hkv, D]`` is contiguous."""
+    row = kv_cache.shape[-2] * kv_cache.shape[-1]
+    if not (
+        k.dtype == v.dtype == kv_cache.dtype == torch.float32
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and slot_mapping.numel() == k.shape[0] == v.shape[0]
+        and kv_cache.is_contiguous()
+        and k.shape[1:] == v.shape[1:] == kv_cache.shape[-2:]
+        and k.stride()[1:] == v.stride()[1:] == (kv_cache.shape[-1], 1)
+    ):
+        return store_kv(k, v, kv_cache, slot_mapping)
+    kernel_library("decode_attention").xllm_store_kv(
+        k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kv_cache.data_ptr(),
+        kv_cache.data_ptr() + kv_cache.stride(0) * kv_cache.element_size(), slot_mapping.data_ptr(),
+        slot_mapping.numel(), row,
+    )  # fmt: skip
 
 
 def _decodes_and_prefills(

@@ -40,6 +40,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
     },
     "decode_attention": {
         "xllm_decode_attention_supported": [_i64, _i64, _i64],
+        "xllm_store_kv": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64],
         "xllm_decode_attention_paged": [
             _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
             _i64, _f32, _i32,

@@ -18,6 +18,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vec_math.h"
 
@@ -226,4 +227,16 @@ void xllm_decode_attention_slots(const float *q, float *out, int64_t batch, int6
     const source_t src = {0, 0, 0, 1, 0, 0, k_chunks, v_chunks, chunk, offset};
     decode_attention(q, out, batch, num_heads, num_kv_heads, dim, &src, token_stride, seq_lens, window,
                      scale, threads);
+}
+
+/* The step's new K/V rows into the cache: token i's row (row_floats floats; k_new + i * k_stride)
+ * to k_cache + slots[i] * row_floats, likewise V. One memcpy per row: a decode step writes a few
+ * rows per layer, where a torch index_copy_ pays more in dispatch than in copying. */
+void xllm_store_kv(const float *k_new, const float *v_new, int64_t k_stride, int64_t v_stride,
+                   float *k_cache, float *v_cache, const int64_t *slots, int64_t n, int64_t row_floats) {
+    const size_t bytes = sizeof(float) * (size_t)row_floats;
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(k_cache + slots[i] * row_floats, k_new + i * k_stride, bytes);
+        memcpy(v_cache + slots[i] * row_floats, v_new + i * v_stride, bytes);
+    }
 }

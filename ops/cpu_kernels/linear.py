@@ -52,16 +52,16 @@ class PanelLinear:
 
     def _call_panel(self, x: torch.Tensor) -> torch.Tensor:
         """The panel kernel on float32 ``x``."""
-        flat = x.reshape(-1, self.in_features)
-        rows = flat.shape[0]
-        if not flat.is_contiguous():
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # (a step's tokens are 2-D:
+        if not flat.is_contiguous():  # no reshape and view around a few-microsecond GEMM)
             flat = flat.contiguous()
+        rows = flat.shape[0]
         out = torch.empty(rows, self.out_features, dtype=torch.float32, device=x.device)
         self._gemm(
             flat.data_ptr(), rows, self.in_features, self._packed_ptr, self.out_features,
             self._bias_ptr, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:

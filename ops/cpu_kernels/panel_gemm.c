@@ -163,6 +163,8 @@ static void panel_range(const float *x, const float *xp, int64_t m, int64_t k, c
     }
 }
 
+#define PARALLEL_MIN_MACS (16 << 20)
+
 /* out [m, n] (row-major) = x [m, k] (row-major) @ W^T + bias, W packed by xllm_panel_pack. */
 void xllm_panel_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                      const float *bias, float *out, int threads) {
@@ -173,6 +175,9 @@ void xllm_panel_gemm(const float *x, int64_t m, int64_t k, const float *packed, 
         if (xp) pack_rows(x, m, k, xp);
     }
     if (threads > panels) threads = (int)panels;
+    /* a small product on few panels: waking the other threads costs more than they save
+     * (benchmarks/linear_gemm.py: 32 x 128 x 256 and 32 x 384 x 128 run faster on one thread) */
+    if (panels <= 4 * threads && m * k * n < PARALLEL_MIN_MACS) threads = 1;
     if (threads <= 1) {
         panel_range(x, xp, m, k, packed, n, bias, out, 0, panels);
     } else {

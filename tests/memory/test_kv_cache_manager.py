@@ -39,3 +39,17 @@ def test_fork_shares_full_blocks_and_copies_partial():
     kv.free("p")
     kv.free("c")
     assert kv.num_free_blocks == 8
+
+
+def test_blocks_to_cache_only_when_a_block_fills():
+    """The scheduler asks before building a request's token list: yes only once a new block filled."""
+    kv = KVCacheManager(16, BS)
+    tokens = list(range(11))
+    assert kv.allocate_slots("a", 11)
+    assert not kv.has_blocks_to_cache("a", 3)
+    assert kv.has_blocks_to_cache("a", 5)
+    kv.cache_blocks("a", tokens, 5)
+    assert [kv.has_blocks_to_cache("a", n) for n in (5, 6, 7, 8, 9)] == [False, False, False, True, True]
+    kv.cache_blocks("a", tokens, 9)
+    assert not kv.has_blocks_to_cache("a", 11)
+    assert KVCacheManager(16, BS, enable_prefix_caching=False).has_blocks_to_cache("a", 8) is False

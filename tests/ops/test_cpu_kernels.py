@@ -194,6 +194,24 @@ def test_mixed_step_decodes_run_the_kernel_beside_reference_prefills(monkeypatch
     assert torch.equal(cache, ref_cache)  # the new K/V were stored the same way
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_store_writes_strided_rows_like_the_reference(dtype) -> None:
+    """K/V rows split out of one fused QKV output (strided views) land where ``store_kv`` puts them;
+    bfloat16 takes the reference path."""
+    gen = torch.Generator().manual_seed(3)
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    _, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    k, v = k.view(5, num_kv_heads, head_dim), v.view(5, num_kv_heads, head_dim)
+    assert not k.is_contiguous()
+    cache = torch.randn(2, 4, 16, num_kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.tensor([3, 17, 40, 63, 0])
+    ref = cache.clone()
+    store_kv(k, v, ref, slots)
+    kernel_attention._store_kv(k, v, cache, slots)
+    assert torch.equal(cache, ref)
+
+
 def test_other_dtypes_use_the_reference(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(kernel_attention, "reference_attention", lambda *a: calls.append(a) or a[0])

@@ -124,3 +124,25 @@ def test_offline_work_takes_at_most_its_budget():
     plan = run_step(s)  # the online decode, then offline up to its cap
     assert [(x.req.seq_id, x.num_new_tokens) for x in plan.seqs] == [("on", 1), ("off", 12)]
     assert plan.num_batched_tokens == 13
+
+
+def test_decode_builds_the_prefix_cache_token_list_only_when_a_block_fills(monkeypatch):
+    """A running request's full token list (prompt + output, its context's length) is built for the
+    prefix cache once per filled block, not on every step: a per-step copy grew with the context."""
+    builds = []
+    original = Request.cache_token_ids
+
+    def counting(req):
+        builds.append(req.num_tokens)
+        return original.fget(req)
+
+    monkeypatch.setattr(Request, "cache_token_ids", property(counting))
+    s = make_scheduler(block_size=4)
+    s.add(make_req("a", 6, max_tokens=20))
+    for _ in range(20):
+        run_step(s)
+    assert not s.running
+    # one for the prefix lookup at admission, one for the prompt's full block, then the computed
+    # length (7, 8, ..., 25) fills a block at 8, 12, 16, 20 and 24: 7 builds in 20 steps, not 21
+    assert len(builds) == 7
+    assert s.kv.get_computed_prefix(list(range(1, 7)) + [7] * 19).num_tokens == 24  # all 6 blocks

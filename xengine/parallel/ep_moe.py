@@ -31,6 +31,7 @@ import torch.distributed as dist
 from graph.forward_context import get_forward_context
 from ops import moe
 from ops.moe import DispatchedTokens
+from ops.opaque_op import opaque_op
 from xengine.parallel.eplb_policy import initial_placement
 from xengine.parallel.state import ExpertParallel, get_expert_parallel
 
@@ -229,15 +230,17 @@ def _count(ep: ExpertParallel, shard: ExpertShard, topk_ids: torch.Tensor, per_s
     shard.rank_load[row] += per_slot.view(ep.world_size, -1).sum(1)
 
 
-@torch.library.custom_op("xllm::ep_fused_experts", mutates_args=())
+def _ep_fake(
+    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_index: int
+) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
+@opaque_op(
+    "ep_fused_experts(Tensor hidden, Tensor topk_weights, Tensor topk_ids, int layer_index) -> Tensor",
+    _ep_fake,
+)
 def _ep_op(
     hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_index: int
 ) -> torch.Tensor:
     return _ep_forward(hidden, topk_weights, topk_ids, layer_index)
-
-
-@_ep_op.register_fake
-def _(
-    hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_index: int
-) -> torch.Tensor:
-    return torch.empty_like(hidden)

@@ -281,7 +281,9 @@ class Scheduler(BeamScheduling):
             num_prompt = req.num_prompt_tokens
             self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens, num_prompt) - before)
             # cache before sampling: a request that finishes now still leaves its prefix behind
-            self.kv.cache_blocks(req.seq_id, req.cache_token_ids, req.num_computed_tokens)
+            # (the token list is built only when a block filled: not every step of every request)
+            if self.kv.has_blocks_to_cache(req.seq_id, req.num_computed_tokens):
+                self.kv.cache_blocks(req.seq_id, req.cache_token_ids, req.num_computed_tokens)
             if apply_prompt_outputs(req, out):
                 self.updated[req.seq_id] = req
             if s.sample and req.req_id in self.beam_groups:
@@ -305,7 +307,11 @@ class Scheduler(BeamScheduling):
         assert s.computed_after is not None
         before = s.computed_after - s.num_new_tokens
         self.num_computed_prompt_tokens += max(0, min(s.computed_after, req.num_prompt_tokens) - before)
-        if req.status == RequestStatus.RUNNING and req.num_computed_tokens >= s.computed_after:
+        if (
+            req.status == RequestStatus.RUNNING
+            and req.num_computed_tokens >= s.computed_after
+            and self.kv.has_blocks_to_cache(req.seq_id, s.computed_after)
+        ):
             self.kv.cache_blocks(req.seq_id, req.cache_token_ids, s.computed_after)
         if apply_prompt_outputs(req, out):
             self.updated[req.seq_id] = req
