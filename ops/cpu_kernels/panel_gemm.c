@@ -11,7 +11,8 @@
  * Every output element is one FMA chain over k = 0..K-1 in order (bias added after), whatever M,
  * the row block or the thread: results do not depend on the batch a row shares.
  *
- * Threads: OpenMP over panel ranges (the process's libgomp, the one torch loaded). Needs AVX-512F.
+ * Threads: OpenMP over panel ranges, or over row blocks for wide x (the process's libgomp, the one
+ * torch loaded). Needs AVX-512F.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -169,17 +170,30 @@ static void panel_range(const float *x, const float *xp, int64_t m, int64_t k, c
 void xllm_panel_gemm(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                      const float *bias, float *out, int threads) {
     const int64_t panels = (n + NR - 1) / NR;
-    float *xp = 0; /* wide x (prefill chunks) is packed once, so its broadcasts stream */
-    if (m > 2 * MR) {
-        xp = aligned_alloc(64, (size_t)((m + MR - 1) / MR * MR * k * sizeof(float) + 63) / 64 * 64);
-        if (xp) pack_rows(x, m, k, xp);
-    }
-    if (threads > panels) threads = (int)panels;
+    const int64_t blocks = (m + MR - 1) / MR;
+    float *xp = 0; /* wide x (prefill chunks) is packed, so its broadcasts stream */
+    if (m > 2 * MR) xp = aligned_alloc(64, (size_t)(blocks * MR * k * sizeof(float) + 63) / 64 * 64);
     /* a small product on few panels: waking the other threads costs more than they save
      * (benchmarks/linear_gemm.py: 32 x 128 x 256 and 32 x 384 x 128 run faster on one thread) */
     if (panels <= 4 * threads && m * k * n < PARALLEL_MIN_MACS) threads = 1;
+    if (threads > (xp ? blocks : panels)) threads = (int)(xp ? blocks : panels);
     if (threads <= 1) {
+        if (xp) pack_rows(x, m, k, xp);
         panel_range(x, xp, m, k, packed, n, bias, out, 0, panels);
+    } else if (xp) {
+        /* wide x: each thread packs and multiplies its own row blocks by every panel (a layer of
+         * few panels, 4 for a 128-wide output, would leave threads idle if split by panel) */
+#pragma omp parallel num_threads(threads)
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+            const int64_t r0 = b0 * MR, r1 = b1 * MR < m ? b1 * MR : m;
+            if (r1 > r0) {
+                pack_rows(x + r0 * k, r1 - r0, k, xp + b0 * k * MR);
+                panel_range(x + r0 * k, xp + b0 * k * MR, r1 - r0, k, packed, n, bias, out + r0 * n, 0,
+                            panels);
+            }
+        }
     } else {
 #pragma omp parallel num_threads(threads)
         {

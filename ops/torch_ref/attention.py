@@ -44,11 +44,44 @@ def attention(
         out[step.decode_tokens] = _decode(q[step.decode_tokens], kv_cache, step, scale, sliding_window).to(
             out.dtype
         )
-    for b, q_len in enumerate(meta.query_lens_cpu):
-        if q_len > 1:
-            s, e = step.starts[b], step.starts[b + 1]
-            out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta, b, scale, sliding_window)
+    for b0, b1 in _prefill_runs(meta, sliding_window):
+        s, e = step.starts[b0], step.starts[b1]
+        if b1 - b0 > 1:
+            out[s:e] = _fresh_prefills(q[s:e], k[s:e], v[s:e], b1 - b0, scale)
+        else:
+            out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta, b0, scale, sliding_window)
     return out
+
+
+def _prefill_runs(meta: AttentionMetadata, sliding_window: int | None) -> list[tuple[int, int]]:
+    """The prefill chunks as runs ``[b0, b1)`` of sequences: consecutive whole prompts of one length
+    with no cached context and no effective window share a run (one SDPA call for all of them, the
+    same result as one call each, and much cheaper for many short prompts); any other chunk is a run
+    of its own."""
+    runs: list[tuple[int, int]] = []
+    fresh_len = 0  # query length of the open run of fresh prompts (0: none open)
+    for b, q_len in enumerate(meta.query_lens_cpu):
+        if q_len <= 1:
+            fresh_len = 0
+            continue
+        fresh = meta.seq_lens_cpu[b] == q_len and (sliding_window is None or sliding_window >= q_len)
+        if fresh and q_len == fresh_len:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+        fresh_len = q_len if fresh else 0
+    return runs
+
+
+def _fresh_prefills(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of ``num`` whole prompts of one length, back to back in ``q``/``k``/``v``
+    ([num * L, H, D]), each over its own tokens only: one batched SDPA call."""
+    length = q.shape[0] // num
+    qh, kh, vh = (t.view(num, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    res = _sdpa(qh, kh, vh, None, scale, True)  # [num, H, L, D]
+    return res.transpose(1, 2).reshape(q.shape).to(q.dtype)
 
 
 def _sdpa(

@@ -114,3 +114,26 @@ def test_new_kv_is_written_to_slots() -> None:
     assert torch.equal(cache[0, 0, 0], k[2])  # position 2 -> block 0 offset 0
     assert torch.equal(cache[1, 2], -k[:2])
     assert meta.slot_mapping.tolist() == [4, 5, 0]
+
+
+FRESH_RUNS = ([8, 8, 8, 5, 8, 8, 8, 3, 8, 8], [8, 8, 8, 5, 8, 12, 8, 3, 8, 8])  # 12: a cached prefix
+
+
+@pytest.mark.parametrize("window", [None, 4, 16])
+def test_fresh_prompts_of_one_length_share_an_sdpa_call(monkeypatch, window) -> None:
+    """Consecutive whole prompts of one length go through one batched SDPA call: the same bits as
+    one call each, and every other chunk (cached prefix, effective window) still runs alone."""
+    from ops.torch_ref import attention as ref
+
+    meta = build_attention_metadata(*FRESH_RUNS, [[i] for i in range(10)], 16)
+    runs = ref._prefill_runs(meta, window)
+    if window == 4:  # the window cuts into every prompt longer than 4: no runs
+        assert runs == [(b, b + 1) for b in range(10)]
+    else:
+        assert runs == [(0, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 10)]
+    monkeypatch.setattr("ops.attention.get_op", lambda name: ref.attention)  # the reference itself
+    out, dense = _run_case(*FRESH_RUNS, 4, 2, 4, window, torch.float32)
+    assert (out - dense).abs().max().item() < 1e-5
+    monkeypatch.setattr(ref, "_prefill_runs", lambda meta, window: [(b, b + 1) for b in range(10)])
+    alone, _ = _run_case(*FRESH_RUNS, 4, 2, 4, window, torch.float32)
+    assert torch.equal(out, alone)

@@ -65,13 +65,17 @@ def test_panel_linear_matches_float64(threads, rows, k, n, bias, input_major) ->
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
 
 
-def test_panel_linear_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_panel_linear_rows_do_not_depend_on_the_batch(threads) -> None:
+    """Skinny and wide inputs, split by panel or (wide, 2 threads) by row block: every row's result
+    is the same bits whatever shares its call."""
     gen = torch.Generator().manual_seed(0)
     layer = PanelLinear(torch.randn(300, 256, generator=gen), None, kernel_library("panel_gemm"))
-    x = torch.randn(200, 256, generator=gen)
-    full = layer(x)  # wide: x packed in row blocks
-    for rows in (1, 2, 7, 13, 24, 25, 40):  # skinny (up to 24 rows): x read in place
+    x = torch.randn(2000, 256, generator=gen)
+    full = layer(x)  # wide: x packed in row blocks, one range of blocks per thread
+    for rows in (1, 2, 7, 13, 24, 25, 40, 200, 999):  # skinny (up to 24 rows): x read in place
         assert torch.equal(layer(x[:rows]), full[:rows])  # bit-identical: one FMA chain per element
+    assert torch.equal(layer(x[1001:1400]), full[1001:1400])  # other row-block boundaries
 
 
 def test_panel_linear_wide_inputs_and_views() -> None:
