@@ -11,6 +11,8 @@ Two settings per row count (tokens):
 - ``hot``: one shape repeated (weights in cache), the arithmetic alone.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.linear_gemm --num-threads 1
+    PYTHONPATH=. .venv/bin/python -m benchmarks.linear_gemm --num-threads 2 --no-sweep \
+        --hot-shapes 32x128x256 32x384x128 2048x128x128 2048x384x128 2048x1408x512
 """
 
 from __future__ import annotations
@@ -110,7 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 2048])
+    p.add_argument(
+        "--hot-shapes",
+        nargs="+",
+        default=[f"{m}x{k}x{n}" for m, k, n in HOT_SHAPES],
+        help="shapes of the 'hot' setting, TOKENSxINxOUT (e.g. the tiny checkpoint's 2048x128x128)",
+    )
+    p.add_argument("--no-sweep", action="store_true", help="only the 'hot' shapes")
     args = p.parse_args(argv)
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.hot_shapes]
+        if any(len(s) != 3 or min(s) < 1 for s in shapes):
+            raise ValueError
+    except ValueError:
+        p.error(f"--hot-shapes takes TOKENSxINxOUT with positive sizes, got {args.hot_shapes}")
     torch.set_num_threads(args.num_threads)
     bandwidth, peak = read_bandwidth_gb_s(), matmul_peak_gflop_s()
     report = {
@@ -118,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         "read_bandwidth_gb_s": bandwidth,
         "matmul_peak_gflop_s": peak,
         "panel_kernel": unavailable_reason("panel_gemm") or "ok",
-        "model_sweep": model_sweep(args.rows, bandwidth, peak),
-        "hot": hot(HOT_SHAPES),
+        "model_sweep": [] if args.no_sweep else model_sweep(args.rows, bandwidth, peak),
+        "hot": hot(shapes),
     }
     print(json.dumps(report, indent=2))
     return 0

@@ -97,3 +97,10 @@ def test_engine_modes_and_linear_gemm_print_their_reports(capsys: pytest.Capture
     report = json.loads(capsys.readouterr().out)
     assert [r["tokens"] for r in report["model_sweep"]] == [2, 200]
     assert {"mkl_ms", "onednn_ms", "panel_ms"} <= set(report["model_sweep"][0])
+    assert linear_gemm.main(["--no-sweep", "--hot-shapes", "30x16x40"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model_sweep"] == [] and [(r["tokens"], r["in"], r["out"]) for r in report["hot"]] == [
+        (30, 16, 40)
+    ]
+    with pytest.raises(SystemExit):
+        linear_gemm.main(["--hot-shapes", "30x16"])
