@@ -56,7 +56,7 @@ def attention(
 def _prefill_runs(meta: AttentionMetadata, sliding_window: int | None) -> list[tuple[int, int]]:
     """The prefill chunks as runs ``[b0, b1)`` of sequences: consecutive whole prompts of one length
     with no cached context and no effective window share a run (one SDPA call for all of them, the
-    same result as one call each, and much cheaper for many short prompts); any other chunk is a run
+    same result as one call each, and cheaper for many short prompts); any other chunk is a run
     of its own."""
     runs: list[tuple[int, int]] = []
     fresh_len = 0  # query length of the open run of fresh prompts (0: none open)
