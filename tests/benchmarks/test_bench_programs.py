@@ -93,6 +93,10 @@ def test_engine_modes_and_linear_gemm_print_their_reports(capsys: pytest.Capture
         assert row[combo]["decode"]["2"]["step_ms"] > 0
         assert 0 < row[combo]["offline"]["fraction_of_peak"] < 2
         assert row[combo]["recompiles_after_warmup"] == 0
+        assert 0 < row[combo]["offline"]["fraction_of_floor"] <= 1  # nothing beats the roofline floor
+    assert row["roofline"]["floor_s"] == pytest.approx(
+        row["roofline"]["prefill_s"] + row["roofline"]["decode_s"], abs=2e-4
+    )
     assert linear_gemm.main(["--rows", "2", "200"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [r["tokens"] for r in report["model_sweep"]] == [2, 200]
