@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.roofline import read_gb_s
 from ops.cpu_kernels.build import kernel_library, unavailable_reason
 from ops.cpu_kernels.linear import PanelLinear
 from ops.onednn import OneDNNLinear
@@ -61,8 +62,7 @@ def _kernels(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.T
 
 def read_bandwidth_gb_s() -> float:
     """A streaming sum over 400 MB: what one core (or the threads) read from memory per second."""
-    x = torch.ones(100_000_000)
-    return round(x.numel() * 4 / _seconds(lambda: x.sum(), 3) / 1e9, 1)
+    return round(read_gb_s(400_000_000, torch.get_num_threads()), 1)
 
 
 def matmul_peak_gflop_s() -> float:
