@@ -21,6 +21,13 @@ them (before that load) and checks the ports; ``listen_addrs`` reports where the
 ``strict_bind`` refuses an engine that listens beyond ``host``. A process started with the
 ``memory.bind_host`` shim preloaded (engine processes of PD roles re-execute themselves with it)
 has both wildcard binds rewritten to its host: ``host`` and ``[::ffff:host]`` for an IPv4 host.
+
+Who may connect. Mooncake authenticates no peer, and a loopback bind still admits every local user.
+The same shim guards both listeners' ``accept()``: a connection whose peer socket is on this host and
+owned by another uid than the engine's (root excepted) is closed before Mooncake reads a byte, and
+counted (``num_peers_refused``). ``peer_guard`` says whether both listeners are guarded (a warning
+when not); peers on other hosts cannot be checked that way, so a host that is not loopback is warned
+about too: keep such ports on a trusted network.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from memory import bind_host
 
 logger = logging.getLogger("memory.transfer")
 
@@ -175,6 +184,7 @@ class KVTransferAgent:
     port)`` pairs (``None`` where ``/proc`` cannot tell). Mooncake binds them to the wildcard address
     (see the module docstring): by default that is logged as a warning; with ``strict_bind`` an
     engine listening on anything but ``host`` is shut down and ``RuntimeError`` raised.
+    ``peer_guard``: whether both listeners admit only this user's and root's local peers.
     """
 
     def __init__(
@@ -203,12 +213,10 @@ class KVTransferAgent:
         if self._engine.initialize(host, METADATA_MODE, PROTOCOL, "") != 0:
             raise RuntimeError(f"Mooncake transfer engine failed to initialize on {host}")
         after = _proc_listeners()
-        self.listen_addrs: list[tuple[str, int]] | None = (
-            None
-            if before is None or after is None
-            else sorted(v for k, v in after.items() if k not in before)
-        )
+        new = None if before is None or after is None else {k: v for k, v in after.items() if k not in before}
+        self.listen_addrs: list[tuple[str, int]] | None = None if new is None else sorted(new.values())
         self._check_listeners(host, port_range, strict_bind)
+        self.peer_guard = self._check_peer_guard(host, list(new or {}))
         addrs = [t.data_ptr() for t in kv_caches]
         if self._engine.batch_register_memory(addrs, [t.nbytes for t in kv_caches]) != 0:
             raise RuntimeError("Mooncake transfer engine failed to register the KV memory")
@@ -249,6 +257,45 @@ class KVTransferAgent:
             self._engine = None
             raise RuntimeError(msg)
         logger.warning(msg)
+
+    def _check_peer_guard(self, host: str, inodes: list[int]) -> bool:
+        """Whether the shim's accept guard covers every listener; warn where it does not, and where
+        peers on other hosts may connect (the guard cannot tell who they are)."""
+        ports = sorted({p for _, p in self.listen_addrs or []})
+        guarded = bool(inodes) and all(bind_host.listener_guarded(i) for i in inodes)
+        if guarded:
+            problem = bind_host.owner_lookup_problem()
+            if problem is not None:
+                self._engine = None
+                raise RuntimeError(
+                    "the KV transfer listeners' accept guard cannot tell who owns a local connection, "
+                    f"so it would refuse every local peer, this user's engines included: {problem}"
+                )
+        else:
+            logger.warning(
+                "Mooncake transfer engine for %s admits every local user on ports %s: it authenticates "
+                "no peer, so any process on this host, of any uid, can read and write the registered KV "
+                "memory; run the process with the memory.bind_host shim (engine processes of PD roles "
+                "do), which closes connections from other users",
+                host, ports,
+            )  # fmt: skip
+        addrs = _host_addrs(host)
+        if not addrs or not all(ipaddress.ip_address(a).is_loopback for a in addrs):
+            logger.warning(
+                "Mooncake transfer engine listens on %s, which is not loopback: peers on other hosts "
+                "(or in other network namespaces) cannot be checked by owner, and it authenticates no "
+                "peer, so anyone who reaches ports %s there can read and write the registered KV "
+                "memory; keep these ports on a trusted network or firewall them "
+                "(cache.kv_transfer_port_range fixes them)",
+                host, ports,
+            )  # fmt: skip
+        return guarded
+
+    @property
+    def num_peers_refused(self) -> int:
+        """Connections to this process's guarded listeners closed because another local user made
+        them (process-wide: every agent of the process shares the count)."""
+        return bind_host.num_refused() or 0
 
     def read_blocks(self, peer: KVRegion, pairs: list[tuple[int, int]]) -> TransferStats:
         """Copy the peer's blocks into ours: ``pairs`` is ``[(peer block id, our block id)]``.

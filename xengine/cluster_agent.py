@@ -4,11 +4,18 @@
 waits on the metadata store. Every ``heartbeat_interval_s`` it keeps its lease alive and writes
 its ``LoadReport`` (with the raw prefill and step samples the engine thread observed since the last
 one: ``observe_prefill`` / ``observe_step``) and (when the prefix cache changed) a
-``KVEventBatch``. When the store is unreachable it retries with backoff; when its lease expired
-meanwhile it registers again under a new lease and republishes its whole KV set. Registration is
-fenced: the instance key is created in a transaction and never taken over from another live
-incarnation of the same name; a relaunched process may take over the one incarnation its supervisor
-saw exit (``replaces``) without waiting for that incarnation's lease to expire.
+``KVEventBatch``. When the store is unreachable it retries with backoff. Registration is fenced:
+the instance key is created in a transaction and never taken over from another live incarnation of
+the same name; a relaunched process may take over the one incarnation its supervisor saw exit
+(``replaces``) without waiting for that incarnation's lease to expire.
+
+A lease that ended while the process was registered (the process stalled longer than the lease, the
+store was out of reach that long, or a service declared the instance dead and revoked it) means the
+cluster counts this incarnation dead and has failed its requests over. The agent then comes back as
+a **new incarnation**: it asks the engine loop to drop every request of the old one (``fence``, set
+by the engine server: none of their outputs may reach a service again), and only then registers the
+new incarnation under a new lease and republishes its whole KV set. Services connect to it like to
+any new instance.
 
 The store clients are ``xengine.api.cluster.store`` (torch-free), imported lazily.
 """
@@ -20,8 +27,11 @@ import collections
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from xengine.api.security import ClusterKey
 
@@ -31,10 +41,15 @@ MAX_BACKOFF_S = 5.0
 FULL_KV_EVERY_S = 20.0  # republish the whole KV set now and then, healing any lost batch
 EWMA_ALPHA = 0.2
 MAX_PENDING_SAMPLES = 4096  # per kind, while reports cannot be sent (the oldest go first)
+FENCE_TIMEOUT_S = 30.0  # how long the engine loop may take to drop a fenced incarnation's requests
 
 
 class RegistrationConflictError(RuntimeError):
     """Another live incarnation holds this instance name."""
+
+
+class FenceTimeoutError(RuntimeError):
+    """The engine loop did not drop the fenced incarnation's requests in time (retried)."""
 
 
 class ClusterAgent:
@@ -68,6 +83,13 @@ class ClusterAgent:
         self._kv_seq = 0
         self._load_seq = 0
         self._lease: int | None = None
+        self._registered: str | None = None  # the incarnation that last registered successfully
+        self._previous: set[str] = set()  # this process's earlier (fenced) incarnations
+        self._fence_due = False  # a new incarnation whose predecessor's requests may still run
+        # (engine server) drops every request of the current incarnation, True once done; called in
+        # the agent thread, blocks up to its argument in seconds
+        self.fence: Callable[[float], bool] | None = None
+        self.num_reincarnations = 0
         self.ttft_ms: float | None = None
         self.tpot_ms: float | None = None
         self.num_registrations = 0
@@ -124,7 +146,11 @@ class ClusterAgent:
                     if not failing:
                         logger.warning("cluster heartbeat failed (%s: %s); retrying", type(e).__name__, e)
                     failing, self._need_full = True, True
-                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    # never wait longer than a third of the lease: a store that comes back (etcd
+                    # restores leases with a fresh TTL) keeps this incarnation's lease alive
+                    backoff = min(
+                        backoff * 2, MAX_BACKOFF_S, max(self.heartbeat_interval_s, self.lease_ttl_s / 3)
+                    )
                     await self._sleep(backoff)
                     continue
                 await self._sleep(self.heartbeat_interval_s)
@@ -139,21 +165,45 @@ class ClusterAgent:
 
     async def _beat(self, store: Any) -> None:
         if self._lease is None or not await store.keepalive(self._lease):
+            if self._registered == self.record.incarnation:  # our lease ended: counted dead, failed over
+                self._reincarnate()
+            if self._fence_due:
+                await self._fence()
             await self._register(store)
         await self._publish_load(store)
         await self._publish_kv(store)
+
+    def _reincarnate(self) -> None:
+        old = self.record.incarnation
+        self._previous.add(old)
+        self.record = msgspec.structs.replace(self.record, incarnation=uuid.uuid4().hex, lease=0)
+        self._fence_due = True
+        self.num_reincarnations += 1
+        logger.warning(
+            "lease of incarnation %s ended: the cluster fenced it off; coming back as incarnation %s",
+            old, self.record.incarnation,
+        )  # fmt: skip
+
+    async def _fence(self) -> None:
+        """Have the engine drop the previous incarnation's requests before the new one registers."""
+        if self.fence is not None and not await asyncio.to_thread(self.fence, FENCE_TIMEOUT_S):
+            raise FenceTimeoutError(
+                f"the engine loop did not drop the fenced requests in {FENCE_TIMEOUT_S:.0f}s"
+            )
+        self._fence_due = False
 
     async def _register(self, store: Any) -> None:
         from xengine.api.cluster import keys
 
         self._lease = None
         lease = await store.grant_lease(self.lease_ttl_s)
+        self.record = msgspec.structs.replace(self.record, lease=lease)
         k = keys.key(self.key_prefix, "instances", self.record.name)
         value = keys.encode(self.record)
         if not await store.create(k, value, lease):
             existing = keys.decode(await store.get(k) or b"", keys.InstanceRecord)
             held_by = existing.incarnation if existing is not None else None
-            if held_by not in (None, self.record.incarnation, self.replaces):
+            if held_by not in (None, self.record.incarnation, self.replaces, *self._previous):
                 await store.revoke(lease)
                 raise RegistrationConflictError(
                     f"instance name {self.record.name!r} is held by incarnation {held_by}"
@@ -162,6 +212,7 @@ class ClusterAgent:
                 logger.info("took the name %s over from dead incarnation %s", self.record.name, held_by)
             await store.put(k, value, lease)  # our own key from an older lease, or the dead one's
         self._lease = lease
+        self._registered = self.record.incarnation
         self._need_full = True
         self.num_registrations += 1
         logger.info("registered %s (%s) lease %x", self.record.name, self.record.role, lease)

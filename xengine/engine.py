@@ -167,7 +167,9 @@ class Engine:
         self.vision = vision_spec(self.model)  # None: a text-only model
         self.catalogs = CatalogRegistry(info.vocab_size)
         # structured outputs: grammars compiled off the engine loop, cached (``xengine/structured/``)
-        self.structured = StructuredOutputs.for_model(model_dir, info.vocab_size, list(info.eos_token_ids))
+        self.structured = StructuredOutputs.for_model(
+            model_dir, info.vocab_size, list(info.eos_token_ids), config.structured_outputs
+        )
         self.last_step_timing: StepTiming | None = None
         self.num_steps = 0
         self.num_failed_steps = 0  # consecutive steps whose forward failed for every request
@@ -437,8 +439,9 @@ class Engine:
             raise EngineBrokenError(self.parallel.failure)
 
     def shutdown(self) -> None:
-        """Stop this instance's worker processes (a one-process engine has none)."""
+        """Stop this instance's worker processes: expert-parallel workers, the grammar sandbox."""
         self.interrupter.close()
+        self.structured.close()
         if self.parallel is not None:
             self.parallel.shutdown()
 
@@ -456,6 +459,7 @@ class Engine:
             prefix_cache_hits=s.prefix_hits,
             num_preemptions=s.num_preemptions,
             num_steps=self.num_steps,
+            num_kv_peers_refused=self.kv_transfer.num_peers_refused,
             num_computed_prompt_tokens=s.num_computed_prompt_tokens,
             num_kv_blocks_imported=self.kv_transfer.num_blocks_imported,
             num_kv_bytes_imported=self.kv_transfer.num_bytes_imported,

@@ -14,7 +14,6 @@ with ``EngineDead`` and a non-zero exit code.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import logging
@@ -29,6 +28,7 @@ import msgspec
 import zmq
 
 from xengine.api.config import EngineConfig, from_dict
+from xengine.api.lifetime import set_parent_death_signal
 from xengine.api.messages import (
     AbortRequests,
     AddRequest,
@@ -53,7 +53,6 @@ logger = logging.getLogger("xengine.engine_proc")
 IDLE_POLL_MS = 100  # how long to block for input when there is nothing to step
 DEFAULT_DRAIN_TIMEOUT_S = 10.0  # used for SIGTERM; Shutdown carries its own
 SEND_LINGER_MS = 2000  # let the last frames (final deltas, EngineDead) reach the service
-_PR_SET_PDEATHSIG = 1
 
 
 class EngineProc:
@@ -86,7 +85,8 @@ class EngineProc:
         """Serve until shutdown; returns the process exit code."""
         try:
             while not self._done():
-                self._recv_inputs(0 if self._has_work() else IDLE_POLL_MS)
+                self._recv_inputs(0 if self._has_work() else self._idle_poll_ms())
+                self._housekeeping()
                 self._check_parent()
                 self._engine.check_workers()  # an expert-parallel worker gone: the instance is down
                 if self._has_work() and not self._parent_gone:
@@ -109,6 +109,14 @@ class EngineProc:
 
     def _has_work(self) -> bool:
         return self._need_step or self._engine.has_unfinished_requests()
+
+    def _idle_poll_ms(self) -> int:
+        """How long an idle loop waits for input before its next iteration."""
+        return IDLE_POLL_MS
+
+    def _housekeeping(self) -> None:
+        """Once per loop iteration, after inputs were read (a hook: the cluster engine server applies
+        requests other threads made of the loop here)."""
 
     def _done(self) -> bool:
         if self._parent_gone:
@@ -267,15 +275,6 @@ class EngineProc:
 
 
 # ---------------------------------------------------------------------- process setup
-
-
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def apply_num_threads(config: EngineConfig) -> None:

@@ -14,16 +14,24 @@ One service at a time: a service's first frame is ``Hello(service_id)``. A hello
 service id than the current one (the previous service died and a new one took over) aborts every
 request the engine still runs for other services and drops their remaining outputs, so a
 restarted service neither waits on nor sees its predecessor's requests.
+
+Fencing: when the agent finds its lease ended (the cluster declared this incarnation dead and
+failed its requests over), it calls ``ServedEngineProc.fence`` before it registers a new
+incarnation: the engine loop aborts every request it runs and drops their outputs, and drops
+every frame but a ``Hello`` until a service says hello again (on a new connection, to the new
+incarnation), so nothing of the fenced incarnation reaches a service after it came back.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -36,80 +44,25 @@ import zmq
 from xengine.api.cluster.keys import ROLES, TRANSFER_ROLES, InstanceRecord
 from xengine.api.config import EngineConfig, from_dict
 from xengine.api.embed_messages import EMBED_CALLS
-from xengine.api.messages import AddRequest, CompletionDelta, EngineOutput, EngineStats, Hello, StepOutputs
+from xengine.api.lifetime import set_parent_death_signal
+from xengine.api.messages import (
+    AddRequest,
+    EngineOutput,
+    Hello,
+    StepOutputs,
+    UtilityResult,
+)
 from xengine.api.security import ENV_KEY, ClusterKey, ZapGuard, read_key_file, secure_server, take_env_key
 from xengine.cluster_agent import ClusterAgent
-from xengine.engine_proc import SEND_LINGER_MS, EngineProc, apply_num_threads, set_parent_death_signal
+from xengine.engine_proc import SEND_LINGER_MS, EngineProc, apply_num_threads
 from xengine.image_publisher import ImageHashTracker, ImagePublishingAgent
+from xengine.observed_engine import ObservedEngine
 
 logger = logging.getLogger("xengine.engine_server")
-# a service's first call can arrive before its output connection completes (CURVE handshake)
+# a service's first call can arrive before its output connection completes (CURVE handshake): its
+# reply waits that long for one, queued (the engine loop goes on), flushed every loop iteration
 REPLY_WAIT_MS = 2000
-
-
-class _ObservedEngine:
-    """Wraps the engine to time first tokens and output tokens for the agent's load report, to hand
-    it the raw prefill and step samples of the service's performance models, and to report refused
-    handshakes in its stats.
-
-    A prefill sample is taken at a request's first token: its uncached prompt tokens, its queue time
-    (the engine's ``queue_time_s``, which comes on its first delta) and the rest of its time to
-    first token as compute. Requests whose first token comes without a queue time (beam search
-    sends none) give no prefill sample."""
-
-    def __init__(self, engine: Any, agent: ClusterAgent, guard: ZapGuard | None = None) -> None:
-        self._engine = engine
-        self._agent = agent
-        self._guard = guard
-        self._started: dict[str, float] = {}
-        self._first: dict[str, tuple[float, int]] = {}  # req_id -> (first token time, tokens since)
-        self._queue_s: dict[str, float] = {}  # req_id -> queue time, until its first token
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def add_request(self, req: AddRequest) -> None:
-        received = time.monotonic()  # not after: the engine's queue time starts inside add_request
-        self._engine.add_request(req)
-        self._started[req.req_id] = received
-
-    def get_stats(self) -> EngineStats:
-        stats = self._engine.get_stats()
-        if self._guard is not None:
-            stats.num_auth_denied = self._guard.num_denied
-        return stats
-
-    def step(self) -> list[CompletionDelta]:
-        deltas = self._engine.step()
-        now = time.monotonic()
-        self._observe_steps()
-        for d in deltas:
-            if d.queue_time_s is not None and d.req_id in self._started:
-                self._queue_s[d.req_id] = d.queue_time_s
-        for d in deltas:
-            if d.req_id in self._started and d.new_token_ids:
-                ttft_s = now - self._started.pop(d.req_id)
-                self._agent.observe_ttft(ttft_s * 1000)
-                queue_s = self._queue_s.pop(d.req_id, None)
-                if queue_s is not None:
-                    uncached = d.num_prompt_tokens - d.num_cached_tokens
-                    self._agent.observe_prefill(uncached, queue_s, max(0.0, ttft_s - queue_s))
-                self._first[d.req_id] = (now, len(d.new_token_ids) - 1)
-            elif d.req_id in self._first:
-                t0, n = self._first[d.req_id]
-                self._first[d.req_id] = (t0, n + len(d.new_token_ids))
-            if d.finish_reason is not None:
-                self._started.pop(d.req_id, None)
-                self._queue_s.pop(d.req_id, None)
-                t0, n = self._first.pop(d.req_id, (now, 0))
-                if n > 0:
-                    self._agent.observe_tpot((now - t0) * 1000 / n)
-        return deltas
-
-    def _observe_steps(self) -> None:
-        timing = self._engine.last_step_timing
-        for s in timing.completed if timing is not None else ():
-            self._agent.observe_step(s.num_seqs, s.context_tokens, s.prefill_tokens, s.step_s)
+REPLY_POLL_MS = 10  # an idle loop's input wait while replies are queued
 
 
 class ServedEngineProc(EngineProc):
@@ -121,10 +74,47 @@ class ServedEngineProc(EngineProc):
         self.num_orphans_aborted = 0
         self.embeds: Any = None  # EPD: an EmbedTransferManager (image embeddings to / from peers)
         self.images: ImageHashTracker | None = None  # EPD: the image cache's hashes, for the store
+        self._fence_requests: collections.deque[threading.Event] = collections.deque()  # agent thread
+        self._await_hello = False  # fenced: every frame but a Hello is dropped until one arrives
+        self._replies: collections.deque[tuple[bytes, float]] = collections.deque()  # (frame, give up at)
+
+    def fence(self, timeout_s: float) -> bool:
+        """(Any thread) The cluster fenced this incarnation off and failed its requests over: drop
+        every request the engine runs, and every frame but a ``Hello`` until one arrives. True once
+        the engine loop did so (within ``timeout_s``)."""
+        done = threading.Event()
+        self._fence_requests.append(done)
+        return done.wait(timeout_s)
+
+    def _housekeeping(self) -> None:
+        while self._fence_requests:
+            self._apply_fence()
+            self._fence_requests.popleft().set()
+        self._flush_replies()
+
+    def _idle_poll_ms(self) -> int:
+        return REPLY_POLL_MS if self._replies else super()._idle_poll_ms()
+
+    def _apply_fence(self) -> None:
+        dropped = list(self._num_unfinished)
+        logger.warning(
+            "fenced off: dropping %d request(s) of the previous incarnation and every frame until a "
+            "service says hello", len(dropped),
+        )  # fmt: skip
+        if dropped:
+            self._engine.abort_requests(dropped)
+            self._orphans.update(dropped)
+            self._need_step = True
+        self._replies.clear()  # answers to the fenced incarnation's service
+        self._engine.kv_transfer.release_all()  # PD pins of its requests: nobody will pull them now
+        self._await_hello = True
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, Hello):
+            self._await_hello = False
             self._hello(msg.service_id)
+        elif self._await_hello:  # sent to the fenced incarnation before its service let it go
+            logger.info("fenced: dropped a %s frame sent before the last hello", type(msg).__name__)
         elif isinstance(msg, EMBED_CALLS):
             from xengine.embed_transfer import embed_call
 
@@ -166,11 +156,29 @@ class ServedEngineProc(EngineProc):
             if not deltas:
                 return
             msg = StepOutputs(deltas) if deltas is not msg.deltas else msg
-        # step outputs of a service that went away are dropped at once; a reply (to a call that a
-        # service just sent) waits a moment for that service's output connection to come up
+        frame = self._encoder.encode(msg)
+        if isinstance(msg, UtilityResult):  # a reply waits a moment for its service's connection
+            self._replies.append((frame, time.monotonic() + REPLY_WAIT_MS / 1000))
+            self._flush_replies()
+            return
+        self._flush_replies()  # (frames leave in order)
+        # step outputs of a service that went away are dropped at once; an EngineDead, the last
+        # frame, waits for a connection like a reply
         wait_ms = 0 if isinstance(msg, StepOutputs) else REPLY_WAIT_MS
-        if not send_or_drop(self._out, self._encoder.encode(msg), wait_ms):
+        if not send_or_drop(self._out, frame, wait_ms):
             logger.warning("no service connected: dropped a %s frame", type(msg).__name__)
+
+    def _flush_replies(self) -> None:
+        """Send the queued replies in order, as far as a service is connected; drop the ones that
+        waited ``REPLY_WAIT_MS`` in vain."""
+        now = time.monotonic()
+        while self._replies:
+            frame, give_up_at = self._replies[0]
+            if not send_or_drop(self._out, frame, 0):
+                if now < give_up_at:
+                    return
+                logger.warning("no service connected: dropped a UtilityResult frame")
+            self._replies.popleft()
 
 
 def send_or_drop(sock: zmq.Socket, frame: bytes, wait_ms: int) -> bool:
@@ -245,6 +253,9 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if guard is not None:
+        for sock in (inp, out):  # count refused handshakes ZAP never sees (peers with another key)
+            guard.watch(sock)
     if key is None:
         logger.warning(
             "engine plane authentication is OFF (--no-auth): any peer reaching %s can drive it", args.host
@@ -283,8 +294,9 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         prefix_cache = getattr(getattr(engine, "kv", None), "prefix_cache", None)
         if prefix_cache is not None and hasattr(prefix_cache, "event_sink"):
             prefix_cache.event_sink = agent.on_kv_events
-        proc = ServedEngineProc(_ObservedEngine(engine, agent, guard), inp, out, args.parent_pid)
+        proc = ServedEngineProc(ObservedEngine(engine, agent, guard), inp, out, args.parent_pid)
         proc.images = tracker
+        agent.fence = proc.fence
         if image_cache is not None and args.role in TRANSFER_ROLES:
             from xengine.embed_transfer import EmbedTransferManager
 
@@ -345,9 +357,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def confine_binds(args: argparse.Namespace, argv: list[str]) -> None:
-    """PD roles run a Mooncake transfer engine, whose listeners bind the wildcard address: re-execute
-    this process (same pid, same parent) with the ``memory.bind_host`` shim preloaded so they bind
-    ``--host``. Returns when there is nothing to do (other roles, already confined, wildcard host)."""
+    """PD roles run a Mooncake transfer engine, whose listeners bind the wildcard address and serve
+    anyone: re-execute this process (same pid, same parent) with the ``memory.bind_host`` shim
+    preloaded so they bind ``--host`` and refuse other local users' connections. Returns when there
+    is nothing to do (other roles, already re-executed)."""
     if args.role not in TRANSFER_ROLES:
         return
     from memory.bind_host import exec_env
@@ -357,8 +370,8 @@ def confine_binds(args: argparse.Namespace, argv: list[str]) -> None:
     if env is None:
         return
     logger.info(
-        "re-executing with LD_PRELOAD=%s so the KV transfer engine listens on %s only, not on every "
-        "interface", env["LD_PRELOAD"].split(":")[0], args.host,
+        "re-executing with LD_PRELOAD=%s so the KV transfer engine listens on %s and serves only this "
+        "user's local connections", env["LD_PRELOAD"].split(":")[0], args.host,
     )  # fmt: skip
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "xengine.engine_server", *argv], env)

@@ -22,7 +22,9 @@ from xengine.api.messages import XTensorStatsMsg
 from xengine.models.info import ModelInfo
 
 DEFAULT_BLOCK_SIZE = 16
-XTENSOR_BLOCK_SIZES = (16, 32, 64, 128)
+# xTensor pages are one block of one layer's K (or V): on CPU a 4 KiB OS page takes 16-128 tokens; a
+# CUDA / NPU device page is 2 MiB, i.e. ~1024 tokens of a 2 KiB-per-token layer
+XTENSOR_BLOCK_SIZES = tuple(16 << i for i in range(9))  # 16 .. 4096
 XTENSOR_LOOKAHEAD_BLOCKS = 1  # pages a sequence will need next are mapped while the current step runs
 
 

@@ -12,7 +12,9 @@ The prefix cache is the landing zone, so the scheduler does not change:
   recomputes only the partial last block; its pin is dropped once it is admitted.
 - ``release(pin_id)``: drop a pin. Pins also expire after ``pin_timeout_s`` (a service that died).
 
-The Mooncake agent is created on first use (or by ``start``), so a single node never needs it.
+The Mooncake agent is created on first use (or by ``start``), so a single node never needs it. Its
+listeners admit only this user's and root's local peers when the process runs with the
+``memory.bind_host`` shim (``num_peers_refused`` counts the others).
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ class KVTransferManager:
     @property
     def num_pins(self) -> int:
         return len(self._pins)
+
+    @property
+    def num_peers_refused(self) -> int:
+        """Connections to the transfer agent's listeners closed because another local user made them
+        (``memory/transfer.py``); 0 before the agent exists."""
+        return self._agent.num_peers_refused if self._agent is not None else 0
 
     # ------------------------------------------------------------------ prefill side
 
@@ -173,6 +181,13 @@ class KVTransferManager:
         for pin_id in drop:
             self.release(pin_id)
         return len(drop)
+
+    def release_all(self) -> int:
+        """Drop every pin (the instance was fenced off: no service will pull or admit them); the count."""
+        pin_ids = list(self._pins)
+        for pin_id in pin_ids:
+            self.release(pin_id)
+        return len(pin_ids)
 
     def expire(self) -> None:
         now = time.monotonic()

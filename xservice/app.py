@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from xservice.auth import ApiKeyMiddleware
+from xservice.auth import OPEN_PATHS, ApiKeyMiddleware
 from xservice.batch.service import BatchService, batch_lifespan
 from xservice.cluster import admin_routes as cluster_admin
 from xservice.config import XllmConfig
@@ -34,6 +34,7 @@ from xservice.routes import (
     tokenize,
     version,
 )
+from xservice.routes.error_responses import common_errors, declare_errors, drop_validation_422
 from xservice.serving.body_limit import BodyLimitMiddleware
 from xservice.serving.context import ServingContext
 
@@ -61,6 +62,24 @@ ROUTERS = (
     rec.router,
     cluster_admin.router,
 )
+
+# The errors (beyond the common ones) of routes whose modules do not declare theirs in the decorator
+# (the other routers use ``error_responses.errors``); /openapi.json documents them.
+OTHER_ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
+    "GET /health": (503,),
+    "GET /health/live": (503,),
+    "GET /health/ready": (503,),
+    "POST /v1/files": (409, 503),
+    "GET /v1/files": (503,),
+    "GET /v1/files/{file_id}": (404, 503),
+    "DELETE /v1/files/{file_id}": (404, 503),
+    "GET /v1/files/{file_id}/content": (404, 503),
+    "POST /v1/batches": (404, 503),
+    "GET /v1/batches": (503,),
+    "GET /v1/batches/{batch_id}": (404, 503),
+    "POST /v1/batches/{batch_id}/cancel": (404, 503),
+    "POST /v1/admin/instances/{name}/role": (404, 409),
+}
 
 
 @asynccontextmanager
@@ -95,7 +114,10 @@ def build_app(engine_client: EngineClient, tokenizer: Tokenizer, config: XllmCon
     app.state.batch = BatchService(app.state.ctx, config.batch)
     install_error_handlers(app, on_error=service_metrics.record_error)
     for router in ROUTERS:
-        app.include_router(router)
+        declare_errors(router, OTHER_ROUTE_ERRORS)
+        open_ = all(getattr(route, "path", None) in OPEN_PATHS for route in router.routes)  # the probes
+        app.include_router(router, responses=common_errors(bool(config.service.api_key) and not open_))
+    drop_validation_422(app)
     # add_middleware wraps: the last added runs first. Auth, then the body bound, then routing.
     app.add_middleware(
         BodyLimitMiddleware,

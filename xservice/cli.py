@@ -40,7 +40,9 @@ __all__ = ["COMMANDS", "CliError", "build_parser", "load_cli_config", "main"]
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``xllm`` and ``python -m xservice``."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # what ``xllm serve``'s watchdog runs its server with
     if not hasattr(args, "run"):
         parser.print_help(sys.stderr)
         return EXIT_USAGE

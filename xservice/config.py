@@ -23,6 +23,7 @@ from xengine.api.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     _f,
     from_dict,
 )
@@ -58,6 +59,12 @@ def read_api_key_file(path: str) -> str:
 class ServiceConfig:
     host: str = _f("127.0.0.1", "Address to bind the HTTP server to (loopback by default).")
     port: int = _f(8000, "HTTP port.")
+    watchdog: bool = _f(
+        True,
+        "Run the API server under a small watchdog process that holds the port and restarts the server "
+        "after a crash (native fault, OOM kill, kill -9) with the engine restart policy's backoff and "
+        "budget; off: run it directly under your own process manager.",
+    )
     api_key: str | None = field(
         default=None,
         repr=False,  # a secret: never in a printed config
@@ -72,6 +79,17 @@ class ServiceConfig:
         "(chmod 600). Not together with service.api_key.",
     )
     max_body_bytes: int = _f(4 * 1024 * 1024, "Largest accepted request body; larger bodies get 413.")
+    max_messages: int = _f(
+        4096,
+        "Most chat messages (or Responses API input items) in one request, counted before the body is "
+        "validated; more get a 400 naming 'messages' (or 'input'). The batch chat endpoint counts all its "
+        "conversations' messages together.",
+    )
+    max_content_parts: int = _f(
+        8192,
+        "Most content parts (text, image_url, ...) over all messages of one request, counted before the "
+        "body is validated; more get a 400 naming the message where the count passed the limit.",
+    )
     max_pending_requests: int = _f(512, "Requests in flight (running + waiting) before new ones get 429.")
     max_n: int = _f(16, "Largest 'n' accepted over HTTP.")
     engine_startup_timeout_s: float = _f(900.0, "How long to wait for the engine process to become ready.")
@@ -139,6 +157,8 @@ class ServiceConfig:
             raise ValueError("service.max_body_bytes must be >= 1024")
         if self.max_pending_requests < 1:
             raise ValueError("service.max_pending_requests must be >= 1")
+        if self.max_messages < 1 or self.max_content_parts < 1:
+            raise ValueError("service.max_messages and service.max_content_parts must be >= 1")
         if (
             self.engine_max_restarts < 0
             or self.engine_restart_window_s <= 0
@@ -196,6 +216,32 @@ class BatchConfig:
         32,
         "Batch lines in flight at once, as 'offline' requests (at most half of service.max_pending_requests).",
     )
+    max_line_attempts: int = _f(
+        3,
+        "Times a batch line may be sent and end with no result because the service or its engine stopped "
+        "(crash, kill, hang) while it ran; a line at this count is quarantined: it fails with "
+        "'line_quarantined' in the error file and is never sent again.",
+    )
+    line_timeout_s: float = _f(
+        3600.0,
+        "Wall-clock budget of one batch line, in seconds; a line still running then is stopped and fails "
+        "with 'line_timeout' in the error file.",
+    )
+    store_retry_s: float = _f(
+        60.0,
+        "How long the batch runner retries (with backoff) a job store that cannot be read or written "
+        "before it fails the current batch; it keeps looping either way.",
+    )
+    max_files: int = _f(10_000, "Most files in the store (uploads and batch outputs); more uploads get 409.")
+    max_total_file_bytes: int = _f(
+        50 * 1024**3, "Most bytes in the store's files (uploads and batch outputs); more uploads get 409."
+    )
+    max_files_per_caller: int = _f(
+        1000, "Most uploaded files per API key (one caller, 'anonymous', when auth is off); more get 409."
+    )
+    max_file_bytes_per_caller: int = _f(
+        10 * 1024**3, "Most uploaded bytes per API key ('anonymous' when auth is off); more get 409."
+    )
 
     @property
     def resolved_data_dir(self) -> Path:
@@ -208,6 +254,16 @@ class BatchConfig:
             raise ValueError("batch.max_file_bytes must be >= 1024")
         if self.max_concurrent_lines < 1:
             raise ValueError("batch.max_concurrent_lines must be >= 1")
+        if self.max_line_attempts < 1:
+            raise ValueError("batch.max_line_attempts must be >= 1")
+        if self.line_timeout_s <= 0 or self.store_retry_s < 0:
+            raise ValueError("batch.line_timeout_s must be > 0 and batch.store_retry_s >= 0")
+        quotas = (self.max_files, self.max_total_file_bytes, self.max_files_per_caller)
+        if min(quotas + (self.max_file_bytes_per_caller,)) < 1:
+            raise ValueError(
+                "batch.max_files, max_total_file_bytes, max_files_per_caller and max_file_bytes_per_caller "
+                "must be >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -219,6 +275,7 @@ class XllmConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
@@ -231,6 +288,7 @@ class XllmConfig:
             device=self.device,
             execution=self.execution,
             parallel=self.parallel,
+            structured_outputs=self.structured_outputs,
         )
 
     def validate(self) -> None:
@@ -248,6 +306,7 @@ _SECTIONS = {
     "device": DeviceConfig,
     "execution": ExecutionConfig,
     "parallel": ParallelConfig,
+    "structured_outputs": StructuredOutputsConfig,
     "batch": BatchConfig,
     "cluster": ClusterConfig,
 }

@@ -8,7 +8,7 @@ exported again under vLLM's name (``xservice/metrics_vllm.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -244,6 +244,10 @@ class ServiceMetrics:
 
             self.registry.register(DynamicPDCollector(client.dynamic))
 
+    def watch_batch_runner(self, state: Callable[[], Any]) -> None:
+        """Export the batch runner's health; ``state()`` returns its ``BatchRunnerState`` (read at each scrape)."""
+        self.registry.register(_BatchRunnerCollector(state))
+
     def record_error(self, status: int) -> None:
         self.errors.labels(code=str(status)).inc()
 
@@ -350,6 +354,38 @@ class _EngineHealthCollector:
         available = GaugeMetricFamily("xllm_engine_available", "1 when an engine can serve requests, else 0.")
         available.add_metric([], 1.0 if self._client.is_alive else 0.0)
         yield available
+
+
+class _BatchRunnerCollector:
+    """``xllm_batch_runner_healthy``, ``xllm_batch_runner_errors_total`` (job-store failures),
+    ``xllm_batch_lines_quarantined_total`` and ``xllm_batch_lines_timed_out_total``."""
+
+    def __init__(self, state: Callable[[], Any]) -> None:
+        self._state = state
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        s = self._state()
+        yield GaugeMetricFamily(
+            "xllm_batch_runner_healthy",
+            "1 while the batch runner works, 0 while its job store keeps failing (it retries with backoff).",
+            1.0 if s.healthy else 0.0,
+        )
+        yield CounterMetricFamily(
+            "xllm_batch_runner_errors",
+            "Batch job-store calls that failed (I/O, read-only, full).",
+            s.num_store_errors,
+        )
+        yield CounterMetricFamily(
+            "xllm_batch_lines_quarantined",
+            "Batch lines never run again because the service or engine died under them too often.",
+            s.num_quarantined,
+        )
+        yield CounterMetricFamily(
+            "xllm_batch_lines_timed_out", "Batch lines stopped at batch.line_timeout_s.", s.num_timed_out
+        )
 
 
 class RequestTimer:

@@ -13,21 +13,28 @@ not Unicode, so encoding them to UTF-8 for the tokenizer, a log line or a respon
 integers of any size (msgspec frames to the engine hold at most 64 bits) and ``NaN`` / ``Infinity``
 (``1e400`` decodes to ``inf``). One check before field validation refuses them anywhere in a body,
 known field or not, as a validation error at the offending path, so every route answers 400 naming
-the field instead of failing later with a 500.
+the field instead of failing later with a 500. The body is walked once, by its outermost model.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 import typing
+from contextvars import ContextVar
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ModelWrapValidatorHandler, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+
+# Set while the outermost request model validates: the body was walked once by ``find_unsafe_value``,
+# so the models nested in it skip the walk (walking at every level made validation quadratic in depth:
+# a chat body's parts were walked three times).
+_WALKED: ContextVar[bool] = ContextVar("xllm_request_walked", default=False)
 
 
 def find_unsafe_value(data: Any) -> tuple[tuple[str | int, ...], str] | None:
@@ -89,15 +96,27 @@ class RequestModel(BaseModel):
     # field -> why it has no meaning here: accepted (any value) and dropped
     ignored_fields: ClassVar[dict[str, str]] = {}
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_values(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        """Unsafe values, once per body: the outermost request model walks it, models nested in it skip."""
+        if not isinstance(data, dict) or _WALKED.get():
+            return handler(data)
+        found = find_unsafe_value(data)
+        if found is not None:
+            path, reason = found
+            _raise(cls, "unsafe_value", path, reason)
+        token = _WALKED.set(True)
+        try:
+            return handler(data)
+        finally:
+            _WALKED.reset(token)
+
     @model_validator(mode="before")
     @classmethod
     def _check_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data  # not an object: the model's own type error says so
-        found = find_unsafe_value(data)
-        if found is not None:
-            path, reason = found
-            _raise(cls, "unsafe_value", path, reason)
         return _apply_field_rule(cls, data)
 
 
@@ -109,9 +128,17 @@ def _raise(cls: type[BaseModel], kind: str, path: tuple[str | int, ...], reason:
     raise ValidationError.from_exception_data(cls.__name__, [details])
 
 
-def _apply_field_rule(cls: type[RequestModel], data: dict[str, Any]) -> dict[str, Any]:
+@functools.cache
+def _field_names(cls: type[RequestModel]) -> tuple[frozenset[str], frozenset[str]]:
+    """The names a body of ``cls`` may use (aliases too), and those of fields that cannot hold None."""
     fields = cls.model_fields
-    known = set(fields) | {f.alias for f in fields.values() if f.alias}
+    known = frozenset(fields) | {f.alias for f in fields.values() if f.alias}
+    not_null = frozenset(name for name, f in fields.items() if not accepts_none(f.annotation))
+    return known, not_null
+
+
+def _apply_field_rule(cls: type[RequestModel], data: dict[str, Any]) -> dict[str, Any]:
+    known, not_null = _field_names(cls)
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key in cls.ignored_fields:
@@ -125,7 +152,7 @@ def _apply_field_rule(cls: type[RequestModel], data: dict[str, Any]) -> dict[str
                 out[key] = value
                 continue
             _raise(cls, "unrecognized_field", (key,), "Unrecognized request argument supplied")
-        if value is None and key in fields and not accepts_none(fields[key].annotation):
+        if value is None and key in not_null:
             continue  # explicit null: the default
         out[key] = value
     return out

@@ -10,8 +10,10 @@
  *   IPv4 socket, IPv6 host  -> refused: EADDRNOTAVAIL, said once on stderr (an IPv4 socket cannot
  *                              listen on an IPv6 host, and leaving it on 0.0.0.0 would expose it;
  *                              Mooncake's handshake socket is IPv4, so PD needs an IPv4 host)
- * Every other bind() goes to the real one unchanged. XLLM_BIND_HOST is read at each call. Built and
- * loaded by memory/bind_host/__init__.py.
+ * A wildcard or unset XLLM_BIND_HOST leaves the address as it is. Either way a stream socket bound
+ * from a wildcard address is handed to the accept guard (peer_guard.c), which closes connections
+ * from other local users. Every other bind() goes to the real one unchanged. XLLM_BIND_HOST is read
+ * at each call. Built and loaded by memory/bind_host/__init__.py.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -22,6 +24,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+
+/* peer_guard.c (same library, not exported): guard the listener on fd */
+__attribute__((visibility("hidden"))) void xllm_guard_listener(int fd);
 
 typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
 
@@ -38,14 +43,19 @@ static bind_fn real_bind(void) {
     return f;
 }
 
-int bind(int fd, const struct sockaddr *addr, socklen_t len) {
-    bind_fn next = real_bind();
-    if (next == NULL) {
-        errno = ENOSYS;
-        return -1;
-    }
+static int is_wildcard(const struct sockaddr *addr, socklen_t len) {
+    if (addr == NULL) return 0;
+    if (addr->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in))
+        return ((const struct sockaddr_in *)addr)->sin_addr.s_addr == htonl(INADDR_ANY);
+    if (addr->sa_family == AF_INET6 && len >= (socklen_t)sizeof(struct sockaddr_in6))
+        return IN6_IS_ADDR_UNSPECIFIED(&((const struct sockaddr_in6 *)addr)->sin6_addr);
+    return 0;
+}
+
+/* bind() of a wildcard address (is_wildcard), moved to XLLM_BIND_HOST as the table above says. */
+static int confined_bind(bind_fn next, int fd, const struct sockaddr *addr, socklen_t len) {
     const char *host = getenv("XLLM_BIND_HOST");
-    if (host == NULL || *host == '\0' || addr == NULL) return next(fd, addr, len);
+    if (host == NULL || *host == '\0') return next(fd, addr, len);
 
     struct in_addr v4;
     struct in6_addr v6;
@@ -55,10 +65,9 @@ int bind(int fd, const struct sockaddr *addr, socklen_t len) {
         (host_v6 && IN6_IS_ADDR_UNSPECIFIED(&v6)) || (!host_v4 && !host_v6))
         return next(fd, addr, len); /* wildcard host, or not a literal (the Python side checks) */
 
-    if (addr->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
+    if (addr->sa_family == AF_INET) {
         struct sockaddr_in sin;
         memcpy(&sin, addr, sizeof sin);
-        if (sin.sin_addr.s_addr != htonl(INADDR_ANY)) return next(fd, addr, len);
         if (!host_v4) {
             static int said; /* once: callers may try many ports */
             if (!__atomic_exchange_n(&said, 1, __ATOMIC_RELAXED))
@@ -70,19 +79,30 @@ int bind(int fd, const struct sockaddr *addr, socklen_t len) {
         sin.sin_addr = v4;
         return next(fd, (const struct sockaddr *)&sin, sizeof sin);
     }
-    if (addr->sa_family == AF_INET6 && len >= (socklen_t)sizeof(struct sockaddr_in6)) {
-        struct sockaddr_in6 sin6;
-        memcpy(&sin6, addr, sizeof sin6);
-        if (!IN6_IS_ADDR_UNSPECIFIED(&sin6.sin6_addr)) return next(fd, addr, len);
-        if (host_v6) {
-            sin6.sin6_addr = v6;
-        } else {
-            memset(&sin6.sin6_addr, 0, sizeof sin6.sin6_addr);
-            sin6.sin6_addr.s6_addr[10] = 0xff;
-            sin6.sin6_addr.s6_addr[11] = 0xff;
-            memcpy(&sin6.sin6_addr.s6_addr[12], &v4, 4);
-        }
-        return next(fd, (const struct sockaddr *)&sin6, sizeof sin6);
+    struct sockaddr_in6 sin6; /* AF_INET6 */
+    memcpy(&sin6, addr, sizeof sin6);
+    if (host_v6) {
+        sin6.sin6_addr = v6;
+    } else {
+        memset(&sin6.sin6_addr, 0, sizeof sin6.sin6_addr);
+        sin6.sin6_addr.s6_addr[10] = 0xff;
+        sin6.sin6_addr.s6_addr[11] = 0xff;
+        memcpy(&sin6.sin6_addr.s6_addr[12], &v4, 4);
     }
-    return next(fd, addr, len);
+    return next(fd, (const struct sockaddr *)&sin6, sizeof sin6);
+}
+
+int bind(int fd, const struct sockaddr *addr, socklen_t len) {
+    bind_fn next = real_bind();
+    if (next == NULL) {
+        errno = ENOSYS;
+        return -1;
+    }
+    if (!is_wildcard(addr, len)) return next(fd, addr, len);
+    int rc = confined_bind(next, fd, addr, len);
+    int type = 0;
+    socklen_t type_len = sizeof type;
+    if (rc == 0 && getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &type_len) == 0 && type == SOCK_STREAM)
+        xllm_guard_listener(fd);
+    return rc;
 }

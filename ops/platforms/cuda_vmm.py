@@ -5,8 +5,10 @@ handle per page), ranges come from ``cuMemAddressReserve`` and pages are mapped 
 ``cuMemSetAccess``. Unmapped parts of a range must never fault: at reserve time one zero-filled page is
 mapped read-only into every page of the range (as kvcached does), and ``unmap`` puts it back.
 
-Status: written against the documented driver API; run the ``@pytest.mark.cuda`` tests on a GPU
-before relying on it.
+Driver calls need a current context on the calling thread, which the runtime (torch) does not set
+for driver calls it never made: every public method makes the device's primary context current
+first (``cuCtxSetCurrent``, a thread-local pointer swap). Checked on an H100 by ``tests/ops/test_vmm.py``
+(``-m cuda``).
 """
 
 from __future__ import annotations
@@ -52,10 +54,13 @@ class _CudaArray:
 
 class CudaVMM(BaseVMM):
     def __init__(self, device_index: int = 0) -> None:
-        torch.cuda.init()  # the primary context the driver calls run in
+        torch.cuda.init()
         self._cu = _driver()
         self._device = device_index
         cu = self._cu
+        # the device's primary context (the one torch uses), made current by ``_current`` on each call
+        self._ctx = _ok(cu.cuDevicePrimaryCtxRetain(_ok(cu.cuDeviceGet(device_index))))
+        self._current()
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -68,6 +73,9 @@ class CudaVMM(BaseVMM):
     @property
     def granularity(self) -> int:
         return self._granularity
+
+    def _current(self) -> None:
+        _ok(self._cu.cuCtxSetCurrent(self._ctx))
 
     def _access(self, ptr: int, size: int, writable: bool) -> None:
         cu = self._cu
@@ -94,6 +102,7 @@ class CudaVMM(BaseVMM):
         return self._zero
 
     def reserve(self, size: int) -> VirtualRange:
+        self._current()
         if size % self._granularity:
             raise ValueError(f"{size} is not a multiple of the granularity {self._granularity}")
         ptr = int(_ok(self._cu.cuMemAddressReserve(size, self._granularity, 0, 0)))
@@ -102,6 +111,7 @@ class CudaVMM(BaseVMM):
         return vrange
 
     def create_pages(self, num_pages: int, page_bytes: int) -> PhysicalPages:
+        self._current()
         if page_bytes % self._granularity:
             raise ValueError(
                 f"page size {page_bytes} is not a multiple of the granularity {self._granularity}"
@@ -112,6 +122,7 @@ class CudaVMM(BaseVMM):
     def map(
         self, vrange: VirtualRange, offset: int, pages: PhysicalPages, first: int, count: int = 1
     ) -> None:
+        self._current()
         cu, pb = self._cu, pages.page_bytes
         for i in range(count):
             ptr = vrange.addr + offset + i * pb
@@ -121,6 +132,7 @@ class CudaVMM(BaseVMM):
             self._access(ptr, pb, True)
 
     def unmap(self, vrange: VirtualRange, offset: int, size: int) -> None:
+        self._current()
         cu, g = self._cu, self._granularity
         zero = self._zero_page()
         for off in range(offset, offset + size, g):
@@ -130,10 +142,12 @@ class CudaVMM(BaseVMM):
             self._access(ptr, g, False)
 
     def release(self, vrange: VirtualRange) -> None:
+        self._current()
         _ok(self._cu.cuMemUnmap(vrange.addr, vrange.size))
         _ok(self._cu.cuMemAddressFree(vrange.addr, vrange.size))
 
     def free_pages(self, pages: PhysicalPages) -> None:
+        self._current()
         for handle in pages.handle:
             _ok(self._cu.cuMemRelease(handle))
 

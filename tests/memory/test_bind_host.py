@@ -111,7 +111,8 @@ def test_ipv6_host(cache: Path) -> None:
 
 @needs_cc
 def test_wildcard_host_and_no_shim_change_nothing(cache: Path) -> None:
-    assert _run("0.0.0.0", [(V4, "0.0.0.0")], cache)["binds"] == ["0.0.0.0"]
+    # a wildcard host keeps the binds where they are (the shim is still loaded: its accept guard)
+    assert _run("0.0.0.0", [(V4, "0.0.0.0")], cache) == {"loaded": True, "binds": ["0.0.0.0"]}
     assert _run(None, [(V4, "0.0.0.0")], cache) == {"loaded": False, "binds": ["0.0.0.0"]}
 
 
@@ -120,7 +121,9 @@ def test_exec_env(cache: Path) -> None:
     lib = str(shim_library(cache))
     env = exec_env("localhost", {"LD_PRELOAD": "/x/other.so", "PATH": "/bin"}, cache)
     assert env == {"LD_PRELOAD": f"{lib}:/x/other.so", "PATH": "/bin", ENV_HOST: "127.0.0.1"}
-    assert exec_env("0.0.0.0", {}, cache) is None and exec_env("::", {}, cache) is None
+    # a wildcard host still re-executes: the accept guard keeps other local users out
+    assert exec_env("0.0.0.0", {}, cache) == {"LD_PRELOAD": lib, ENV_HOST: "0.0.0.0"}
+    assert exec_env("::", {}, cache) == {"LD_PRELOAD": lib, ENV_HOST: "::"}
     assert not shim_loaded()  # this test process runs without it...
     with pytest.raises(RuntimeError, match="was not loaded"):  # ...so executing again would loop
         exec_env("127.0.0.1", env, cache)

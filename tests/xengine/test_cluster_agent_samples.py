@@ -25,7 +25,7 @@ from tests.xengine.conftest import make_engine, random_prompts
 from xengine.api.cluster import keys
 from xengine.api.messages import AddRequest, CompletionDelta, SamplingParams
 from xengine.cluster_agent import ClusterAgent, _take_samples
-from xengine.engine_server import _ObservedEngine
+from xengine.observed_engine import ObservedEngine
 from xservice.cluster.store.bridge_server import StoreBridgeServer
 from xservice.cluster.store.embedded import EmbeddedStore
 
@@ -84,7 +84,7 @@ def store() -> Iterator[_StoreThread]:
 
 
 def _run(
-    engine: _ObservedEngine, prompts: list[list[int]], max_tokens: int, tag: str
+    engine: ObservedEngine, prompts: list[list[int]], max_tokens: int, tag: str
 ) -> list[CompletionDelta]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -113,7 +113,7 @@ def test_load_reports_carry_prefill_and_step_samples(
         output_addr="tcp://127.0.0.1:2", pid=1, info={}, started_at=0.0,
     )  # fmt: skip
     agent = ClusterAgent(store.url, PREFIX, record, engine.get_stats, heartbeat_interval_s=0.1)
-    observed = _ObservedEngine(engine, agent)
+    observed = ObservedEngine(engine, agent)
     agent.start()
     try:
         a, b, c = random_prompts([40, 5, 70], seed=3)

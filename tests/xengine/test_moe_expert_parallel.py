@@ -202,10 +202,17 @@ def test_serve_with_expert_parallel_answers_then_survives_a_killed_worker(
 
 
 def _worker_of(service_pid: int) -> int:
-    """The expert-parallel worker under the service's engine process."""
+    """The expert-parallel worker under ``xllm serve`` (its watchdog, API server and engine process)."""
     out = subprocess.run(["pgrep", "-f", "xengine.parallel.worker"], capture_output=True, text=True)
     for pid in (int(x) for x in out.stdout.split()):
-        engine = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        if int(Path(f"/proc/{engine}/stat").read_text().rsplit(")", 1)[1].split()[1]) == service_pid:
+        if service_pid in _ancestors(pid):
             return pid
     raise AssertionError(f"no expert-parallel worker under service {service_pid}")
+
+
+def _ancestors(pid: int) -> list[int]:
+    out = []
+    while pid > 1:
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        out.append(pid)
+    return out

@@ -156,21 +156,23 @@ def test_compiler_caches_and_shares_in_flight_compiles(backend) -> None:
         compiler.close()
 
 
-def test_cache_is_lru_bounded_by_entries_and_source_size() -> None:
+def test_cache_is_lru_bounded_by_entries_and_measured_bytes() -> None:
     compiled = object()  # the cache never looks inside a compiled grammar
-    cache = CompiledGrammarCache(max_entries=3, max_source_chars=100)
+    cache = CompiledGrammarCache(max_entries=3, max_bytes=1000)
     specs = [GrammarSpec("regex", f"[a-z]{{{i}}}") for i in range(4)]  # 8 characters each
     for spec in specs[:3]:
-        cache.put(spec, compiled)
+        cache.put(spec, compiled, 92)  # charged 100 bytes each
     assert cache.get(specs[0]) is compiled  # now the most recently used
-    cache.put(specs[3], compiled)
+    cache.put(specs[3], compiled, 92)
     assert len(cache) == 3 and cache.get(specs[1]) is None  # the least recently used went
-    big = GrammarSpec("regex", "a" * 90)
-    cache.put(big, compiled)  # 8 * 3 + 90 > 100 characters: the two oldest go, not just one
-    assert cache.get(big) is compiled and cache.get(specs[3]) is compiled
-    assert len(cache) == 2 and cache.num_source_chars == 98
-    cache.put(GrammarSpec("regex", "b" * 101), compiled)  # larger than the whole budget: not kept
-    assert len(cache) == 2 and cache.num_source_chars == 98
+    tiny_but_big = GrammarSpec("regex", "b{99}")  # a short spec whose compiled state is large
+    cache.put(tiny_but_big, compiled, 815)  # 200 + 820 > 1000 bytes: two more go, not just one
+    assert cache.get(tiny_but_big) is compiled and cache.get(specs[3]) is compiled
+    assert len(cache) == 2 and cache.num_bytes == 920
+    cache.put(GrammarSpec("regex", "c"), compiled, 1000)  # larger than the whole budget: not kept
+    assert len(cache) == 2 and cache.num_bytes == 920
+    cache.put(specs[3], compiled, 92)  # put again: charged once
+    assert cache.num_bytes == 920
 
 
 def test_bitmask_application_matches_unpacked_bits() -> None:

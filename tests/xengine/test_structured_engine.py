@@ -24,6 +24,7 @@ from tests.xengine.conftest import assert_engine_idle, make_engine, run_to_compl
 from xengine.api.messages import AddRequest, SamplingParams, StructuredOutputsParams
 from xengine.api.text.tokenizer import Tokenizer
 from xengine.llm import LLM
+from xengine.structured.compiler import GrammarCompiler
 from xengine.structured.manager import StructuredOutputs
 
 SETTINGS: dict[str, Any] = dict(max_model_len=256, num_blocks=256, max_num_seqs=16, max_num_batched_tokens=64)
@@ -293,8 +294,10 @@ class _GatedBackend:
         real = StructuredOutputs.for_model(
             str(engine.config.model.model), engine.vocab_size, engine.model_info.eos_token_ids
         )
-        factory = real.compiler._backend_factory
-        engine.structured = StructuredOutputs(lambda: (self.gate.wait(60), factory())[1])
+        factory, sandbox = real.compiler._backend_factory, real.compiler.sandbox
+        engine.structured = StructuredOutputs(
+            GrammarCompiler(lambda: (self.gate.wait(60), factory())[1], sandbox=sandbox)
+        )
 
 
 def test_compiles_off_the_loop_abort_and_invalid_grammar(tiny_qwen3: Path) -> None:

@@ -278,6 +278,20 @@ def test_api_key_accepted_and_health_open(guarded_server) -> None:
         openai.OpenAI(base_url=guarded_server.base_url + "/v1", api_key="bad", max_retries=0).models.list()
 
 
+def test_api_key_401_is_documented_except_on_probes(guarded_server) -> None:
+    """With an API key, /openapi.json documents 401 (OpenAI's error object) on every route but the health
+    probes, which need no key."""
+    with guarded_server.client() as client:
+        spec = client.get("/openapi.json").json()
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            if path.startswith("/health"):
+                assert "401" not in op["responses"], (method, path)
+            else:
+                schema = op["responses"]["401"]["content"]["application/json"]["schema"]
+                assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (method, path)
+
+
 def test_too_many_requests_get_429(guarded_server) -> None:
     async def flood() -> list[httpx.Response]:
         body = cmpl(prompt="Once upon a time", max_tokens=200, ignore_eos=True, temperature=0)

@@ -9,7 +9,8 @@ derandomized so every run sends the same requests):
   carry (a lone surrogate, an integer outside int64, NaN / Infinity).
 
 Properties: no 5xx (a 503 from a dead engine included); every 4xx is OpenAI's error object; a hazard is
-a 400 naming where it is. Afterwards the same engine still serves, and ``/metrics`` counted no 5xx.
+a 400 naming where it is; every answer conforms to ``/openapi.json`` (schemathesis' status code, content
+type, response schema and header checks), as does every answer of the GET and DELETE routes. Afterwards the same engine still serves, and ``/metrics`` counted no 5xx.
 ``FUZZ_EXAMPLES`` per route and kind keeps the default run to about a minute on two cores; the ``slow``
 variant (``XLLM_FUZZ_LONG=1``) sends ``LONG_EXAMPLES``.
 """
@@ -31,7 +32,14 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 FUZZ_EXAMPLES = 250
 LONG_EXAMPLES = 2000
@@ -60,6 +68,13 @@ NO_JSON_BODY = {
     "/v1/responses/{response_id}/cancel",
 }  # multipart; none (path parameter only)
 KINDS = ("positive", "negative", "hazard")
+# Every answer is documented in /openapi.json: its status, content type, body schema and headers.
+CONFORMANCE_CHECKS = [
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    response_headers_conformance,
+]
 
 HAZARDS: tuple[Any, ...] = (
     "\ud800",
@@ -198,6 +213,7 @@ def run_fuzz(schema: Any, base_url: str, path: str, kind: str, max_examples: int
             statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
             if resp.status_code >= 400:
                 assert_error_shape(resp.status_code, resp.text)
+            case.validate_response(resp, checks=CONFORMANCE_CHECKS)
             return
         body = case.body if isinstance(case.body, dict) else {}
         spots = list(places(body))
@@ -214,6 +230,7 @@ def run_fuzz(schema: Any, base_url: str, path: str, kind: str, max_examples: int
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
         err = assert_error_shape(resp.status_code, resp.text)
         assert resp.status_code == 400, resp.text
+        assert "400" in operation.responses.status_codes, "a hazard's 400 is documented"
         # A field named "" has no name to give: param is null then.
         assert err["param"] in {p or None for p in unsafe_paths(sent)}, (err, text[:2000])
 
@@ -248,6 +265,54 @@ def test_fuzz_post_route_long(schema: Any, fuzz_server: Any, engine_pid: int, pa
     run_fuzz(schema, fuzz_server.base_url, path, kind, LONG_EXAMPLES)
 
 
+OTHER_EXAMPLES = 20  # per operation and kind: these routes take only path and query parameters
+
+
+def other_operations(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    return sorted(
+        (method.upper(), path) for path, ops in spec["paths"].items() for method in ops if method != "post"
+    )
+
+
+def call_and_check(operation: Any, mode: GenerationMode, base_url: str, seen: dict[int, int]) -> None:
+    session = requests.Session()
+
+    @settings(
+        max_examples=OTHER_EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def check(case: Any) -> None:
+        resp = case.call(base_url=base_url, session=session, timeout=REQUEST_TIMEOUT_S)
+        seen[resp.status_code] = seen.get(resp.status_code, 0) + 1
+        if resp.status_code >= 400:
+            assert_error_shape(resp.status_code, resp.text)
+        case.validate_response(resp, checks=CONFORMANCE_CHECKS)
+
+    try:
+        check()
+    except Unsatisfiable:
+        assert mode == GenerationMode.NEGATIVE, "positive cases can always be generated"
+        # only string path parameters: no value of them violates the schema
+    finally:
+        session.close()
+
+
+def test_fuzz_other_routes_conform(schema: Any, spec: dict[str, Any], fuzz_server: Any) -> None:
+    """GET and DELETE routes (ids, query parameters): every answer is documented and none is a 5xx."""
+    statuses: dict[str, dict[int, int]] = {}
+    for method, path in other_operations(spec):
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            seen = statuses.setdefault(f"{method} {path} {mode.value}", {})
+            call_and_check(schema[path][method], mode, fuzz_server.base_url, seen)
+    print(f"fuzz other routes: {statuses}")
+    assert all(n for key, n in statuses.items() if key.endswith("positive")), statuses  # each was called
+
+
 BATCH_FILE_EXAMPLES = 100
 BATCH_ERROR_CODES = {"invalid_file_format", "invalid_json_line", "empty_file"}
 
@@ -264,15 +329,19 @@ def batch_lines(schema: Any) -> st.SearchStrategy[bytes]:
     return st.one_of(as_json.map(lambda v: json.dumps(v).encode()), st.binary(max_size=64))
 
 
-def upload(http: httpx.Client, data: bytes) -> str:
+def upload(http: httpx.Client, data: bytes) -> str | None:
+    """The uploaded file's id; None when the upload is refused as no batch input file (checked at upload)."""
     files = {"file": ("in.jsonl", data), "purpose": (None, "batch")}
     resp = http.post("/v1/files", files=files)
+    if resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_batch_file":
+        return None
     assert resp.status_code == 200, resp.text
     return resp.json()["id"]
 
 
 def test_fuzz_batch_input_files(schema: Any, fuzz_server: Any, engine_pid: int) -> None:
-    """Whatever the input file holds, its batch ends completed (each line answered) or failed validation."""
+    """Whatever the input file holds, it is refused at upload (a line is no batch request line), or its
+    batch ends completed (each line answered) or failed validation."""
     http = fuzz_server.client(timeout=REQUEST_TIMEOUT_S)
     final: dict[str, int] = {}
 
@@ -290,6 +359,9 @@ def test_fuzz_batch_input_files(schema: Any, fuzz_server: Any, engine_pid: int) 
         if not data.strip():
             return  # an empty upload is refused by POST /v1/files itself
         file_id = upload(http, data)
+        if file_id is None:
+            final["refused at upload"] = final.get("refused at upload", 0) + 1
+            return
         resp = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions"})
         assert resp.status_code == 200, resp.text
         batch = resp.json()
@@ -310,7 +382,7 @@ def test_fuzz_batch_input_files(schema: Any, fuzz_server: Any, engine_pid: int) 
     finally:
         http.close()
     print(f"fuzz batch input files: {sum(final.values())} batches, {final}")
-    assert final.get("completed") and final.get("failed"), final
+    assert final.get("completed") and (final.get("failed") or final.get("refused at upload")), final
 
 
 def test_server_still_serves_after_fuzzing(fuzz_server: Any, engine_pid: int) -> None:

@@ -172,15 +172,76 @@ def test_batch_matches_online(client: openai.OpenAI, tmp_path: Path, endpoint: s
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
 
 
+def upload_status(server: Any, data: bytes) -> tuple[int, dict[str, Any]]:
+    """POST /v1/files (purpose batch) of ``data``; the status and JSON body, whatever they are."""
+    with server.client() as http:
+        resp = http.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"})
+    return resp.status_code, resp.json()
+
+
+def test_bad_lines_are_refused_at_upload(batch_server: Any) -> None:
+    good = [chat_line("ok-1", "Hi", max_tokens=3), chat_line("ok-2", "Hello", max_tokens=3)]
+    bad = [
+        "{this is not json",
+        {**chat_line("x", "Hi", 3), "custom_id": None},
+        chat_line("ok-1", "again", max_tokens=3),
+        {**chat_line("get", "Hi", 3), "method": "GET"},
+        {**chat_line("no-body", "Hi", 3), "body": "text"},
+        {**chat_line("bad-url", "Hi", 3), "url": "/v1/moderations"},
+        "[1, 2]",
+        "[" * 5000,
+    ]
+    rows = [good[0], *bad, "", good[1]]
+    status, body = upload_status(batch_server, "".join(_row(r) + "\n" for r in rows).encode())
+    assert status == 400, body
+    error = body["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        "file",
+        "invalid_batch_file",
+    )
+    for expected in (
+        "Line 2: not valid JSON",
+        "Line 3: 'custom_id' must be a non-empty string",
+        "Line 4: 'custom_id' 'ok-1' appears more than once",
+        "Line 5: 'method' must be 'POST'",
+        "Line 6: 'body' must be a JSON object",
+        "Line 7: 'url' must be one of",
+        "Line 8: must be a JSON object",
+        "Line 9: not valid JSON (nested too deeply)",
+    ):
+        assert expected in error["message"], (expected, error["message"])
+    assert "Line 1:" not in error["message"] and "Line 11:" not in error["message"]
+
+
+def test_uploads_that_are_not_batch_files_are_refused(batch_server: Any, client: openai.OpenAI) -> None:
+    before = {f.id for f in client.files.list()}
+    # 60 KB of 'x' (the issue's 99 MB, scaled to this server's limit); not even one line of JSON
+    status, body = upload_status(batch_server, b"x" * (MAX_FILE_BYTES - 1024))
+    assert status == 400 and body["error"]["code"] == "invalid_batch_file", body
+    assert body["error"]["message"].count("Line ") == 1
+    # 16 lines of CSV: the first 10 are named, not one per line
+    status, body = upload_status(batch_server, "".join(f"{i},hello {i}\n" for i in range(16)).encode())
+    assert status == 400 and body["error"]["message"].count("not valid JSON") == 10, body
+    assert "Line 10:" in body["error"]["message"] and "Line 11:" not in body["error"]["message"]
+    png = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01" + bytes(range(256))
+    status, body = upload_status(batch_server, png)
+    assert status == 400 and "Line 1 is not UTF-8 text" in body["error"]["message"], body
+    lone_id = json.dumps(completion_line("ok", "Hello", max_tokens=2)).replace('"ok"', '"\\udfff"')
+    status, body = upload_status(batch_server, lone_id.encode())
+    assert status == 400 and "'custom_id' must be valid Unicode text" in body["error"]["message"], body
+    assert {f.id for f in client.files.list()} == before  # nothing stored
+
+
+def _row(row: Any) -> str:
+    return row if isinstance(row, str) else json.dumps(row)
+
+
 def test_bad_lines_go_to_the_error_file(client: openai.OpenAI, tmp_path: Path) -> None:
+    """Lines that pass the upload checks but not the batch's: another endpoint, bodies the endpoint refuses."""
     good = [chat_line("ok-1", "Hi", max_tokens=3), chat_line("ok-2", "Hello", max_tokens=3)]
     bad = {
-        "not-json": "{this is not json",
-        "no-id": {**chat_line("x", "Hi", 3), "custom_id": None},
-        "dup": chat_line("ok-1", "again", max_tokens=3),
         "url": {**chat_line("wrong-url", "Hi", 3), "url": "/v1/completions"},
-        "method": {**chat_line("get", "Hi", 3), "method": "GET"},
-        "body": {**chat_line("no-body", "Hi", 3), "body": "text"},
         "field": chat_line("bad-temp", "Hi", 3, temperature="hot"),
         "n": chat_line("big-n", "Hi", 3, n=1000),
         "model": chat_line("bad-model", "Hi", 3, model="no-such-model"),
@@ -190,23 +251,16 @@ def test_bad_lines_go_to_the_error_file(client: openai.OpenAI, tmp_path: Path) -
 
     assert batch.status == "completed"
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
-        11,
+        6,
         2,
-        9,
+        4,
     )
     assert [r["custom_id"] for r in read_file(client, batch.output_file_id)] == ["ok-1", "ok-2"]
     records = read_file(client, batch.error_file_id)
-    assert len(records) == 9
+    assert len(records) == 4
     refused = [(r["custom_id"], r["error"]["code"]) for r in records if r["response"] is None]
-    assert refused == [  # in input order; lines that never reached the endpoint
-        (None, "invalid_json_line"),
-        (None, "missing_custom_id"),
-        ("ok-1", "duplicate_custom_id"),
-        ("wrong-url", "mismatched_url"),
-        ("get", "invalid_method"),
-        ("no-body", "invalid_body"),
-    ]
-    assert "Line 2: not valid JSON" in records[0]["error"]["message"]
+    assert refused == [("wrong-url", "mismatched_url")]  # never reached the endpoint
+    assert records[0]["error"]["message"].startswith("Line 2: 'url' must be the batch endpoint")
     errors = {r["custom_id"]: r for r in records if r["response"] is not None}
     # Bodies the endpoint refuses carry its error response, as an HTTP request would get it.
     for cid, status, param in (
@@ -380,51 +434,19 @@ def create_batch(client: openai.OpenAI, file_id: str, endpoint: str = "/v1/compl
     return client.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window="24h")
 
 
-def test_binary_input_file_fails_validation(client: openai.OpenAI, batch_server: Any) -> None:
-    png = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01" + bytes(range(256))
-    file = upload_raw(batch_server, png)
-    batch = wait_batch(client, create_batch(client, file["id"]).id)
-    assert batch.status == "failed" and batch.failed_at is not None, batch
-    assert batch.output_file_id is None and batch.error_file_id is None and batch.in_progress_at is None
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
-        0,
-        0,
-        0,
-    )
-    assert batch.errors.object == "list"
-    [error] = batch.errors.data
-    assert (error.code, error.line, error.param) == ("invalid_file_format", 1, "input_file_id")
-    assert "JSONL" in error.message
-
-
-def test_text_that_is_not_jsonl_fails_validation(client: openai.OpenAI, batch_server: Any) -> None:
-    rows = [f"id,prompt\n{i},hello {i}\n" for i in range(8)]  # 16 lines of CSV, one blank line
-    file = upload_raw(batch_server, "".join(rows).encode() + b"\n[1, 2]\n")
-    batch = wait_batch(client, create_batch(client, file["id"]).id)
-    assert batch.status == "failed", batch
-    assert batch.request_counts.total == 0
-    data = batch.errors.data
-    assert len(data) == 10  # the first ones, not one per line
-    assert {e.code for e in data} == {"invalid_json_line"}
-    assert [e.line for e in data] == list(range(1, 11))
-    assert all(e.message for e in data)
-
-
 def test_unsafe_values_in_lines_fail_those_lines(client: openai.OpenAI, batch_server: Any) -> None:
     good = json.dumps(completion_line("ok", "Hello", max_tokens=2))
     big = good.replace('"ok"', '"big"').replace('"max_tokens": 2', f'"max_tokens": {2**64}')
     lone = good.replace('"ok"', '"lone"').replace('"Hello"', '"\\ud800"')
-    bad_id = good.replace('"ok"', '"\\udfff"')
-    file = upload_raw(batch_server, "\n".join([good, big, lone, bad_id]).encode())
+    file = upload_raw(batch_server, "\n".join([good, big, lone]).encode())
     batch = wait_batch(client, create_batch(client, file["id"]).id)
     assert batch.status == "completed", batch
-    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 3)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 2)
     errors = read_file(client, batch.error_file_id)
     by_id = {r["custom_id"]: r for r in errors}
     assert by_id["big"]["response"]["status_code"] == 400
     assert by_id["big"]["response"]["body"]["error"]["param"] == "max_tokens"
     assert by_id["lone"]["response"]["body"]["error"]["param"] == "prompt"
-    assert by_id[None]["error"]["code"] == "invalid_custom_id"
 
 
 @pytest.mark.parametrize(
@@ -443,10 +465,11 @@ def test_unsafe_values_in_lines_fail_those_lines(client: openai.OpenAI, batch_se
     ids=["crlf-quotes-path", "non-ascii", "only-dots"],
 )
 def test_download_name_is_sanitised(batch_server: Any, disposition: bytes, header: str) -> None:
-    file = upload_raw(batch_server, b'{"custom_id": "a"}\n', disposition)
+    data = json.dumps(completion_line("a", "Hi", max_tokens=2)).encode() + b"\n"
+    file = upload_raw(batch_server, data, disposition)
     with batch_server.client() as http:
         resp = http.get(f"/v1/files/{file['id']}/content")
-    assert resp.status_code == 200 and resp.content == b'{"custom_id": "a"}\n'
+    assert resp.status_code == 200 and resp.content == data
     assert resp.headers["content-disposition"] == header
     assert resp.headers.get("set-cookie") is None
 

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from test_batch_api import completion_line, openai_client, read_file, start_batch_server, submit, wait_batch
 from test_batch_api import write_jsonl as write_lines
+from test_batch_quarantine import kill_tree
 
 NUM_LINES = 40
 
@@ -35,16 +36,13 @@ def _snapshot(db_path: Path, batch_id: str) -> dict[str, dict[str, Any]]:
 
 
 def _stop(server: Any, sig: signal.Signals) -> None:
-    """SIGKILL the service and its engine (nothing gets to clean up), or SIGTERM the service (graceful)."""
-    with server.client() as http:
-        engine_pid = http.get("/v1/admin/stats").json()["engine_pid"]
+    """SIGKILL the service's whole process tree, engine included (nothing gets to clean up), or
+    SIGTERM the service (graceful)."""
+    if sig == signal.SIGKILL:
+        kill_tree(server)
+        return
     os.kill(server.proc.pid, sig)
     server.proc.wait(timeout=60)
-    if sig == signal.SIGKILL:
-        try:
-            os.kill(engine_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])

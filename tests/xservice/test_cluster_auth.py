@@ -2,8 +2,8 @@
 
 A real cluster (``xllm serve`` with two local engine processes, embedded store) serves greedy streams
 while rogue peers without the cluster key connect to an engine's command and output sockets and to
-the embedded store's bridge: every handshake is refused, no frame gets in or out, the streams finish
-untouched. Then a peer that *does* hold the key (a second service) takes an engine over with a
+the embedded store's bridge: every handshake is refused (and counted, whether the ZAP handler or the
+CURVE protocol itself refused it), no frame gets in or out, the streams finish untouched. Then a peer that *does* hold the key (a second service) takes an engine over with a
 ``Hello``: the engine aborts our requests and drops their outputs; the service notices (unasked abort
 / audit) and migrates the streams, which finish with the same tokens within a bounded time.
 """
@@ -125,6 +125,34 @@ def test_rogue_peers_are_refused_and_streams_are_untouched(
     wait_until(lambda: cluster.http.get("/v1/admin/stats").json()["num_auth_denied"] > denied, 10, "denials")
     for sock in rogues:
         sock.close()
+    ctx.term()
+
+
+def test_handshakes_failing_before_the_key_check_are_counted(cluster: ClusterServer) -> None:
+    """A peer holding another cluster's key (it encrypts to a server key that is not the engine's)
+    or none at all (plaintext) fails the CURVE handshake before the ZAP handler is asked: those
+    refusals count in ``num_auth_denied`` too, for either socket of the engine."""
+    target = cluster.instances()["engine-0"]
+    other = ClusterKey.generate()
+    ctx = zmq.Context()
+
+    def denied() -> int:
+        return cluster.http.get("/v1/admin/stats").json()["num_auth_denied"]
+
+    for key in (other, None):
+        for kind, address in ((zmq.PUSH, target["address"]), (zmq.PULL, target["output_address"])):
+            before = denied()
+            sock = ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if key is not None:
+                secure_client(sock, key)
+            sock.connect(address)
+            try:
+                wait_until(
+                    lambda b=before: denied() > b, 30, f"a refusal at {address} (key: {key is not None})"
+                )
+            finally:
+                sock.close()
     ctx.term()
 
 

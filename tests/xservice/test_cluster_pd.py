@@ -133,11 +133,13 @@ def _listeners(pids: set[int]) -> dict[int, list[tuple[str, int]]]:
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (Debian iproute2)")
 def test_the_cluster_listens_on_loopback_only(cluster: ClusterServer) -> None:
-    service = cluster.proc.pid
+    watchdog = cluster.proc.pid  # ``xllm serve``: the watchdog, whose child is the API server
     engines = {i["pid"]: i for i in cluster.instances().values()}
     assert len(engines) == 4
-    tree = _process_tree(service)  # the service, its engines and any helper process
+    tree = _process_tree(watchdog)  # the service, its engines and any helper process
     assert set(engines) <= tree
+    (service,) = {_ppid(pid) for pid in engines}  # the API server launched them all
+    assert _ppid(service) == watchdog
     listening = _listeners(tree)
     assert service in listening
     for pid, addrs in listening.items():

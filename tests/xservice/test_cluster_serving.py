@@ -272,6 +272,19 @@ def start_streams(client: openai.OpenAI, out: dict[str, Any]) -> list[threading.
     return threads
 
 
+def freeze_a_busy_instance(cluster: ClusterServer) -> dict[str, Any] | None:
+    """SIGSTOP the instance with the most requests in flight, and return it if the service still
+    counts requests in flight on it once frozen (else wake it and return None: try again)."""
+    victim = max(cluster.instances().values(), key=lambda i: i["num_inflight"])
+    if victim["num_inflight"] == 0:
+        return None
+    os.kill(victim["pid"], signal.SIGSTOP)
+    if cluster.instances()[victim["name"]]["num_inflight"] > 0:
+        return victim
+    os.kill(victim["pid"], signal.SIGCONT)  # its streams ended just before the freeze
+    return None
+
+
 def test_kill_9_mid_stream_migrates_requests_without_losing_or_repeating_tokens(
     cluster: ClusterServer,
     etcd: EtcdServer,  # noqa: F811
@@ -283,10 +296,8 @@ def test_kill_9_mid_stream_migrates_requests_without_losing_or_repeating_tokens(
 
     faulty: dict[str, Any] = {}
     threads = start_streams(client, faulty)
-    wait_until(lambda: all(len(faulty.get(str(i), ())) >= 3 for i in range(4)), 60, "streams to start")
-    victim = max(cluster.instances().values(), key=lambda i: i["num_inflight"])
-    assert victim["num_inflight"] > 0
-    os.kill(victim["pid"], signal.SIGKILL)
+    victim = wait_until(lambda: freeze_a_busy_instance(cluster), 60, "an instance with streams in flight")
+    os.kill(victim["pid"], signal.SIGKILL)  # frozen until now: its streams could not finish meanwhile
     killed_at = time.monotonic()
     [t.join(120) for t in threads]
 

@@ -47,8 +47,8 @@ class CacheConfig:
     block_size: int | None = _f(
         None,
         "Tokens per KV block (the prefix-cache and transfer unit; an xTensor page). Default: 16 with the "
-        "paged layout; with xtensor the smallest power of two >= 16 whose page is a multiple of the OS "
-        "page and whose mappings fit vm.max_map_count.",
+        "paged layout; with xtensor the smallest power of two >= 16 whose page is a multiple of the device "
+        "page (the OS page on CPU, the VMM granularity, 2 MiB, on CUDA) and whose mappings fit vm.max_map_count.",
     )
     kv_layout: str = _f(
         "auto",
@@ -282,6 +282,32 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    max_compiled_mib: float = _f(
+        64.0,
+        "Largest compiled grammar (schema, regex, grammar) accepted, as measured in the grammar sandbox after "
+        "its first token mask; larger ones are refused with a 400 naming the field.",
+    )
+    cache_mib: float = _f(
+        512.0, "Memory the engine's compiled-grammar cache may hold (sum of measured compiled sizes)."
+    )
+    compile_timeout_s: float = _f(
+        10.0, "Time one schema, regex or grammar may take to validate or compile; slower ones get a 400."
+    )
+    sandbox_memory_mib: int = _f(
+        1024, "Address space a grammar sandbox process may use past its start-up size (a crash guard)."
+    )
+
+    def validate(self) -> None:
+        if self.max_compiled_mib <= 0 or self.cache_mib <= 0:
+            raise ValueError("structured_outputs.max_compiled_mib and cache_mib must be > 0")
+        if self.compile_timeout_s <= 0:
+            raise ValueError("structured_outputs.compile_timeout_s must be > 0")
+        if self.sandbox_memory_mib < 64:
+            raise ValueError("structured_outputs.sandbox_memory_mib must be >= 64")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -289,6 +315,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def validate(self) -> None:
         self.model.validate()
@@ -296,6 +323,7 @@ class EngineConfig:
         self.scheduler.validate()
         self.execution.validate()
         self.parallel.validate()
+        self.structured_outputs.validate()
 
 
 def replace_section(cfg: Any, section: str, **changes: Any) -> Any:
@@ -327,6 +355,7 @@ def _dataclass_type(ftype: Any) -> type | None:
         "DeviceConfig": DeviceConfig,
         "ExecutionConfig": ExecutionConfig,
         "ParallelConfig": ParallelConfig,
+        "StructuredOutputsConfig": StructuredOutputsConfig,
         "EngineConfig": EngineConfig,
     }
     if isinstance(ftype, str):

@@ -7,9 +7,10 @@ grammar compiles is decided by the grammar backend (``xengine/structured/``), of
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
+
+from xengine.api.grammar_bounds import SpecTooComplexError, parse_json_bounded
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound: values in [-100, 100]
@@ -63,7 +64,9 @@ def check_structured_outputs(so: Any) -> None:
         _fail(field, f"'{kind}' must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
     if kind == "json":
         try:
-            schema = json.loads(text)
+            schema = parse_json_bounded(text)
+        except SpecTooComplexError as e:
+            _fail(field, str(e))
         except ValueError as e:
             _fail(field, f"the JSON schema is not valid JSON: {e}")
         if not isinstance(schema, (dict, bool)):

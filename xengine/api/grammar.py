@@ -7,15 +7,19 @@ compiled grammar.
 
 ``check_spec`` runs the backend's own validator (llguidance's, without a tokenizer) so the service
 can answer an invalid schema, regex or grammar with a 400 before anything is streamed; the engine's
-compile (``xengine/structured/``) stays the authority. llguidance is imported only when called.
+compile (``xengine/structured/``) stays the authority. The validator is native code that a crafted
+spec can crash, so ``check_spec`` first bounds the spec (``grammar_bounds``) and then runs it in a
+sandbox process (``grammar_sandbox``), never in the caller's. llguidance is imported only when called.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from xengine.api.grammar_bounds import parse_json_bounded
+from xengine.api.grammar_spec import GrammarSpec
 from xengine.api.messages import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -28,15 +32,6 @@ if TYPE_CHECKING:
 MAX_JSON_WHITESPACE = 64
 FLEXIBLE_WHITESPACE = f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"
 
-GrammarKind = Literal["json", "regex", "choice", "grammar"]
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    kind: GrammarKind
-    source: str  # JSON schema text | regex | JSON list of choices | Lark / GBNF grammar
-    whitespace: str | None = None  # JSON only: a whitespace regex, or None for none at all
-
 
 def grammar_spec(so: StructuredOutputsParams) -> GrammarSpec:
     """The spec of ``so`` (already validated: exactly one constraint set)."""
@@ -46,7 +41,7 @@ def grammar_spec(so: StructuredOutputsParams) -> GrammarSpec:
         return GrammarSpec("regex", so.regex)
     if so.grammar is not None:
         return GrammarSpec("grammar", so.grammar)
-    schema: Any = {"type": "object"} if so.json_object else json.loads(so.json or "{}")
+    schema: Any = {"type": "object"} if so.json_object else parse_json_bounded(so.json or "{}")
     if so.disable_additional_properties:
         schema = _close_objects(schema)
     if so.whitespace_pattern is not None:
@@ -116,8 +111,23 @@ def check_llguidance_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | N
 
 
 def check_spec(spec: GrammarSpec) -> None:
-    """``ValueError`` saying why ``spec`` cannot compile, as far as that is tokenizer-independent."""
-    check_llguidance_grammar(llguidance_grammar(spec))
+    """``ValueError`` saying why ``spec`` cannot compile, as far as that is tokenizer-independent.
+
+    Runs in the shared tokenizer-free sandbox (blocking up to its timeout: call it off the event loop)."""
+    from xengine.api.grammar_sandbox import shared_validator
+
+    shared_validator().run(spec)
+
+
+def make_lltokenizer(tokenizer_file: str | Path, vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """llguidance's tokenizer for ``tokenizer.json``; masks cover the tokenizer's ids and the model's
+    ``vocab_size`` (either may be padded past the other)."""
+    import llguidance as llg
+    from tokenizers import Tokenizer
+
+    num_ids = max(vocab_size, Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True))
+    text = Path(tokenizer_file).read_text(encoding="utf-8")
+    return llg.LLTokenizer(text, n_vocab=num_ids, eos_token=list(eos_token_ids) or None)
 
 
 def short_error(message: str) -> str:

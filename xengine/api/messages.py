@@ -147,6 +147,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_kv_blocks_imported: int = 0
     num_kv_bytes_imported: int = 0
     num_auth_denied: int = 0  # cluster mode: peers refused for lacking the cluster key
+    num_kv_peers_refused: int = 0  # PD: KV-transfer connections from other local users, closed unserved
     # KV memory layout; with xTensor, its pages by state (xLLM §4.3) and map/unmap calls so far
     kv_layout: str = "paged"
     xtensor: XTensorStatsMsg | None = None

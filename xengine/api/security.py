@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import os
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,11 +144,56 @@ class _AllowClusterKey:
         return ok
 
 
+class _RefusalMonitor:
+    """Counts the CURVE handshakes that fail before any ZAP request, which only a socket monitor
+    reports: a peer holding another cluster key (it encrypts to the wrong server key:
+    ``EVENT_HANDSHAKE_FAILED_PROTOCOL``) or none (plaintext: the same event, or, when the peer saw the
+    mechanism mismatch first and hung up, ``EVENT_HANDSHAKE_FAILED_NO_DETAIL``; so does any peer that
+    drops the connection mid-handshake). One daemon thread reads the monitors of every watched socket;
+    it closes them when stopped."""
+
+    POLL_MS = 100
+    EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+    def __init__(self) -> None:
+        self.num_refused = 0
+        self._monitors: list[zmq.Socket] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, sock: zmq.Socket) -> None:
+        self._monitors.append(sock.get_monitor_socket(self.EVENTS))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="zmq-refusals")
+            self._thread.start()
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        try:
+            while not self._stop.is_set():
+                poller = zmq.Poller()
+                for mon in list(self._monitors):
+                    poller.register(mon, zmq.POLLIN)
+                for mon, _ in poller.poll(self.POLL_MS):
+                    event = recv_monitor_message(mon)
+                    self.num_refused += bool(event["event"] & self.EVENTS)
+        finally:
+            for mon in self._monitors:
+                mon.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+
 class ZapGuard:
     """The ZAP handler of one ZMQ context: admits only cluster-key clients on its CURVE servers."""
 
     def __init__(self, ctx: zmq.Context, key: ClusterKey) -> None:
         self._check = _AllowClusterKey(key)
+        self._refusals = _RefusalMonitor()
         if isinstance(ctx, zmq.asyncio.Context):
             from zmq.auth.asyncio import AsyncioAuthenticator
 
@@ -159,12 +205,21 @@ class ZapGuard:
         self._auth.start()
         self._auth.configure_curve_callback("*", credentials_provider=self._check)
 
+    def watch(self, sock: zmq.Socket) -> None:
+        """Also count the handshakes ``sock`` (a CURVE server of this context; not asyncio) refuses
+        before the ZAP handler is asked: peers holding another key, plaintext ones, and peers that
+        hang up mid-handshake."""
+        self._refusals.watch(sock)
+
     @property
     def num_denied(self) -> int:
-        """Handshakes refused so far (peers without the cluster key)."""
-        return self._check.num_denied
+        """Handshakes refused so far (peers without the cluster key): refused by the ZAP handler (a
+        client key other than the cluster key's), and, on watched sockets, failed before it."""
+        return self._check.num_denied + self._refusals.num_refused
 
     def stop(self) -> None:
+        """Stop the handler and the refusal monitor (before the context is terminated)."""
+        self._refusals.stop()
         with contextlib.suppress(Exception):
             self._auth.stop()
 

@@ -25,7 +25,7 @@ from graph.forward_context import forward_context
 from memory.kv_layout import KVCacheSpec, PagedKVLayout
 from ops.platforms import resolve_platform, set_platform
 from xengine.api.config import EngineConfig, from_dict
-from xengine.engine_proc import set_parent_death_signal
+from xengine.api.lifetime import set_parent_death_signal
 from xengine.loader import load_model, resolve_dtype
 from xengine.models.info import read_model_info
 from xengine.parallel.group import init_expert_parallel

@@ -12,7 +12,13 @@ from pathlib import Path
 import llguidance as llg
 import torch
 
-from xengine.api.grammar import GrammarSpec, check_llguidance_grammar, llguidance_grammar, short_error
+from xengine.api.grammar import (
+    GrammarSpec,
+    check_llguidance_grammar,
+    llguidance_grammar,
+    make_lltokenizer,
+    short_error,
+)
 from xengine.structured.backend import BaseCompiledGrammar, BaseGrammarBackend, BaseGrammarMatcher
 from xengine.structured.bitmask import allocate_bitmask
 
@@ -49,19 +55,9 @@ class LLGuidanceBackend(BaseGrammarBackend):
     name = "llguidance"
 
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_ids: list[int]) -> None:
-        from tokenizers import Tokenizer
-
-        # the mask covers the tokenizer's ids and the model's (either may be padded past the other)
-        num_ids = max(
-            vocab_size, Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
-        )
-        self.num_ids = num_ids
+        self.tokenizer = make_lltokenizer(tokenizer_file, vocab_size, eos_token_ids)
+        self.num_ids = self.tokenizer.vocab_size  # the tokenizer's ids and the model's, whichever is more
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.tokenizer = llg.LLTokenizer(
-            Path(tokenizer_file).read_text(encoding="utf-8"),
-            n_vocab=num_ids,
-            eos_token=list(eos_token_ids) or None,
-        )
 
     def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
         grammar = llguidance_grammar(spec)

@@ -9,12 +9,14 @@ wait, so the request is scheduled in the step it arrives.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
+from xengine.api.config import StructuredOutputsConfig
 from xengine.api.grammar import grammar_spec
+from xengine.api.grammar_sandbox import GrammarSandbox, SandboxLimits
 from xengine.request import Request
 from xengine.structured.backend import BaseGrammarBackend
+from xengine.structured.cache import CompiledGrammarCache
 from xengine.structured.compiler import GrammarCompiler
 from xengine.structured.factory import create_backend
 from xengine.structured.matcher import for_request
@@ -31,13 +33,21 @@ def compile_error_message(error: BaseException) -> str:
 
 
 class StructuredOutputs:
-    def __init__(self, backend_factory: Callable[[], BaseGrammarBackend]) -> None:
-        self.compiler = GrammarCompiler(backend_factory)
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
         self.waiting = GrammarWaitQueue()
 
     @classmethod
-    def for_model(cls, model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> StructuredOutputs:
-        """Grammars over the tokenizer of the model folder ``model_dir`` (its ``tokenizer.json``)."""
+    def for_model(
+        cls,
+        model_dir: str,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        config: StructuredOutputsConfig | None = None,
+    ) -> StructuredOutputs:
+        """Grammars over the tokenizer of the model folder ``model_dir`` (its ``tokenizer.json``), each
+        compiled in a sandbox first and refused past ``config``'s limits."""
+        config = config or StructuredOutputsConfig()
         tokenizer_file = Path(model_dir) / "tokenizer.json"
 
         def factory() -> BaseGrammarBackend:
@@ -45,7 +55,10 @@ class StructuredOutputs:
                 raise RuntimeError(f"structured outputs need the model's tokenizer.json ({tokenizer_file})")
             return create_backend(DEFAULT_BACKEND, tokenizer_file, vocab_size, eos_token_ids)
 
-        return cls(factory)
+        limits = SandboxLimits(config.compile_timeout_s, config.sandbox_memory_mib << 20)
+        sandbox = GrammarSandbox(limits, tokenizer_file, vocab_size, eos_token_ids)
+        cache = CompiledGrammarCache(max_bytes=int(config.cache_mib * 2**20))
+        return cls(GrammarCompiler(factory, cache, sandbox, int(config.max_compiled_mib * 2**20)))
 
     def admit(self, request: Request, catalog: object = None) -> bool:
         """True when ``request`` (constrained) can be scheduled now (its grammar attached); False when it

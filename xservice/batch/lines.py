@@ -8,6 +8,7 @@ its endpoint (``create_completion`` / ``create_chat_completion`` / ``create_embe
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 from collections.abc import Iterable, Iterator
@@ -47,7 +48,15 @@ MAX_FILE_ERRORS = 10  # entries in a failed batch's ``errors``
 
 
 class RetryLater(Exception):
-    """The line could not run now (engine unavailable, too many requests); it stays pending."""
+    """The line could not run now (engine unavailable, too many requests); it stays pending.
+
+    ``engine_stopped``: an engine that was serving when the line was sent died under it (a crash or
+    a hang the supervisor killed), so the line may be what killed it; else it never ran.
+    """
+
+    def __init__(self, message: str, engine_stopped: bool = False) -> None:
+        super().__init__(message)
+        self.engine_stopped = engine_stopped
 
 
 # ---------------------------------------------------------------------- output records
@@ -99,11 +108,12 @@ def _file_error(code: str, message: str, line: int) -> dict[str, Any]:
     return {"code": code, "message": message, "param": "input_file_id", "line": line}
 
 
-def parse_lines(raw_lines: Iterable[bytes], endpoint: str) -> Iterator[IngestedLine]:
+def parse_lines(raw_lines: Iterable[bytes], endpoint: str | None) -> Iterator[IngestedLine]:
     """Number the non-blank lines of an input file and check each one's envelope.
 
     A line that cannot run (not JSON, no ``custom_id``, a duplicate ``custom_id``, a ``url`` other
-    than ``endpoint``, a ``method`` other than POST, no ``body`` object) carries its error record.
+    than ``endpoint`` (``None``: any batch endpoint), a ``method`` other than POST, no ``body``
+    object) carries its error record, whose message names the line (1-based, blank lines counted).
     Raises ``InputFileError`` for a file that is not JSONL at all: a line that is not UTF-8 text
     (a binary file), or no line that is a JSON object.
     """
@@ -119,7 +129,7 @@ def parse_lines(raw_lines: Iterable[bytes], endpoint: str) -> Iterator[IngestedL
             raise InputFileError([_file_error("invalid_file_format", message, number)])
         if not raw.strip():
             continue
-        line = _parse_line(raw, line_no, endpoint, seen)
+        line = _parse_line(raw, line_no, number, endpoint, seen)
         if line.result is None or line.result["error"]["code"] != "invalid_json_line":
             num_objects += 1  # the file is JSONL: its bad lines fail one by one
         elif len(json_errors) < MAX_FILE_ERRORS:
@@ -138,15 +148,35 @@ def _is_utf8(raw: bytes) -> bool:
     return True
 
 
-def _parse_line(raw: bytes, line_no: int, endpoint: str, seen: set[str]) -> IngestedLine:
+def check_upload(data: bytes, max_errors: int = MAX_FILE_ERRORS) -> list[str]:
+    """The first ``max_errors`` problems of a ``purpose=batch`` upload, each naming its line.
+
+    Every line must be a JSON object with a unique ``custom_id``, ``method`` POST, a batch
+    endpoint as ``url`` and a ``body`` object (the checks a batch makes, without its endpoint).
+    """
+    problems: list[str] = []
+    try:
+        for line in parse_lines(io.BytesIO(data), None):
+            if line.result is not None:
+                problems.append(line.result["error"]["message"])
+                if len(problems) >= max_errors:
+                    break
+    except InputFileError as e:  # a binary line (no JSON object at all: those lines are listed)
+        problems += [error["message"] for error in e.errors if error["code"] == "invalid_file_format"]
+    return problems[:max_errors]
+
+
+def _parse_line(raw: bytes, line_no: int, number: int, endpoint: str | None, seen: set[str]) -> IngestedLine:
     def bad(code: str, message: str, custom_id: str | None = None) -> IngestedLine:
-        where = f"Line {line_no + 1}: "
+        where = f"Line {number}: "
         return IngestedLine(line_no, custom_id, result=error_record(custom_id, code, where + message))
 
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         return bad("invalid_json_line", f"not valid JSON ({e}).")
+    except RecursionError:
+        return bad("invalid_json_line", "not valid JSON (nested too deeply).")
     if not isinstance(obj, dict):
         return bad("invalid_json_line", "must be a JSON object.")
     custom_id = obj.get("custom_id")
@@ -161,7 +191,9 @@ def _parse_line(raw: bytes, line_no: int, endpoint: str, seen: set[str]) -> Inge
     if method != "POST":
         return bad("invalid_method", f"'method' must be 'POST', got {method!r}.", custom_id)
     url = obj.get("url")
-    if url != endpoint:
+    if endpoint is None and (not isinstance(url, str) or url not in ENDPOINTS):
+        return bad("invalid_url", f"'url' must be one of {sorted(ENDPOINTS)}, got {url!r}.", custom_id)
+    if endpoint is not None and url != endpoint:
         return bad(
             "mismatched_url", f"'url' must be the batch endpoint {endpoint!r}, got {url!r}.", custom_id
         )
@@ -190,6 +222,7 @@ async def run_line(
     Raises ``RetryLater`` when the service cannot take it now; cancelling aborts the engine request.
     """
     model_cls, handler = ENDPOINTS[endpoint]
+    serving = ctx.engine_client.health == "ok"  # else a failure below is no sign against the line
     try:
         try:
             request = model_cls.model_validate(body)
@@ -198,8 +231,10 @@ async def run_line(
         forced = {"priority": "offline", "stream": False}  # (embeddings have no "stream")
         request = request.model_copy(update={k: v for k, v in forced.items() if k in model_cls.model_fields})
         response = await handler(ctx, request, _NoClient())
-    except (RateLimitError, EngineUnavailableError) as exc:
+    except RateLimitError as exc:
         raise RetryLater(exc.message) from None
+    except EngineUnavailableError as exc:
+        raise RetryLater(exc.message, engine_stopped=serving) from None
     except APIError as exc:
         return api_error_record(custom_id, exc)
     except Exception:

@@ -6,34 +6,61 @@ store at startup, it is opened and its unfinished batches resume.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 
+from xservice.batch.quota import FileQuota
 from xservice.batch.runner import BatchRunner
-from xservice.batch.store import BatchStore
+from xservice.batch.runner_health import BatchRunnerState, RunnerHealth
+from xservice.batch.store import BatchStore, StoreError
 from xservice.config import BatchConfig
 from xservice.errors import NotFoundError
 from xservice.serving.context import ServingContext
 
+logger = logging.getLogger(__name__)
+
 
 class BatchService:
+    """The app's batch store and runner, and the runner's health (exported in ``/metrics``)."""
+
     def __init__(self, ctx: ServingContext, config: BatchConfig) -> None:
         self.ctx = ctx
         self.config = config
+        self.health = RunnerHealth()
         self._store: BatchStore | None = None
         self._runner: BatchRunner | None = None
+        ctx.metrics.watch_batch_runner(self.health.state)
 
     @property
     def store(self) -> BatchStore:
-        """The store, opened (and the runner started) on first use."""
+        """The store, opened (and the runner started) on first use; ``StoreError`` (503) if it cannot be."""
         if self._store is None:
-            self._store = BatchStore(self.config.resolved_data_dir)
-            self._runner = BatchRunner(self.ctx, self._store, self.max_concurrent_lines)
+            try:
+                self._store = BatchStore(self.config.resolved_data_dir)
+            except StoreError as exc:
+                self.health.store_failed(exc)
+                raise
+            self.health.store_recovered()
+            self._runner = BatchRunner(
+                self.ctx, self._store, self.max_concurrent_lines, self.config, self.health
+            )
             self._runner.start()
         return self._store
+
+    @property
+    def quota(self) -> FileQuota:
+        c = self.config
+        return FileQuota(
+            c.max_files, c.max_total_file_bytes, c.max_files_per_caller, c.max_file_bytes_per_caller
+        )
+
+    def runner_state(self) -> BatchRunnerState:
+        """The runner's health (``healthy`` False while its store keeps failing)."""
+        return self.health.state()
 
     @property
     def max_concurrent_lines(self) -> int:
@@ -48,7 +75,10 @@ class BatchService:
     def resume(self) -> None:
         """Open an existing store so its unfinished batches continue."""
         if (self.config.resolved_data_dir / "batch.db").is_file():
-            _ = self.store
+            try:
+                _ = self.store
+            except StoreError as exc:  # the next Files/Batches call tries again
+                logger.error("batch store not opened at start-up: %s", exc)
 
     async def close(self) -> None:
         if self._runner is not None:

@@ -9,9 +9,13 @@ Layout of ``data_dir``: ``batch.db`` and ``files/<file id>``. Durability rules:
 - A finished line's output record is committed together with the batch counters in one
   transaction. Output and error files are written from the table only at finalization, so a line
   is in them exactly once whatever happened before, and a line marked done is never run again.
-- ``attempts`` counts how often a line was sent to the engine (committed before it is sent).
+- ``attempts`` counts how often a line was sent (committed before it is sent) without a clean end:
+  a run that was taken back (the service stopped it, or never got it to the engine) is uncounted
+  again, so for a line not done it is how often the service or its engine died while it ran.
 
 Every method takes one lock, so the store can be used from the event loop and from worker threads.
+A storage failure (disk I/O error, read-only or full disk) raises ``StoreError``: a 503 to API
+callers, retried by the runner.
 """
 
 from __future__ import annotations
@@ -28,63 +32,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
-BATCH_TIMESTAMPS = (
-    "in_progress_at",
-    "finalizing_at",
-    "completed_at",
-    "failed_at",
-    "expired_at",
-    "cancelling_at",
-    "cancelled_at",
-)
+from xservice.batch.quota import FileQuota, FileUsage, check_quota
+from xservice.batch.store_schema import BATCH_TIMESTAMPS, batch_object, create_or_upgrade, file_object
+from xservice.errors import EngineUnavailableError
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT UNIQUE NOT NULL,
-    bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL,
-    filename TEXT NOT NULL,
-    purpose TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS batches (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT UNIQUE NOT NULL,
-    endpoint TEXT NOT NULL,
-    input_file_id TEXT NOT NULL,
-    completion_window TEXT NOT NULL,
-    status TEXT NOT NULL,
-    output_file_id TEXT,
-    error_file_id TEXT,
-    errors TEXT,
-    metadata TEXT,
-    created_at INTEGER NOT NULL,
-    expires_at INTEGER,
-    in_progress_at INTEGER,
-    finalizing_at INTEGER,
-    completed_at INTEGER,
-    failed_at INTEGER,
-    expired_at INTEGER,
-    cancelling_at INTEGER,
-    cancelled_at INTEGER,
-    num_total INTEGER NOT NULL DEFAULT 0,
-    num_completed INTEGER NOT NULL DEFAULT 0,
-    num_failed INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS lines (
-    batch_id TEXT NOT NULL,
-    line_no INTEGER NOT NULL,
-    custom_id TEXT,
-    body TEXT,
-    done INTEGER NOT NULL DEFAULT 0,
-    is_error INTEGER NOT NULL DEFAULT 0,
-    result TEXT,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (batch_id, line_no)
-);
-CREATE INDEX IF NOT EXISTS lines_pending ON lines (batch_id, done, line_no);
-"""
+ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+class StoreError(EngineUnavailableError):
+    """The store cannot be read or written now (disk I/O error, read-only or full disk): a 503
+    ``batch_store_unavailable`` to API callers; the runner retries it with backoff."""
+
+    default_code = "batch_store_unavailable"
+
+
+def _is_storage_error(exc: BaseException) -> bool:
+    """SQLite's run-time failures (I/O, locked, read-only, full, corrupt) and the OS's, not our bugs."""
+    return isinstance(exc, (sqlite3.OperationalError, OSError)) or type(exc) is sqlite3.DatabaseError
+
+
+@contextmanager
+def _storage_errors() -> Iterator[None]:
+    try:
+        yield
+    except StoreError:
+        raise
+    except Exception as exc:
+        if not _is_storage_error(exc):
+            raise
+        raise StoreError(f"The batch job store is unavailable: {type(exc).__name__}: {exc}") from exc
 
 
 def new_id(prefix: str) -> str:
@@ -100,6 +76,7 @@ class PendingLine:
     line_no: int
     custom_id: str
     body: dict[str, Any]
+    attempts: int = 0  # runs that ended with no result because the service or engine stopped
 
 
 @dataclass
@@ -120,13 +97,16 @@ class BatchStore:
         self.files_dir = self.data_dir / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        # isolation_level=None: autocommit; transactions are explicit (``_tx``).
-        self._db = sqlite3.connect(self.data_dir / "batch.db", check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL in WAL mode: a committed transaction survives a killed process (not a power cut).
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        with _storage_errors():
+            # isolation_level=None: autocommit; transactions are explicit (``_tx``).
+            self._db = sqlite3.connect(
+                self.data_dir / "batch.db", check_same_thread=False, isolation_level=None
+            )
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode: a committed transaction survives a killed process (not a power cut).
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            create_or_upgrade(self._db)
         self._remove_orphan_files()
 
     def close(self) -> None:
@@ -135,63 +115,93 @@ class BatchStore:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
+        with self._lock, _storage_errors():
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # (SQLite already rolled back after some I/O errors)
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
 
     def _query(self, sql: str, args: Iterable[Any] = ()) -> list[sqlite3.Row]:
-        with self._lock:
+        with self._lock, _storage_errors():
             return self._db.execute(sql, tuple(args)).fetchall()
 
     def _remove_orphan_files(self) -> None:
         known = {row["id"] for row in self._query("SELECT id FROM files")}
-        for path in self.files_dir.iterdir():
-            if path.name not in known:
-                path.unlink(missing_ok=True)
+        with _storage_errors():
+            for path in self.files_dir.iterdir():
+                if path.name not in known:
+                    path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ files
 
     def file_path(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
-    def add_file(self, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
-        """Store ``data`` as a new file and return its OpenAI file object."""
+    def add_file(
+        self, data: bytes, filename: str, purpose: str, owner: str = "", quota: FileQuota | None = None
+    ) -> dict[str, Any]:
+        """Store ``data`` as a new file of ``owner`` and return its OpenAI file object.
+
+        With ``quota``, the check and the insert are one transaction (``FileQuotaError`` past it),
+        so concurrent uploads cannot overshoot it together.
+        """
         file_id = new_id("file-")
         self._write_file(file_id, data)
-        with self._tx() as db:
-            self._insert_file(db, file_id, len(data), filename, purpose)
+        try:
+            with self._tx() as db:
+                if quota is not None:
+                    check_quota(quota, _usage(db, None), _usage(db, owner), len(data))
+                self._insert_file(db, file_id, len(data), filename, purpose, owner)
+        except BaseException:
+            self.file_path(file_id).unlink(missing_ok=True)
+            raise
         return self.get_file(file_id) or {}
+
+    def file_usage(self, owner: str | None = None) -> FileUsage:
+        """Files and bytes stored, in all (``owner`` None) or uploaded by ``owner``."""
+        with self._lock, _storage_errors():
+            return _usage(self._db, owner)
 
     def _write_file(self, file_id: str, data: bytes) -> None:
         tmp = self.files_dir / f"{file_id}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.file_path(file_id))
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.file_path(file_id))
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StoreError(f"The batch job store cannot write a file: {exc}") from exc
 
     @staticmethod
-    def _insert_file(db: sqlite3.Connection, file_id: str, size: int, filename: str, purpose: str) -> None:
+    def _insert_file(
+        db: sqlite3.Connection, file_id: str, size: int, filename: str, purpose: str, owner: str = ""
+    ) -> None:
         db.execute(
-            "INSERT INTO files (id, bytes, created_at, filename, purpose) VALUES (?, ?, ?, ?, ?)",
-            (file_id, size, now(), filename, purpose),
+            "INSERT INTO files (id, bytes, created_at, filename, purpose, owner) VALUES (?, ?, ?, ?, ?, ?)",
+            (file_id, size, now(), filename, purpose, owner),
         )
 
     def get_file(self, file_id: str) -> dict[str, Any] | None:
         rows = self._query("SELECT * FROM files WHERE id = ?", (file_id,))
-        return _file_object(rows[0]) if rows else None
+        return file_object(rows[0]) if rows else None
 
     def list_files(self, purpose: str | None = None) -> list[dict[str, Any]]:
         if purpose:
             rows = self._query("SELECT * FROM files WHERE purpose = ? ORDER BY seq DESC", (purpose,))
         else:
             rows = self._query("SELECT * FROM files ORDER BY seq DESC")
-        return [_file_object(r) for r in rows]
+        return [file_object(r) for r in rows]
 
     def delete_file(self, file_id: str) -> bool:
         with self._tx() as db:
@@ -225,7 +235,7 @@ class BatchStore:
 
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
         rows = self._query("SELECT * FROM batches WHERE id = ?", (batch_id,))
-        return _batch_object(rows[0]) if rows else None
+        return batch_object(rows[0]) if rows else None
 
     def list_batches(self, limit: int, after: str | None = None) -> tuple[list[dict[str, Any]], bool]:
         """Newest first, starting after the batch ``after``; returns (page, has_more)."""
@@ -237,7 +247,7 @@ class BatchStore:
             )
         else:
             rows = self._query("SELECT * FROM batches ORDER BY seq DESC LIMIT ?", (limit + 1,))
-        return [_batch_object(r) for r in rows[:limit]], len(rows) > limit
+        return [batch_object(r) for r in rows[:limit]], len(rows) > limit
 
     def active_batch_ids(self) -> list[str]:
         """Batches the runner still has to move on: cancellations first, then oldest first."""
@@ -315,17 +325,25 @@ class BatchStore:
 
     def pending_lines(self, batch_id: str, after_line_no: int, limit: int) -> list[PendingLine]:
         rows = self._query(
-            "SELECT line_no, custom_id, body FROM lines WHERE batch_id = ? AND done = 0 AND line_no > ?"
-            " ORDER BY line_no LIMIT ?",
+            "SELECT line_no, custom_id, body, attempts FROM lines WHERE batch_id = ? AND done = 0"
+            " AND line_no > ? ORDER BY line_no LIMIT ?",
             (batch_id, after_line_no, limit),
         )
-        return [PendingLine(r["line_no"], r["custom_id"], json.loads(r["body"])) for r in rows]
+        return [PendingLine(r["line_no"], r["custom_id"], json.loads(r["body"]), r["attempts"]) for r in rows]
 
     def start_line(self, batch_id: str, line_no: int) -> None:
+        """Count an attempt before the line is sent (a crash while it runs leaves it counted)."""
+        self._add_attempts(batch_id, line_no, 1)
+
+    def take_back_line(self, batch_id: str, line_no: int) -> None:
+        """Uncount the attempt of a run that ended cleanly without a result (stopped, or sent back)."""
+        self._add_attempts(batch_id, line_no, -1)
+
+    def _add_attempts(self, batch_id: str, line_no: int, delta: int) -> None:
         with self._tx() as db:
             db.execute(
-                "UPDATE lines SET attempts = attempts + 1 WHERE batch_id = ? AND line_no = ?",
-                (batch_id, line_no),
+                "UPDATE lines SET attempts = max(0, attempts + ?) WHERE batch_id = ? AND line_no = ?",
+                (delta, batch_id, line_no),
             )
 
     def finish_line(self, batch_id: str, line_no: int, result: dict[str, Any], is_error: bool) -> bool:
@@ -376,38 +394,11 @@ class BatchStore:
         return {r["custom_id"]: r["attempts"] for r in rows}
 
 
-def _file_object(row: sqlite3.Row) -> dict[str, Any]:
-    return {
-        "id": row["id"],
-        "object": "file",
-        "bytes": row["bytes"],
-        "created_at": row["created_at"],
-        "filename": row["filename"],
-        "purpose": row["purpose"],
-        "status": "processed",
-        "status_details": None,
-    }
-
-
-def _batch_object(row: sqlite3.Row) -> dict[str, Any]:
-    obj: dict[str, Any] = {
-        "id": row["id"],
-        "object": "batch",
-        "endpoint": row["endpoint"],
-        "errors": json.loads(row["errors"]) if row["errors"] else None,
-        "input_file_id": row["input_file_id"],
-        "completion_window": row["completion_window"],
-        "status": row["status"],
-        "output_file_id": row["output_file_id"],
-        "error_file_id": row["error_file_id"],
-        "created_at": row["created_at"],
-        "expires_at": row["expires_at"],
-    }
-    obj.update({name: row[name] for name in BATCH_TIMESTAMPS})
-    obj["request_counts"] = {
-        "total": row["num_total"],
-        "completed": row["num_completed"],
-        "failed": row["num_failed"],
-    }
-    obj["metadata"] = json.loads(row["metadata"]) if row["metadata"] else None
-    return obj
+def _usage(db: sqlite3.Connection, owner: str | None) -> FileUsage:
+    if owner is None:
+        row = db.execute("SELECT count(*), coalesce(sum(bytes), 0) FROM files").fetchone()
+    else:
+        row = db.execute(
+            "SELECT count(*), coalesce(sum(bytes), 0) FROM files WHERE owner = ?", (owner,)
+        ).fetchone()
+    return FileUsage(row[0], row[1])

@@ -106,7 +106,9 @@ class InstancePool:
         self.last_migration_s: float | None = None  # dead instance detected -> migrated request resent
         self._inflight: dict[str, int] = {}
         self._dead_at = time.monotonic()
-        self._dead: set[str] = set()  # incarnations known dead (never reconnect to them)
+        # incarnations known dead: never reconnected to (a fenced process that resumes comes back as
+        # a new incarnation, having dropped the old one's requests: see xengine/cluster_agent.py)
+        self._dead: set[str] = set()
         self._changed = asyncio.Event()
         self._closed = False
         registry.subscribe(self._on_registry_event)

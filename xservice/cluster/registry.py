@@ -6,6 +6,12 @@ deleted (lease expired or revoked), when another incarnation registers under its
 no heartbeat arrived for ``lease_ttl + heartbeat`` while the store is reachable. Records from
 any other incarnation than the registered one are rejected (``num_stale_rejected``).
 
+A heartbeat gap is made true in the store: the registry revokes the silent instance's lease (the
+one its record names), so an engine that was only stalled finds its lease gone when it resumes and
+comes back as a new incarnation (``xengine/cluster_agent.py``) instead of heartbeating on under an
+incarnation the services count dead. Gaps the service caused itself (its event loop stalled, so it
+read no heartbeat) do not count: a monitor tick that comes late moves every deadline by as much.
+
 When the store is unreachable the view is kept as is (serving continues); once it is back the
 registry re-reads a snapshot, gives every instance a fresh grace period to re-register, and
 watches again. The KV index is persisted per instance under ``<prefix>/kv/<name>`` (batched),
@@ -21,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from xengine.api.cluster import keys
 from xengine.api.cluster.store import BaseMetadataStore, StoreUnavailableError, WatchEvent
@@ -229,7 +236,7 @@ class InstanceRegistry:
         self.kv_index.drop(name)
         self._dirty_kv.discard(name)
         if self.persist_kv:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._forget_kv(name)))
+            self._spawn(self._forget_kv(name))
         if state.healthy:
             state.healthy = False
             self._notify("down", state, reason)
@@ -245,9 +252,16 @@ class InstanceRegistry:
 
     async def _monitor_loop(self) -> None:
         last_persist = 0.0
+        tick = self.heartbeat_interval_s / 2
+        last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(self.heartbeat_interval_s / 2)
+            await asyncio.sleep(tick)
             now = time.monotonic()
+            stalled = now - last_tick - tick  # our own loop was this late: heartbeats may wait unread
+            if stalled > self.heartbeat_interval_s:  # that long does not count against the instances
+                for state in self.instances.values():
+                    state.last_heartbeat = min(now, state.last_heartbeat + stalled)
+            last_tick = now
             if self.store_ok and now - self._store_ok_since > self.dead_after_s:
                 for name, state in list(self.instances.items()):
                     if state.healthy and now - state.last_heartbeat > self.dead_after_s:
@@ -256,6 +270,7 @@ class InstanceRegistry:
                             "instance %s: no heartbeat for %.1fs", name, now - state.last_heartbeat
                         )
                         self._notify("down", state, "heartbeat gap")
+                        self._spawn(self._revoke(state.record))
             if self.persist_kv and self.store_ok and now - last_persist >= PERSIST_INTERVAL_S:
                 last_persist = now
                 try:
@@ -277,6 +292,21 @@ class InstanceRegistry:
             except StoreUnavailableError:
                 self._dirty_kv.add(name)
                 raise
+
+    def _spawn(self, coro: Any) -> None:
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def _revoke(self, record: keys.InstanceRecord) -> None:
+        """End the lease of an incarnation declared dead (its keys go; the engine, if only stalled,
+        re-registers as a new incarnation)."""
+        if not record.lease:
+            return
+        try:
+            await self.store.revoke(record.lease)
+            logger.info("revoked the lease of %s (incarnation %s)", record.name, record.incarnation)
+        except Exception as e:  # noqa: BLE001 - expired already, or the store is away: it ends anyway
+            logger.debug("revoking the lease of %s failed: %s", record.name, e)
 
     async def _forget_kv(self, name: str) -> None:
         try:

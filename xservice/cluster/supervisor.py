@@ -6,7 +6,9 @@ under the same name after a backoff chosen by ``RestartPolicy``; the new process
 incarnation (taking the name over from the dead one at once, without waiting for its lease) and the
 pool connects to it like to any instance. Once an instance used up its restart
 budget the supervisor gives up on it loudly. Attach mode (``launcher: external``) launches nothing,
-so it supervises nothing: standalone engines belong to the user's process manager.
+so it supervises nothing: standalone engines belong to the user's process manager. A process that
+only stalled past its lease (and never exited) is not relaunched in any mode: it rejoins by itself
+as a new incarnation once it resumes (``xengine/cluster_agent.py``, docs/cluster.md).
 """
 
 from __future__ import annotations

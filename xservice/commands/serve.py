@@ -41,7 +41,13 @@ def run_serve(args: argparse.Namespace) -> int:
             f"service.log_level must be debug, info, warning or error, got {cfg.service.log_level!r}"
         )
     logging.basicConfig(level=level, format="%(asctime)s xservice %(levelname)s %(name)s: %(message)s")
-    sock = bind_socket(cfg.service.host, cfg.service.port)
+    from xservice.watchdog import inherited_socket, run_watchdog
+
+    sock = inherited_socket()  # set when this process is a watchdog's server
+    if sock is None:
+        sock = bind_socket(cfg.service.host, cfg.service.port)
+        if cfg.service.watchdog:
+            return run_watchdog(args.argv, sock, cfg.service.restart_policy())
     return asyncio.run(serve(cfg, sock))
 
 

@@ -9,6 +9,7 @@ import msgspec
 from fastapi import APIRouter, Depends
 
 from xservice.errors import EngineUnavailableError
+from xservice.routes.error_responses import errors
 from xservice.serving.context import ServingContext, get_ctx
 
 router = APIRouter()
@@ -16,7 +17,7 @@ router = APIRouter()
 STATS_TIMEOUT_S = 5.0
 
 
-@router.get("/v1/admin/stats")
+@router.get("/v1/admin/stats", responses=errors(503))
 async def admin_stats(ctx: ServingContext = Depends(get_ctx)) -> dict[str, Any]:
     client = ctx.engine_client
     ctx.check_engine()

@@ -8,13 +8,19 @@ from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import Response
 
 from xservice.protocol import ChatCompletionResponse
+from xservice.routes.body_route import BodyRoute
+from xservice.routes.error_responses import GENERATION_ERRORS, errors
 from xservice.serving.chat_batch import create_batch_chat_completion
 from xservice.serving.context import ServingContext, get_ctx
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 
-@router.post("/v1/chat/completions/batch", response_model=ChatCompletionResponse)
+@router.post(
+    "/v1/chat/completions/batch",
+    response_model=ChatCompletionResponse,
+    responses=errors(*GENERATION_ERRORS),
+)
 async def chat_completions_batch(
     request: Request, body: dict[str, Any] = Body(...), ctx: ServingContext = Depends(get_ctx)
 ) -> Response:

@@ -6,13 +6,15 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from xservice.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
+from xservice.routes.body_route import BodyRoute
+from xservice.routes.error_responses import GENERATION_ERRORS, errors
 from xservice.serving.context import ServingContext, get_ctx
 from xservice.serving.embeddings import create_embeddings
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 
-@router.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}})
+@router.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **errors(*GENERATION_ERRORS)})
 async def embeddings(
     body: EmbeddingRequest, request: Request, ctx: ServingContext = Depends(get_ctx)
 ) -> Response:

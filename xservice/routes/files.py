@@ -1,4 +1,8 @@
-"""OpenAI Files API (batch input and output files): upload, list, retrieve, delete, content."""
+"""OpenAI Files API (batch input and output files): upload, list, retrieve, delete, content.
+
+An upload is refused before it is stored when it passes a quota (409, ``xservice/batch/quota.py``)
+or, for ``purpose=batch``, when a line is not a batch request line (400 naming the first lines).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse
 
-from xservice.batch.multipart import parse_form
+from xservice.batch.lines import check_upload
+from xservice.batch.multipart import FormField, parse_form
+from xservice.batch.quota import caller_id, check_quota
 from xservice.batch.service import BatchService, found_or_404, get_batch_service, list_page
 from xservice.errors import InvalidRequestError, NotFoundError, RequestTooLargeError
 
@@ -36,7 +42,27 @@ UPLOAD_FORM = {
     },
 )
 async def create_file(request: Request, batch: BatchService = Depends(get_batch_service)) -> dict[str, Any]:
-    form = parse_form(await request.body(), request.headers.get("content-type", ""))
+    body = await request.body()
+    content_type = request.headers.get("content-type", "")
+    # an upload may be ~100 MB: parsing and checking it (copies, scans) happens off the event loop
+    upload, purpose = await asyncio.to_thread(_read_upload, body, content_type, batch.config.max_file_bytes)
+    del body
+    store, quota = batch.store, batch.quota
+    owner = caller_id(request.headers.get("authorization"), bool(batch.ctx.config.service.api_key))
+    check_quota(quota, store.file_usage(), store.file_usage(owner), len(upload.data))  # cheap, early
+    problems = await asyncio.to_thread(check_upload, upload.data)
+    if problems:
+        raise InvalidRequestError(
+            "Not a batch input file (JSONL, one request per line): " + " ".join(problems),
+            param="file",
+            code="invalid_batch_file",
+        )
+    return await asyncio.to_thread(store.add_file, upload.data, upload.filename, purpose, owner, quota)
+
+
+def _read_upload(body: bytes, content_type: str, max_file_bytes: int) -> tuple[FormField, str]:
+    """The uploaded file and its purpose, or the 4xx saying what is wrong with the form."""
+    form = parse_form(body, content_type)
     upload = form.get("file")
     if upload is None or upload.filename is None:
         raise InvalidRequestError("Missing the 'file' field (a file upload).", param="file")
@@ -45,12 +71,16 @@ async def create_file(request: Request, batch: BatchService = Depends(get_batch_
         raise InvalidRequestError(
             f"'purpose' must be one of {list(PURPOSES)}, got {purpose!r}.", param="purpose"
         )
-    limit = batch.config.max_file_bytes
-    if len(upload.data) > limit:
-        raise RequestTooLargeError(f"File of {len(upload.data)} bytes exceeds the limit of {limit} bytes.")
-    if not upload.data.strip():
+    if len(upload.data) > max_file_bytes:
+        raise RequestTooLargeError(
+            f"File of {len(upload.data)} bytes exceeds the limit of {max_file_bytes} bytes."
+        )
+    if _BLANK.fullmatch(upload.data):
         raise InvalidRequestError("The file is empty.", param="file")
-    return await asyncio.to_thread(batch.store.add_file, upload.data, upload.filename, purpose)
+    return upload, purpose
+
+
+_BLANK = re.compile(rb"\s*")  # what bytes.strip() removes (ASCII whitespace), without copying
 
 
 @router.get("/v1/files")
@@ -75,7 +105,13 @@ async def delete_file(file_id: str, batch: BatchService = Depends(get_batch_serv
     return {"id": file_id, "object": "file", "deleted": True}
 
 
-@router.get("/v1/files/{file_id}/content")
+@router.get(
+    "/v1/files/{file_id}/content",
+    response_class=FileResponse,
+    responses={
+        200: {"content": {"application/jsonl": {"schema": {"type": "string"}}}, "description": "The file."}
+    },
+)
 async def file_content(file_id: str, batch: BatchService = Depends(get_batch_service)) -> FileResponse:
     obj = _file(batch, file_id)
     disposition = content_disposition(obj["filename"])

@@ -11,18 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
 
 from xservice.protocol import ChatCompletionRequest, CompletionRequest
 from xservice.protocol.embeddings import EmbeddingRequest
+from xservice.routes.body_route import BodyRoute
+from xservice.routes.error_responses import GENERATION_ERRORS, errors
 from xservice.serving.chat import create_chat_completion
 from xservice.serving.completions import create_completion
 from xservice.serving.context import ServingContext, get_ctx
 from xservice.serving.embeddings import create_embeddings
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 # body key -> (request model, handler), first match wins
 _APIS = (
@@ -32,16 +32,11 @@ _APIS = (
 )
 
 
-@router.post("/invocations")
+@router.post("/invocations", responses=errors(*GENERATION_ERRORS))
 async def invocations(
     request: Request, body: dict[str, Any] = Body(...), ctx: ServingContext = Depends(get_ctx)
 ) -> Response:
     key, model, handler = next((api for api in _APIS if api[0] in body), _APIS[0])  # else: chat's 400s
-    return await handler(ctx, _validate(model, body), request)
-
-
-def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:  # the same 400 the API's own route gives
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    # validated as the API's own route validates it (the same 400s), off the loop when large
+    validated = await ctx.bodies.validate(model, body, len(await request.body()))
+    return await handler(ctx, validated, request)

@@ -16,7 +16,16 @@ logger = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 1.0
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,  # no JSON: the 200 is documented as what it is, Prometheus text
+    responses={
+        200: {
+            "description": "Prometheus text format.",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
+)
 async def metrics(ctx: ServingContext = Depends(get_ctx)) -> Response:
     try:
         ctx.metrics.update_engine(await ctx.engine_client.stats(timeout_s=STATS_TIMEOUT_S))

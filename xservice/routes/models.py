@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends
 
 from xservice.errors import ModelNotFoundError
 from xservice.protocol import ModelCard, ModelList
+from xservice.routes.error_responses import errors
 from xservice.serving.context import ServingContext, get_ctx
 
 router = APIRouter()
@@ -21,7 +22,7 @@ async def list_models(ctx: ServingContext = Depends(get_ctx)) -> ModelList:
 
 
 # ``:path``: served names often contain a slash ("Qwen/Qwen3-0.6B"), as in OpenAI's fine-tuned ids.
-@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404))
 async def retrieve_model(model_id: str, ctx: ServingContext = Depends(get_ctx)) -> ModelCard:
     if model_id != ctx.model_name:
         raise ModelNotFoundError(f"The model '{model_id}' does not exist.", param="model")

@@ -13,12 +13,14 @@ from xservice.rec.protocol import (
     RecGenerateResponse,
 )
 from xservice.rec.serving import rec_generate
+from xservice.routes.body_route import BodyRoute
+from xservice.routes.error_responses import GENERATION_ERRORS, errors
 from xservice.serving.context import ServingContext, get_ctx
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 
-@router.post("/v1/rec/catalogs", response_model=CatalogObject)
+@router.post("/v1/rec/catalogs", response_model=CatalogObject, responses=errors(503))
 async def create_catalog(
     body: CatalogCreateRequest,
     ctx: ServingContext = Depends(get_ctx),
@@ -28,7 +30,7 @@ async def create_catalog(
     return as_object(await directory.register(ctx.engine_client, body.name, body.items))
 
 
-@router.get("/v1/rec/catalogs", response_model=CatalogList)
+@router.get("/v1/rec/catalogs", response_model=CatalogList, responses=errors(503))
 async def list_catalogs(
     ctx: ServingContext = Depends(get_ctx), directory: CatalogDirectory = Depends(get_directory)
 ) -> CatalogList:
@@ -36,7 +38,7 @@ async def list_catalogs(
     return CatalogList(data=[as_object(i) for i in await directory.refresh(ctx.engine_client)])
 
 
-@router.post("/v1/rec/generate", response_model=RecGenerateResponse)
+@router.post("/v1/rec/generate", response_model=RecGenerateResponse, responses=errors(*GENERATION_ERRORS))
 async def generate(
     body: RecGenerateRequest,
     request: Request,

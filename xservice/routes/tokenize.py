@@ -5,18 +5,24 @@ Large inputs are tokenized, decoded and rendered to JSON on the tokenizer worker
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from pydantic import BaseModel
 
 from xservice.errors import InvalidRequestError
 from xservice.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from xservice.protocol.tools import FunctionDefinition
+from xservice.routes.body_route import BodyRoute
+from xservice.routes.error_responses import errors
 from xservice.serving.chat_render import ChatRender, chat_render_of
 from xservice.serving.context import ServingContext, get_ctx
 from xservice.serving.prompts import chat_prompt_ids, check_text_chars, check_token_ids
+from xservice.serving.text_workers import INLINE_MAX_COST
 from xservice.serving.tools.plan import chat_param, check_functions, rendered_tools
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 
 def _json(model: BaseModel) -> Response:
@@ -48,13 +54,19 @@ async def tokenize_render(ctx: ServingContext, body: TokenizeRequest) -> ChatRen
     if not body.tools:
         return render
     functions = [tool.function for tool in body.tools]
-    check_functions(functions, chat_param)
+    # on a worker: the tools' schemas are checked and copied (their size is not known before)
+    tools = await ctx.text.run(INLINE_MAX_COST + 1, _checked_tools, functions)
     if "tools" not in render.template_vars:
         raise InvalidRequestError("This model's chat template does not render tools.", param="tools")
-    return render.with_tools(rendered_tools(functions))
+    return render.with_tools(tools)
 
 
-@router.post("/tokenize", response_model=TokenizeResponse)
+def _checked_tools(functions: list[FunctionDefinition]) -> list[dict[str, Any]]:
+    check_functions(functions, chat_param)
+    return rendered_tools(functions)
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=errors(404))
 async def tokenize(body: TokenizeRequest, ctx: ServingContext = Depends(get_ctx)) -> Response:
     ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
@@ -71,7 +83,7 @@ async def tokenize(body: TokenizeRequest, ctx: ServingContext = Depends(get_ctx)
     return await ctx.text.run(len(ids), _tokenize_response, ids, ctx.max_model_len)
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse)
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(404))
 async def detokenize(body: DetokenizeRequest, ctx: ServingContext = Depends(get_ctx)) -> Response:
     ctx.check_model(body.model)
     return await ctx.text.run(len(body.tokens), _detokenize_response, ctx, body.tokens)

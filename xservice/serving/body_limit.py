@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from xservice.errors import InvalidRequestError, RequestTooLargeError, error_response
+
+INLINE_JOIN_BYTES = 1 << 20  # bodies up to 1 MiB are joined on the loop (well under a millisecond)
 
 
 class BodyLimitMiddleware:
@@ -55,7 +58,9 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        # Joining copies the body: ~70 ms for a 99 MB upload, on a worker rather than on the event loop.
+        body = b"".join(chunks) if size <= INLINE_JOIN_BYTES else await asyncio.to_thread(b"".join, chunks)
+        await self.app(scope, _replay(body, receive), send)
 
     def _too_large(self, size: int, limit: int) -> RequestTooLargeError:
         return RequestTooLargeError(f"Request body of {size} bytes exceeds the limit of {limit} bytes.")

@@ -37,7 +37,7 @@ from xservice.serving.streaming import (
     run_until_disconnected,
     sse_response,
 )
-from xservice.serving.structured import constraint_rename
+from xservice.serving.structured import check_structured_outputs, constraint_rename
 from xservice.serving.tools.plan import constrain
 from xservice.serving.truncation import resolve_truncation
 
@@ -83,6 +83,7 @@ async def _generation(
         requested, len(prompt_ids), ctx.max_model_len, default=None, param=param, where="messages"
     )
     check_prompt_logprobs(body)
+    await check_structured_outputs(body)  # the grammar sandbox, off the event loop
     params = build_sampling_params(
         body,
         max_tokens=max_tokens,

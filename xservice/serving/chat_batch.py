@@ -73,7 +73,9 @@ async def create_batch_chat_completion(
     ctx: ServingContext, raw: dict[str, Any], request: Request
 ) -> Response:
     """Run every conversation as a chat completion (concurrently) and merge the answers."""
-    bodies = conversation_bodies(raw)
+    bodies = await ctx.bodies.run(
+        len(await request.body()), conversation_bodies, raw
+    )  # off the loop when large
     tasks = [asyncio.ensure_future(create_chat_completion(ctx, body, request)) for body in bodies]
     try:
         responses = await asyncio.gather(*tasks)

@@ -17,6 +17,7 @@ from xservice.serving.chat_render import ChatRender, chat_render_of
 from xservice.serving.prompts import message_dicts
 from xservice.serving.reasoning.registry import ReasoningPlan, plan_reasoning
 from xservice.serving.reasoning.splitter import ThinkSplitter
+from xservice.serving.text_workers import INLINE_MAX_COST
 from xservice.serving.tools.base import BaseToolParser, CallStart, ParsedOutput, TextDelta, ToolEvent
 from xservice.serving.tools.plan import ToolPlan, plan_tools
 
@@ -124,8 +125,14 @@ async def chat_options(ctx: ServingContext, body: ChatCompletionRequest) -> tupl
     """The request's template options (tools included) and output rules; 400s name the field."""
     render = await chat_render_of(ctx, body)
     functions = [tool.function for tool in body.tools or []]
-    plan = plan_tools(
-        functions, body.tool_choice, body.parallel_tool_calls, ctx.tool_family, render.template_vars
+    plan = await ctx.text.run(  # on a worker with tools: their schemas are copied and may be compiled
+        INLINE_MAX_COST + 1 if functions else 0,
+        plan_tools,
+        functions,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        ctx.tool_family,
+        render.template_vars,
     )
     echo = ""
     if body.echo:
@@ -150,7 +157,9 @@ def _echo_text(ctx: ServingContext, body: ChatCompletionRequest) -> str:
     a list (images as placeholders), rendered one after the other, so its text parts are joined as is."""
     if not body.messages:
         return ""
-    content = message_dicts(body.messages, [] if ctx.images is not None else None)[-1]["content"]
+    last = len(body.messages) - 1  # only the last message is converted (a long conversation stays cheap)
+    images = [] if ctx.images is not None else None
+    content = message_dicts(body.messages[last:], images, start=last)[0]["content"]
     if isinstance(content, list):
         return "".join(p["text"] for p in content if p["type"] == "text")
     return content

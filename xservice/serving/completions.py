@@ -43,7 +43,7 @@ from xservice.serving.streaming import (
     run_until_disconnected,
     sse_response,
 )
-from xservice.serving.structured import constraint_rename
+from xservice.serving.structured import check_structured_outputs, constraint_rename
 from xservice.serving.truncation import resolve_truncation
 
 MAX_COMPLETION_LOGPROBS = 5
@@ -143,6 +143,7 @@ async def _generations(
         add_special_tokens=body.add_special_tokens,
         truncation=resolve_truncation(body, ctx.max_model_len),
     )
+    await check_structured_outputs(body)  # the grammar sandbox, off the event loop
     gens, texts = [], []
     scores_prompt = body.echo or body.prompt_logprobs is not None
     prompt_logprobs = engine_prompt_logprobs(body.prompt_logprobs, body.logprobs if body.echo else None)

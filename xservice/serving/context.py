@@ -15,8 +15,10 @@ from fastapi import Request
 from xservice.config import XllmConfig
 from xservice.errors import EngineUnavailableError, ModelNotFoundError, RateLimitError
 from xservice.metrics import ServiceMetrics
+from xservice.serving.body_parse import BodyParser
 from xservice.serving.reasoning.registry import ReasoningFamily
 from xservice.serving.reasoning.registry import resolve_family as resolve_reasoning_family
+from xservice.serving.request_limits import RequestLimits
 from xservice.serving.text_workers import TextWorkers
 from xservice.serving.tools.registry import ToolParserFamily, resolve_family
 
@@ -52,13 +54,17 @@ class ServingContext:
     num_inflight: int = 0
     _background: set[asyncio.Task] = field(default_factory=set)
     text: TextWorkers = field(init=False)  # tokenizer work off the event loop; ``close()`` stops it
+    bodies: BodyParser = field(init=False)  # request bodies parsed off the event loop; ``close()`` stops it
 
     def __post_init__(self) -> None:
         self.text = TextWorkers(self.tokenizer)
+        service = self.config.service
+        self.bodies = BodyParser(RequestLimits(service.max_messages, service.max_content_parts))
 
     def close(self) -> None:
-        """Release what the context owns (the tokenizer workers); the engine client is not owned."""
+        """Release what the context owns (tokenizer and body workers); the engine client is not owned."""
         self.text.close()
+        self.bodies.close()
 
     @property
     def model_name(self) -> str:
@@ -133,6 +139,7 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def get_ctx(request: Request) -> ServingContext:
-    """FastAPI dependency: the app's ``ServingContext``."""
+async def get_ctx(request: Request) -> ServingContext:
+    """FastAPI dependency: the app's ``ServingContext`` (async: FastAPI would run a plain function on a
+    thread of its pool, a hop per request)."""
     return request.app.state.ctx

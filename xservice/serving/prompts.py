@@ -17,6 +17,7 @@ from xservice.protocol import ChatMessage, ContentPart, PromptInput
 from xservice.protocol.tools import MessageToolCall
 from xservice.serving.chat_render import ChatRender
 from xservice.serving.images import TEMPLATE_IMAGE_PART, ImageRef, image_ref, load_images
+from xservice.serving.text_workers import INLINE_MAX_COST
 
 if TYPE_CHECKING:
     from xengine.api.multimodal import ImageInput
@@ -185,12 +186,6 @@ def _parts_with_images(at: str, content: list[ContentPart], images: list[ImageRe
     return parts
 
 
-def _num_chars(content: str | list[dict[str, Any]]) -> int:
-    if isinstance(content, str):
-        return len(content)
-    return sum(len(p.get("text") or "") for p in content)
-
-
 def _reasoning(i: int, msg: ChatMessage) -> str | None:
     """An assistant turn's thinking under either name (vLLM 0.33's ``reasoning``, the older / DeepSeek
     API's ``reasoning_content``); two different texts would leave the template guessing, so they are a 400."""
@@ -223,15 +218,18 @@ def _tool_call_dict(call: MessageToolCall) -> dict[str, Any]:
 
 
 def message_dicts(
-    messages: list[ChatMessage], images: list[ImageRef] | None = None, where: MessageParams = MessageParams()
+    messages: list[ChatMessage],
+    images: list[ImageRef] | None = None,
+    where: MessageParams = MessageParams(),
+    start: int = 0,
 ) -> list[dict[str, Any]]:
     """``messages`` as the dicts a chat template renders (400 naming the part that cannot be, as
-    ``where`` locates it).
+    ``where`` locates it; the first of ``messages`` is message ``start`` of the request).
 
     ``images``: the model takes images; each image part becomes a placeholder part and its reference
     is appended to ``images`` in prompt order (None: image parts are refused).
     """
-    return [_message_dict(i, m, images, where) for i, m in enumerate(messages)]
+    return [_message_dict(start + i, m, images, where) for i, m in enumerate(messages)]
 
 
 @dataclass
@@ -270,20 +268,22 @@ async def chat_prompt(
         raise InvalidRequestError(f"'{where.field}' must contain at least one message.", param=where.field)
     builder = ctx.images
     refs: list[ImageRef] | None = [] if builder is not None else None
-    dicts = message_dicts(messages, refs, where)
-    images = await load_images(builder, refs) if builder is not None and refs else []
-    num_chars = sum(_num_chars(d["content"]) for d in dicts)
+    prompt: list[dict[str, Any]] | list[ChatMessage] = messages  # converted on the worker (no images)
+    images: list[ImageInput] = []
+    if builder is not None:  # images are loaded before rendering: convert here, to find them
+        prompt = message_dicts(messages, refs, where)
+        images = await load_images(builder, refs) if refs else []
     ids = await ctx.text.run(
-        num_chars,
+        render_cost(messages, render),
         _render_and_encode,
         ctx.tokenizer,
-        dicts,
+        prompt,
         add_generation_prompt,
         ctx.max_model_len,
         ctx.text.max_token_chars if truncation is None else None,
         add_special_tokens,
         render,
-        where.field,
+        where,
     )
     if images:
         assert builder is not None
@@ -302,16 +302,42 @@ async def chat_prompt(
     return ChatPromptIds(truncation.apply(ids) if truncation is not None else ids)
 
 
+# Per message, the template work beyond its characters (a loop iteration, role markers); in
+# ``TextWorkers.run``'s units (characters), so a long conversation of short messages leaves the loop too.
+MESSAGE_COST = 64
+
+
+def render_cost(messages: list[ChatMessage], render: ChatRender | None) -> int:
+    """Cheap estimate of rendering ``messages`` (``TextWorkers.run``'s cost): their text plus a share per
+    message and part; tools, documents or a request's own template always count as large work (their
+    size is only known by serializing them)."""
+    if render is not None and (render.tools or render.documents or render.chat_template):
+        return INLINE_MAX_COST + 1
+    cost = 0
+    for msg in messages:
+        content = msg.content
+        if isinstance(content, str):
+            cost += len(content) + MESSAGE_COST
+        elif content is not None:
+            cost += MESSAGE_COST * (1 + len(content)) + sum(len(p.text or "") for p in content)
+        else:
+            cost += MESSAGE_COST
+    return cost
+
+
 def _render_and_encode(
     tokenizer: Tokenizer,
-    dicts: list[dict[str, Any]],
+    messages: list[dict[str, Any]] | list[ChatMessage],
     add_generation_prompt: bool,
     max_model_len: int,
     max_token_chars: int | None,
     add_special_tokens: bool = False,
     render: ChatRender | None = None,
-    field: str = "messages",
+    where: MessageParams = MessageParams(),
 ) -> list[int]:
+    """``messages`` (``ChatMessage``s, converted here, or their dicts) rendered and tokenized."""
+    field = where.field
+    dicts = [m if isinstance(m, dict) else _message_dict(i, m, None, where) for i, m in enumerate(messages)]
     try:
         text = (render or ChatRender()).render(tokenizer, dicts, add_generation_prompt)
     except Exception as exc:  # template errors depend on the request (roles, order), so they are 400s

@@ -8,6 +8,7 @@ response object.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from xengine.api.messages import SamplingParams
+from xengine.api.messages import SamplingParams, StructuredOutputsParams
 from xservice.errors import InvalidRequestError, NotFoundError, from_value_error
 from xservice.protocol import dump
 from xservice.protocol.responses import ResponseObject, ResponsesRequest, ResponseUsage
@@ -38,6 +39,7 @@ from xservice.serving.streaming import (
     run_until_disconnected,
     sse_response,
 )
+from xservice.serving.text_workers import INLINE_MAX_COST
 from xservice.serving.tools.plan import ToolPlan, plan_tools
 
 _RENAME = {"max_tokens": "max_output_tokens", "structured_outputs": "text.format"}
@@ -48,9 +50,13 @@ def _or(value: Any, default: Any) -> Any:
 
 
 def _sampling_params(
-    body: ResponsesRequest, max_tokens: int, plan: ToolPlan, vocab_size: int
+    body: ResponsesRequest,
+    max_tokens: int,
+    plan: ToolPlan,
+    vocab_size: int,
+    structured: StructuredOutputsParams | None,
 ) -> SamplingParams:
-    structured = text_constraint(body.text)
+    """``structured``: ``text_constraint(body.text)``, checked off the event loop by the caller."""
     if structured is not None and plan.structured is not None:
         raise InvalidRequestError(
             "'text.format' cannot be combined with tool calls that constrain the output "
@@ -105,13 +111,16 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
     resp_id = new_request_id("resp")
     conversation = input_messages(body, takes_images=ctx.images is not None)
     render = await chat_render(ctx, chat_template_kwargs=body.chat_template_kwargs)
-    plan = plan_tools(
-        functions_of(body),
+    functions = functions_of(body)
+    plan = await ctx.text.run(  # on a worker with tools: their schemas are copied and may be compiled
+        INLINE_MAX_COST + 1 if functions else 0,
+        plan_tools,
+        functions,
         tool_choice_of(body),
         body.parallel_tool_calls,
         ctx.tool_family,
         render.template_vars,
-        param=responses_param,
+        responses_param,
     )
     prompt = await chat_prompt(
         ctx, conversation.messages, True, render=render.with_tools(plan.tools), where=conversation.where
@@ -124,7 +133,8 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
         param="max_output_tokens",
         where="input",
     )
-    params = _sampling_params(body, max_tokens, plan, ctx.vocab_size)
+    structured = await asyncio.to_thread(text_constraint, body.text) if body.text is not None else None
+    params = _sampling_params(body, max_tokens, plan, ctx.vocab_size, structured)
     gen = Generation(ctx, resp_id, prompt.ids, params, rename=_RENAME, arrival=arrival)
     gen.images = prompt.images or None
     builder = ResponseBuilder(_initial_response(body, resp_id, ctx.model_name, params), plan.new_parser())

@@ -5,8 +5,11 @@ Structured outputs come from OpenAI's ``response_format``, vLLM's ``structured_o
 ``guided_*`` fields. As in vLLM, ``response_format`` replaces the constraint of ``structured_outputs``
 but keeps its options (``disable_any_whitespace``, ...); ``structured_outputs`` and ``guided_*`` are
 two spellings of one thing and may not be mixed. The schema, regex or grammar is checked here with
-the engine backend's own validator (tokenizer-free, ``xengine.api.grammar.check_spec``), so an
-invalid one is a 400 before anything streams; the engine's compile stays the authority.
+the engine backend's own validator (tokenizer-free, ``xengine.api.grammar.check_spec``, which bounds
+the spec and runs the validator in a sandbox process: a crafted spec cannot crash the service), so
+an invalid one is a 400 before anything streams; the engine's compile stays the authority. The
+check can take up to the sandbox's timeout, so servers call ``check_structured_outputs`` (off the
+event loop) before building the request's params, which then find the spec already known.
 
 ``bad_words`` are tokenized here like vLLM does: each word as written (leading spaces stripped) and
 with one leading space, since a byte-level BPE has different ids for the two; the engine bans a
@@ -15,9 +18,12 @@ sequence's last token wherever the output ends with the rest of it.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from xengine.api.grammar import GrammarSpec, check_spec, grammar_spec
@@ -30,8 +36,7 @@ if TYPE_CHECKING:
 
 BACKEND_NAMES = ("auto", "llguidance", "guidance")  # accepted values of guided_decoding_backend
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-_MAX_CHECKED_SPECS = 512
-_MAX_CACHED_SPEC_CHARS = 64 << 10
+_MAX_CHECKED_SPECS = 4096  # digests of valid specs remembered (~100 bytes each)
 
 
 @dataclass
@@ -146,18 +151,46 @@ def structured_outputs(body: SamplingRequest) -> StructuredOutputsParams | None:
     return params
 
 
-def _check(spec: GrammarSpec) -> None:
-    """``check_spec``, remembered for valid specs of up to 64 KiB (clients repeat their schemas; the
-    bound keeps the memory the remembered specs take under ~32 MiB; errors are not cached)."""
-    if len(spec.source) > _MAX_CACHED_SPEC_CHARS:
+async def check_structured_outputs(body: SamplingRequest) -> None:
+    """Validate ``body``'s structured-output constraint off the event loop (400 naming the field when
+    invalid); afterwards ``structured_outputs(body)`` finds a valid spec already checked."""
+    if structured_field(body) is not None:
+        await asyncio.to_thread(structured_outputs, body)
+
+
+class _CheckedSpecs:
+    """Digests of specs that passed ``check_spec`` (clients repeat their schemas), LRU-bounded, so a
+    repeated spec costs no sandbox round trip whatever its size. Errors are not remembered."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._digests: OrderedDict[bytes, None] = OrderedDict()
+        self._max_entries = max_entries
+        self._lock = threading.Lock()
+
+    def check(self, spec: GrammarSpec) -> None:
+        digest = _digest(spec)
+        with self._lock:
+            if digest in self._digests:
+                self._digests.move_to_end(digest)
+                return
         check_spec(spec)
-    else:
-        _check_cached(spec)
+        with self._lock:
+            self._digests[digest] = None
+            while len(self._digests) > self._max_entries:
+                self._digests.popitem(last=False)
 
 
-@lru_cache(maxsize=_MAX_CHECKED_SPECS)
-def _check_cached(spec: GrammarSpec) -> None:
-    check_spec(spec)
+def _digest(spec: GrammarSpec) -> bytes:
+    h = hashlib.sha256(f"{spec.kind}\0{spec.whitespace}\0".encode())
+    h.update(spec.source.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+_checked = _CheckedSpecs(_MAX_CHECKED_SPECS)
+
+
+def _check(spec: GrammarSpec) -> None:
+    _checked.check(spec)
 
 
 def logit_bias(body: SamplingRequest) -> dict[int, float] | None:

@@ -8,7 +8,8 @@
 ``<prefix>/images/<name>``     ``ImageSet``         EPD: content hashes in its image-embedding cache, under the lease
 
 Every record but the instance's own carries the writer's ``incarnation`` (a uuid per engine
-process start); readers drop records whose incarnation is not the registered one.
+process start, and a new one each time the process lost its lease and registers again); readers
+drop records whose incarnation is not the registered one.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class InstanceRecord(msgspec.Struct, kw_only=True):
     pid: int
     info: dict  # msgspec.to_builtins(EngineInfo)
     started_at: float
+    # the lease it is registered under: a service that declares the instance dead (no heartbeat seen)
+    # revokes it, so the engine learns it was fenced off and comes back as a new incarnation
+    lease: int = 0
 
 
 class LoadReport(msgspec.Struct, kw_only=True):
