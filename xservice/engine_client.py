@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from xengine.api.config import EngineConfig
+from xengine.api.entrypoints import ENGINE_PROC_MODULE
 from xengine.api.messages import (
     AbortRequests,
     AddRequest,
@@ -165,7 +166,7 @@ class EngineClient:
         cmd = [
             sys.executable,
             "-m",
-            "xengine.engine_proc",
+            ENGINE_PROC_MODULE,
             "--config-json",
             json.dumps(dataclasses.asdict(engine_config)),
             "--input-addr",

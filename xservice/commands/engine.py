@@ -20,6 +20,7 @@ import os
 import sys
 from typing import Any
 
+from xengine.api.entrypoints import ENGINE_SERVER_MODULE
 from xengine.api.paths import default_cluster_key_file
 from xengine.api.security import load_or_create_key_file
 from xservice.commands.common import CliError, load_cli_config, resolve_model
@@ -91,7 +92,7 @@ def run_engine(args: argparse.Namespace) -> int:
     else:
         server_args.append("--no-auth")
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "xengine.engine_server", *server_args], child_env())
+    os.execve(sys.executable, [sys.executable, "-m", ENGINE_SERVER_MODULE, *server_args], child_env())
 
 
 def _check_store(endpoint: str) -> None:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+from xengine.api.entrypoints import ENGINE_SERVER_MODULE
 from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec, stop_process
 from xservice.engine_process import child_env
 
@@ -34,7 +35,7 @@ class LocalHandle(InstanceHandle):
 
 class LocalLauncher(BaseLauncher):
     def launch(self, spec: InstanceSpec) -> LocalHandle:
-        cmd = [sys.executable, "-m", "xengine.engine_server", *spec.command_args(os.getpid())]
+        cmd = [sys.executable, "-m", ENGINE_SERVER_MODULE, *spec.command_args(os.getpid())]
         # Own session: the terminal's Ctrl-C goes to the service, which stops the engines.
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, env=spec.env(child_env()), start_new_session=True

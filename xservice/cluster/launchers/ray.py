@@ -13,6 +13,7 @@ import subprocess
 import sys
 from typing import Any
 
+from xengine.api.entrypoints import ENGINE_SERVER_MODULE
 from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec, stop_process
 from xservice.engine_process import child_env
 
@@ -23,7 +24,7 @@ class EngineHost:
     """The Ray actor body: owns one engine server process."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", "xengine.engine_server", *args, "--parent-pid", str(os.getpid())]
+        cmd = [sys.executable, "-m", ENGINE_SERVER_MODULE, *args, "--parent-pid", str(os.getpid())]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
     def pid(self) -> int:
