@@ -21,6 +21,7 @@ import time
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
 from benchmarks.cluster_common import LocalCluster
+from benchmarks.smoke import add_smoke_flag, parse_args
 from xengine.api.messages import AddRequest, SamplingParams
 
 
@@ -96,16 +97,20 @@ async def run(args: argparse.Namespace) -> dict:
     }
 
 
+SMOKE = {"streams": 2, "max_tokens": 400}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_checkpoint_args(p)
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=200)
+    add_smoke_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(json.dumps(asyncio.run(run(build_parser().parse_args(argv))), indent=2))
+    print(json.dumps(asyncio.run(run(parse_args(build_parser(), argv, SMOKE))), indent=2))
     return 0
 
 

@@ -19,6 +19,7 @@ import time
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
 from benchmarks.cluster_common import LocalCluster
+from benchmarks.smoke import add_smoke_flag, parse_args
 from xengine.api.messages import AddRequest, SamplingParams
 from xservice.policies import make_policy
 
@@ -97,6 +98,9 @@ async def run(args: argparse.Namespace) -> dict:
     }
 
 
+SMOKE = dict(conversations=2, turns=2, system_tokens=32, question_tokens=8, max_tokens=2, think_time_s=0.1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_checkpoint_args(p)
@@ -107,11 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--think-time-s", type=float, default=0.7, help="pause between rounds (>= one heartbeat)")
     p.add_argument("--seed", type=int, default=0)
+    add_smoke_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(json.dumps(asyncio.run(run(build_parser().parse_args(argv))), indent=2))
+    print(json.dumps(asyncio.run(run(parse_args(build_parser(), argv, SMOKE))), indent=2))
     return 0
 
 

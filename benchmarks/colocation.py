@@ -9,7 +9,7 @@ Each configuration is a fresh ``xllm serve`` (engines 1 thread each, ``--threads
   online arrivals stop offline prefill between layers (``scheduler.offline_preemption: layer``);
 - ``step_level``: the same cluster with ``offline_preemption: step`` (an online arrival waits for
   the offline step to end);
-- ``single_engine`` (``--baselines``): one engine, priority scheduling only (what we had before).
+- ``single_engine`` (``--baselines``): one engine, priority scheduling only (no co-location).
 
 Three phases per configuration: (A) online load alone, (B) a batch job alone, (C) the same online
 load while an identical batch job runs. Batch lines run as ``offline`` requests. Job throughput is
@@ -18,7 +18,8 @@ counted from sampled progress: in (B) until it completes, in (C) while the onlin
     PYTHONPATH=. .venv/bin/python -m benchmarks.colocation --size small
 
 prints ``{"online_ttft_p99_ratio": x, "offline_throughput_ratio": y, "preemption_latency_ms": {...},
-"configs": {...}}`` (the two ratios of the ``colocation`` configuration at the top level).
+"configs": {...}}`` (the two ratios of the ``colocation`` configuration at the top level;
+``docs/colocation.md``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from benchmarks.serve import ServeConfig, run_serving_benchmark
 from benchmarks.server_process import free_port, run_server
 from benchmarks.serving.dataset import random_prompts
 from benchmarks.serving.load import LoadShape
+from benchmarks.smoke import add_smoke_flag, parse_args
 from benchmarks.xllm_server import REPO_ROOT
 
 _KEEP = ("completed", "failed", "duration_s", "request_throughput", "output_throughput")
@@ -326,6 +328,13 @@ def online_phase(
     return out
 
 
+SMOKE = dict(
+    configs="colocation", online_requests=2, request_rate=50.0, input_len=16, online_output_len=2,
+    batch_lines=4, batch_input_len=16, batch_output_len=2, batch_concurrency=2, settle_s=0.0,
+    max_model_len=256, num_blocks=128, pin=False,
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(p)
@@ -371,11 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default="colocation,step_level", help="configurations to run, in order")
     p.add_argument("--baselines", action="store_true", help="also run one engine with priorities only")
     p.add_argument("--seed", type=int, default=0)
+    add_smoke_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(json.dumps(run(build_parser().parse_args(argv)), indent=2))
+    print(json.dumps(run(parse_args(build_parser(), argv, SMOKE)), indent=2))
     return 0
 
 

@@ -18,7 +18,8 @@ the flip cooldown). A configuration's ``slo_attainment`` is the median over its 
 
 prints ``{"trace": {...}, "static": [{"num_prefill": P, "num_decode": D, "slo_attainment": x}, ...],
 "dynamic": {"slo_attainment": y, "num_flips": n, "flips": [...], ...}}``; every flip with its
-direction and its time from the trace start (``trace.phase_switch_s``: when phase B's arrivals begin).
+direction and its time from the trace start (``trace.phase_switch_s``: when phase B's arrivals begin;
+``docs/dynamic_pd.md``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from benchmarks.server_process import free_port, run_server
 from benchmarks.serving.client import RequestSpec, send_request
 from benchmarks.serving.dataset import random_prompts
 from benchmarks.serving.metrics import RequestRecord, meets_slos, percentile
+from benchmarks.smoke import add_smoke_flag, parse_args
 from benchmarks.xllm_server import REPO_ROOT
 
 MODEL_NAME = "xllm-bench"
@@ -258,7 +260,13 @@ def aggregate(dep: Deployment, rounds: list[dict], args: argparse.Namespace) -> 
     return out
 
 
-def main() -> None:
+SMOKE = dict(
+    instances=2, phase_a="n=2,in=16,out=2,rate=50", phase_b="n=2,in=8,out=4,rate=50", static="1",
+    dynamic_start=1, flip_cooldown_s=0.5, rounds=1, store="embedded", max_model_len=256, num_blocks=128,
+)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(p)
     p.add_argument("--instances", type=int, default=4)
@@ -275,12 +283,12 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    model = resolve_checkpoint(args)
-    slo = {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms}
-    args.phases = [{**slo, **parse_phase(args.phase_a)}, {**slo, **parse_phase(args.phase_b)}]
-    deps = [Deployment(int(n), False) for n in args.static.split(",") if n]
-    deps.append(Deployment(args.dynamic_start, True))
+    add_smoke_flag(p)
+    return p
+
+
+def run_deployments(model: str, deps: list[Deployment], args: argparse.Namespace) -> tuple[dict, dict]:
+    """Start every deployment at once, play ``--rounds`` rounds; (calibration, results by label)."""
     warm_phases = [{**ph, "n": 4.0, "rate": 20.0} for ph in args.phases]
     with contextlib.ExitStack() as stack:
         args.etcd_endpoint = stack.enter_context(run_etcd()) if args.store == "etcd" else ""
@@ -304,6 +312,17 @@ def main() -> None:
                 res["phase_switch_s"] = round(switch_s, 2)
                 results[dep.label].append(res)
                 print(f"round {r} {dep.label}: SLO attainment {res['slo_attainment']:.2f}", file=sys.stderr)
+    return calibration, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv, SMOKE)
+    model = resolve_checkpoint(args)
+    slo = {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms}
+    args.phases = [{**slo, **parse_phase(args.phase_a)}, {**slo, **parse_phase(args.phase_b)}]
+    deps = [Deployment(int(n), False) for n in args.static.split(",") if n]
+    deps.append(Deployment(args.dynamic_start, True))
+    calibration, results = run_deployments(model, deps, args)
     static = [aggregate(d, results[d.label], args) for d in deps if not d.dynamic]
     dynamic = aggregate(deps[-1], results[deps[-1].label], args)
     best = max(static, key=lambda s: s["slo_attainment"], default=None)
@@ -328,7 +347,8 @@ def main() -> None:
         "dynamic_vs_best_static": dynamic["slo_attainment"] - best["slo_attainment"] if best else None,
     }
     print(json.dumps(result, indent=2, ensure_ascii=False))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

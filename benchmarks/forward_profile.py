@@ -1,6 +1,6 @@
 """Where the time of one model forward goes: per-component breakdown of a decode step and a prefill.
 
-The model is loaded as the engine loads it (``xengine.loader.load_model``) with its own paged KV
+The model is loaded as the engine loads it (``xengine.models.loader.load_model``) with its own paged KV
 caches; no engine, scheduler or sampler runs. For each case (decode at ``--batch-sizes`` with
 ``--context`` tokens of context each, and prefills of ``--prefills`` shapes ``NUMxLEN``: NUM prompts of
 LEN tokens in one step) the JSON holds:
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
+from benchmarks.smoke import add_smoke_flag, parse_args
 
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 _NORMS = ("q_norm", "k_norm", "input_layernorm", "post_attention_layernorm", "norm")
@@ -172,6 +173,9 @@ def profile_case(case: Case, steps: int, limit: int) -> dict[str, Any]:
     }
 
 
+SMOKE = dict(batch_sizes=[1], context=16, prefills=["1x16"], steps=1, prefill_steps=1, top_ops=2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(p)
@@ -184,14 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads; 0 keeps the default")
     p.add_argument("--top-ops", type=int, default=8, help="aten ops listed per case")
+    add_smoke_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv, SMOKE)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    from xengine.loader import load_model
+    from xengine.models.loader import load_model
 
     model_dir = resolve_checkpoint(args)
     model = load_model(model_dir, getattr(torch, args.dtype), torch.device("cpu"))

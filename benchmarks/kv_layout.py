@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoint import generated_checkpoint
+from benchmarks.smoke import add_smoke_flag, parse_args
 
 LAYOUTS = ("paged", "xtensor")
 
@@ -138,6 +139,9 @@ def map_section(num_pages: int) -> dict:
     return out
 
 
+SMOKE = dict(sizes=["tiny"], batch_sizes=[1], contexts=[16], steps=1, warmup=1, map_pages=16)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="qwen3")
@@ -150,11 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads of the engine")
     p.add_argument("--map-pages", type=int, default=2000, help="pages mapped in the map/unmap section")
     p.add_argument("--seed", type=int, default=0)
+    add_smoke_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv, SMOKE)
     torch.set_num_threads(args.num_threads)
     report: dict[str, Any] = {
         "config": {k: v for k, v in vars(args).items()},

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.roofline import read_gb_s
+from benchmarks.smoke import add_smoke_flag, parse_args
 from ops.cpu_kernels.build import kernel_library, unavailable_reason
 from ops.cpu_kernels.linear import PanelLinear
 from ops.onednn import OneDNNLinear
@@ -108,6 +109,9 @@ def hot(shapes: list[tuple[int, int, int]]) -> list[dict]:
     return results
 
 
+SMOKE = dict(rows=[1], hot_shapes=["256x256x256"], no_sweep=True)  # 2e9 FLOPs of reps: about 60
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-threads", type=int, default=1)
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         help="shapes of the 'hot' setting, TOKENSxINxOUT (e.g. the tiny checkpoint's 2048x128x128)",
     )
     p.add_argument("--no-sweep", action="store_true", help="only the 'hot' shapes")
-    args = p.parse_args(argv)
+    add_smoke_flag(p)
+    args = parse_args(p, argv, SMOKE)
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.hot_shapes]
         if any(len(s) != 3 or min(s) < 1 for s in shapes):

@@ -23,6 +23,8 @@ Timed runs are repeated ``--repeats`` times (medians reported) after one warm-up
 EPLB engine is rebuilt per repeat since a swap only happens once per placement.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.moe_ep --arch qwen3_moe --size tiny
+
+See ``docs/expert_parallel.md`` and ``benchmarks/README.md``, "Expert parallelism".
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoint import generated_checkpoint
+from benchmarks.smoke import add_smoke_flag, parse_args
 
 
 @dataclass
@@ -226,6 +229,12 @@ def shutdown(llm: Any) -> None:
         layout.close()
 
 
+SMOKE = dict(
+    num_prompts=2, input_len=8, output_len=2, repeats=1, eplb_prompts=2, eplb_input_len=16, eplb_output_len=2,
+    eplb_batched_tokens=8,
+)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="MoE HF folder (overrides --arch/--size)")
@@ -257,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--skip", nargs="*", default=[], choices=["ep_scaling", "dual_batch_overlap", "eplb"])
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    add_smoke_flag(p)
+    args = parse_args(p, argv, SMOKE)
 
     from benchmarks.offline.prompts import prompt_id_pool, random_token_prompts
 

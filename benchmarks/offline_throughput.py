@@ -30,6 +30,7 @@ from benchmarks.offline.prompts import prompt_id_pool, random_token_prompts
 from benchmarks.offline.step_efficiency import step_efficiency
 from benchmarks.offline.vllm_peer import vllm_offline_throughput
 from benchmarks.offline.xllm_throughput import EngineArgs, xllm_throughput
+from benchmarks.smoke import add_smoke_flag, parse_args
 
 
 def host_info() -> dict:
@@ -85,6 +86,12 @@ def _prefix(llm: object, pool: list[int], args: argparse.Namespace) -> dict:
     return prefix_ttft(llm, pool, args.prefix_len, args.prefix_shared, args.prefix_trials, args.seed + 1000)
 
 
+SMOKE = dict(
+    num_prompts=2, input_len=8, output_len=4, max_num_seqs=4, eta_batch_sizes=[1, 2], eta_steps=2, eta_input_len=4,
+    prefix_len=64, prefix_trials=1, no_vllm=True,
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,12 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     for name in ("xllm", "hf", "vllm", "eta", "prefix"):
         p.add_argument(f"--no-{name}", action="store_true", help=f"skip the {name} section")
+    add_smoke_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run every section on one checkpoint and print the JSON report."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv, SMOKE)
     args.num_threads = args.num_threads or None
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

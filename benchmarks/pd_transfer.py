@@ -1,6 +1,7 @@
 """PD KV transfer: bytes moved, transfer time, GB/s and transfer time / prefill time; PD vs colocated TTFT.
 
-``python benchmarks/pd_transfer.py [--size small] [--lengths 256,1024,2048] [--repeats 3]`` prints JSON.
+``PYTHONPATH=. .venv/bin/python -m benchmarks.pd_transfer [--size small] [--lengths 256,1024,2048]
+[--repeats 3]`` prints JSON (``docs/cluster.md``, "PD disaggregation").
 
 Part 1 runs two engine processes (prefill P, decode D; ``EngineClient``). Per prompt length, with
 both prefix caches reset: P prefills the prompt (``max_tokens=1``; ``prefill_s`` is send → first
@@ -27,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint  # noqa: E402
 from benchmarks.cluster_common import LocalCluster  # noqa: E402
+from benchmarks.smoke import add_smoke_flag, parse_args  # noqa: E402
 from xengine.api.messages import AddRequest, SamplingParams  # noqa: E402
 from xservice.config import load_config  # noqa: E402
-from xservice.engine_client import EngineClient  # noqa: E402
+from xservice.engine.client import EngineClient  # noqa: E402
 
 FIRST_PLAIN_ID = 3
 
@@ -135,14 +137,22 @@ async def ttft_part(model: str, lengths: list[int], max_tokens: int = 8) -> dict
     return out
 
 
-def main() -> None:
+SMOKE = dict(size="tiny", lengths="32", repeats=1, ttft_lengths="32")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_checkpoint_args(p)
     p.set_defaults(size="small")
     p.add_argument("--lengths", default="256,1024,2048", help="prompt lengths in tokens")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ttft-lengths", default="256,1024", help="prompt lengths of the TTFT comparison")
-    args = p.parse_args()
+    add_smoke_flag(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv, SMOKE)
     model = resolve_checkpoint(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     result = {
@@ -152,7 +162,8 @@ def main() -> None:
         "ttft": asyncio.run(ttft_part(model, [int(x) for x in args.ttft_lengths.split(",")])),
     }
     print(json.dumps(result, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
+from benchmarks.smoke import add_smoke_flag, parse_args
 from xengine.api.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from xengine.api.messages import AddRequest, SamplingParams
 from xengine.engine import Engine
@@ -119,6 +120,9 @@ def host_selection(width: int, repeats: int = 20) -> dict:
     }
 
 
+SMOKE = dict(widths="4", concurrency="1", num_requests=2, num_items=100, prompt_len=8)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.rec_bench", description=__doc__.split("\n")[0])
     add_checkpoint_args(p)
@@ -129,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--item-len", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
+    add_smoke_flag(p)
+    args = parse_args(p, argv, SMOKE)
     model = resolve_checkpoint(args)
     engine = make_engine(model, args.threads)
     vocab = engine.vocab_size

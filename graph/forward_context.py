@@ -27,8 +27,8 @@ class ForwardContext:
     # set while the step may be interrupted between layers (offline work only): an online arrival
     # sets it and the next layer's attention raises ``StepInterrupted`` (``graph/interrupt.py``)
     interrupt: threading.Event | None = None
-    # the model's eager forward checks ``interrupt`` itself, at points it can resume from
-    # (``graph/interrupt.py``): attention then leaves the check to it
+    # the runner's per-layer checks (``xengine/colocation/layer_checks.py``) test ``interrupt`` at
+    # points a step can resume from: attention then leaves the check to them
     resumable_checks: bool = False
 
 

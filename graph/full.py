@@ -1,18 +1,12 @@
 """Full graph mode: whole decode steps captured as device graphs, one per decode bucket.
 
-The xLLM report's full-graph path (§4.2) for the steps that dominate serving: a decode step of ``B``
-sequences (one token each) runs as one device graph, attention included, so the host launches one
-graph instead of every kernel of every layer. What makes attention capturable is where its metadata
-lives: each bucket's graph was captured on static device buffers (token ids, positions, context
-lengths, block tables, KV slots) through ``meta.static`` metadata, whose attention op
-(``attention_static``: Triton on CUDA) reads nothing from the host. Before a replay the runner
-copies the step's values into those buffers; rows past the step's sequences are padding (length 0,
-slot -1: nothing read, nothing written) and are dropped from the output.
-
-Everything else (prefill chunks, mixed steps, steps larger than the largest decode bucket, offline
-steps that may be interrupted between layers, the xTensor layout) runs ``PiecewiseGraphRunner``
-(``graph/piecewise.py``): the pieces between attention calls as graphs, attention eager. A bucket
-whose capture fails (a model with a host read in its forward) is logged and stays piecewise.
+A decode step of ``B`` sequences runs as one device graph, attention included (the xLLM report's
+full-graph path, §4.2). Attention is capturable because each bucket is captured on static device
+buffers read through ``meta.static`` metadata (``attention_static``: Triton on CUDA), which reads
+nothing from the host; a replay copies the step's values into those buffers, and padding rows
+(length 0, slot -1) read and write nothing. Every other step runs ``PiecewiseGraphRunner``
+(``graph/piecewise.py``), as does a bucket whose capture fails.
+See ``docs/engine_performance.md``, "Graph mode".
 """
 
 from __future__ import annotations
@@ -110,7 +104,7 @@ class FullGraphRunner(GraphRunner):
         )  # fmt: skip
 
     def _capture(self, batch: int) -> tuple[Graph, torch.Tensor]:
-        graphs, pool = self.piecewise._graphs, self.piecewise._pool
+        graphs, pool = self.piecewise.device_graphs
         assert graphs is not None and self._buffers is not None and self._caches is not None
         bufs, caches, meta = self._buffers, self._caches, self._buffers.meta(batch, self._block_size)
         ids, positions = bufs.input_ids[:batch], bufs.positions[:batch]

@@ -1,22 +1,12 @@
 """Piecewise device graphs: the token work between two attention calls captured as a device graph
 (CUDA graph, ACLGraph on the NPU), one set per token-count bucket; attention runs eagerly between.
 
-The xLLM report's partial graph mode (§4.2): attention's per-step metadata (lengths, block tables)
-cannot be baked into a graph, everything else can. ``torch.compile`` (static shapes, one trace per
-bucket) traces ``forward_tokens`` with attention as the opaque ``xllm::attention`` op; this backend
-splits the traced graph at every attention call (``split_at_attention``) and wraps each piece in
-between in a ``GraphPiece``:
-
-- first call (start-up capture): the piece runs once eagerly (inductor's Triton kernels compile,
-  where the platform compiles pieces), then its kernels are captured into a device graph whose
-  inputs are persistent buffers, then replayed once for this call's result;
-- every later call copies the arguments that change (activations, never the weights: those keep
-  their address) into the persistent buffers and replays the graph.
-
-All pieces of all buckets allocate from one graph memory pool, largest bucket first, so smaller
-buckets reuse its memory. Padding and eager fallback above the largest bucket are as in
-``graph/partial.py``. The runner returns a copy of the last piece's output: the next replay
-overwrites the graph's own.
+Attention's per-step metadata cannot be baked into a graph; everything else can (the xLLM report's
+partial graph mode, §4.2). ``torch.compile`` traces ``forward_tokens`` per bucket with attention as
+the opaque ``xllm::attention`` op; the traced graph is split at every attention call
+(``split_at_attention``) and each piece is a ``GraphPiece``: captured once on persistent input
+buffers, then replayed after copying in the arguments that change (never the weights). All buckets
+share one graph memory pool, largest first. See ``docs/engine_performance.md``, "Graph mode".
 """
 
 from __future__ import annotations
@@ -130,6 +120,12 @@ class PiecewiseGraphRunner(PartialGraphRunner):
         self._pool = self._graphs.new_pool()
         super().capture(sizes, device)
         logger.info("%d graph pieces captured (attention eager between them)", self.num_pieces)
+
+    @property
+    def device_graphs(self) -> tuple[DeviceGraphs | None, Any]:
+        """The device-graph factory and memory pool its pieces were captured into (full graphs of
+        whole decode steps share them: ``graph/full.py``)."""
+        return self._graphs, self._pool
 
     def _capture_order(self, buckets: list[int]) -> list[int]:
         return buckets[::-1]  # the largest first: the smaller buckets' graphs reuse its pool memory

@@ -1,33 +1,13 @@
-"""KV transfer between engine instances over the Mooncake transfer engine.
+"""KV transfer between engine instances over the Mooncake transfer engine (PD disaggregation).
 
-``KVTransferAgent`` registers every layer's KV tensor with a Mooncake ``TransferEngine`` once and
-then pulls whole blocks from a peer with batched one-sided reads into its own registered memory.
-The peer is named by its session (``host:rpc_port``); the ``P2PHANDSHAKE`` metadata mode needs no
-metadata server. On CPU the transport is TCP; RDMA / HCCS use the same calls.
-
-The layout is ``PagedKVLayout``'s: layer ``l`` is one contiguous ``[2, num_blocks, block_size, heads,
-head_dim]`` tensor, so block ``b`` of K (``kv = 0``) or V (``kv = 1``) starts at
-``base_l + (kv * num_blocks + b) * block_bytes``. Runs of consecutive blocks on both sides are
-coalesced into one range. ``mooncake`` is imported only when an agent is created.
-
-Listening sockets. Each engine opens two TCP listeners: the P2P handshake / RPC socket (its port is
-the session's) and the TCP transport's data socket (the one peers read memory through). Mooncake
-(0.3.13, and upstream as of 2026-08) binds both to the wildcard address whatever ``host`` is:
-``0.0.0.0`` (``findAvailableTcpPort``) and ``[::]`` dual-stack (``TcpContext``). No option or
-``MC_*`` variable changes that (``MC_TCP_BIND_ADDRESS`` only picks the *advertised* address, and only
-outside P2P mode). What can be set is the port range both are drawn from: ``MC_MIN_RPC_PORT`` /
-``MC_MAX_RPC_PORT``, read once per process when ``mooncake.engine`` is loaded. ``port_range`` sets
-them (before that load) and checks the ports; ``listen_addrs`` reports where the engine listens and
-``strict_bind`` refuses an engine that listens beyond ``host``. A process started with the
-``memory.bind_host`` shim preloaded (engine processes of PD roles re-execute themselves with it)
-has both wildcard binds rewritten to its host: ``host`` and ``[::ffff:host]`` for an IPv4 host.
-
-Who may connect. Mooncake authenticates no peer, and a loopback bind still admits every local user.
-The same shim guards both listeners' ``accept()``: a connection whose peer socket is on this host and
-owned by another uid than the engine's (root excepted) is closed before Mooncake reads a byte, and
-counted (``num_peers_refused``). ``peer_guard`` says whether both listeners are guarded (a warning
-when not); peers on other hosts cannot be checked that way, so a host that is not loopback is warned
-about too: keep such ports on a trusted network.
+``KVTransferAgent`` registers every layer's KV tensor (``PagedKVLayout``'s: one contiguous
+``[2, num_blocks, block_size, heads, head_dim]`` tensor a layer) with a Mooncake ``TransferEngine``
+once, then pulls whole blocks from a peer (its session, ``host:rpc_port``; ``P2PHANDSHAKE`` mode, no
+metadata server) with batched one-sided reads, runs of consecutive blocks coalesced into one range.
+TCP on CPU; RDMA / HCCS use the same calls. Mooncake authenticates no peer and binds its listeners to
+the wildcard address, so ``port_range``, ``listen_addrs``, ``strict_bind`` and ``peer_guard`` keep its
+ports where the ``memory.bind_host`` shim confines them (``docs/security.md``, "Mooncake binds").
+``mooncake`` is imported only when an agent is created.
 """
 
 from __future__ import annotations
@@ -182,7 +162,7 @@ class KVTransferAgent:
     ``MC_MAX_RPC_PORT``, default 15000-17000); it is process-wide in Mooncake, so every agent of a
     process must ask for the same one. ``listen_addrs`` holds the engine's listening ``(address,
     port)`` pairs (``None`` where ``/proc`` cannot tell). Mooncake binds them to the wildcard address
-    (see the module docstring): by default that is logged as a warning; with ``strict_bind`` an
+    (``docs/security.md``): by default that is logged as a warning; with ``strict_bind`` an
     engine listening on anything but ``host`` is shut down and ``RuntimeError`` raised.
     ``peer_guard``: whether both listeners admit only this user's and root's local peers.
     """

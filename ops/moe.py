@@ -1,45 +1,20 @@
-"""Mixture-of-experts facade: routing, dispatch, grouped expert matmul, combine.
-
-A sparse MoE layer is four steps, each its own op so a backend can replace one without the others:
-
-1. ``route``: router logits ``[T, E]`` -> top-k ``(weights [T, k], ids [T, k])``.
-2. ``dispatch``: copy each token once per chosen expert, rows grouped by expert id (a permutation on
-   one process). Expert parallelism slots in here: a distributed dispatch sends each expert's rows to
-   the rank that owns it (all-to-all) and returns the rows of the local experts in the same
-   ``DispatchedTokens`` shape; the returned object is the handle ``combine`` needs to send them back.
-3. ``expert_swiglu`` (two ``grouped_matmul`` around ``silu_and_mul``): every expert's MLP on its rows.
-4. ``combine``: put rows back in token order, scale by the routing weights, sum the top-k rows of each
-   token (the inverse of ``dispatch``; the distributed version does the reverse all-to-all first).
+"""Mixture-of-experts facade: ``route``, ``dispatch``, grouped expert matmul (``expert_swiglu``),
+``combine``, each its own op so a backend (or expert parallelism's all-to-all dispatch and combine)
+can replace one without the others.
 
 Expert weights are stacked: ``w13`` ``[E, 2 * I, H]`` (gate rows then up rows, as HF's fused
-``gate_up_proj``) and ``w2`` ``[E, H, I]``. ``fused_experts`` runs steps 2-4; inside a compiled graph
-it is one opaque custom op (``xllm::moe_fused_experts``), since the per-expert row counts are data.
-Redundant experts (EPLB) map logical ids to physical ones between ``route`` and ``dispatch``.
+``gate_up_proj``) and ``w2`` ``[E, H, I]``. ``fused_experts`` runs dispatch, expert SwiGLU and combine;
+inside a compiled graph it is one opaque custom op, since the per-expert row counts are data.
+See ``docs/expert_parallel.md``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ops.moe_types import DispatchedTokens
 from ops.opaque_op import opaque_op
-from ops.registry import get_op
-
-
-@dataclass
-class DispatchedTokens:
-    """Rows for the experts of this process, grouped by expert, and how to put them back.
-
-    ``hidden[r]`` is token ``order[r] // top_k``'s input for its ``order[r] % top_k``-th expert; the rows
-    of expert ``e`` follow those of expert ``e - 1`` (``tokens_per_expert[e]`` of them, host ints so
-    backends can loop or size kernels without a device sync)."""
-
-    hidden: torch.Tensor  # [N, H]
-    tokens_per_expert: list[int]  # [E]
-    order: torch.Tensor  # [N] int64, flat (token * top_k + slot) index of each row
-    num_tokens: int
-    top_k: int
+from ops.registry import REFERENCE, get_op, register_op
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +79,26 @@ def fused_experts(
     if torch.compiler.is_compiling():
         return _fused_experts_op(hidden, topk_weights, topk_ids, w13, w2)
     return get_op("moe_fused_experts")(hidden, topk_weights, topk_ids, w13, w2)
+
+
+def _composed_fused_experts(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """The reference ``moe_fused_experts``: the three steps through this facade, so a backend that
+    registers only some of them gets them used. Registered here (not in ``ops/torch_ref``) because it
+    calls the facade, which the backends must not import."""
+    if hidden.shape[0] == 0:
+        return torch.empty_like(hidden)
+    dispatched = dispatch(hidden, topk_ids, w13.shape[0])
+    out = expert_swiglu(dispatched.hidden, dispatched.tokens_per_expert, w13, w2)
+    return combine(out, dispatched, topk_weights).to(hidden.dtype)
+
+
+register_op("moe_fused_experts", REFERENCE, _composed_fused_experts)
 
 
 def _fused_experts_fake(

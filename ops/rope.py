@@ -32,9 +32,14 @@ def build_cos_sin_cache(
     inv_freq, attention_factor = compute_inv_freq(rotary_dim, base, scaling, max_position, max_len)
     length = cache_length(max_position, scaling, max_len)
     positions = torch.arange(length, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    cache = torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1)
+    cache = cos_sin_table(torch.outer(positions, inv_freq), attention_factor)
     return cache.to(device) if device is not None else cache
+
+
+def cos_sin_table(angles: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``[cos | sin]`` of ``angles`` ([N, rot / 2]) times ``scale``: the ``[N, rot]`` rows the rotary op
+    reads (by position from a cache, or one row per token as vision patches build them)."""
+    return torch.cat([angles.cos() * scale, angles.sin() * scale], dim=-1)
 
 
 def rotary_embedding(

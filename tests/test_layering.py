@@ -1,12 +1,15 @@
-"""The import rules of ``../shared/ARCHITECTURE.md`` ("who may import whom"), checked on the source.
+"""The import rules of ``docs/architecture.md`` ("who may import whom"), checked on the source.
 
 Every import counts, wherever it stands (module level, inside a function, under ``TYPE_CHECKING``):
-a reader follows all of them. Rules:
+a reader follows all of them. Rules between packages:
 - ``xservice`` imports nothing of ``xengine`` but ``xengine.api`` (the torch-free contract);
 - ``xengine.api`` imports nothing else of ``xengine``, and nothing of ``memory``, ``graph``, ``ops``;
 - nothing under ``xengine``, ``memory``, ``graph`` or ``ops`` imports ``xservice``;
-- ``memory`` and ``graph`` import only ``ops`` (and themselves); ``ops`` imports no other package;
-- no import cycle between files: each file sits above what it imports.
+- ``memory`` and ``graph`` import only ``ops`` (and themselves; ``memory`` also the wire block hash
+  of the contract, ``xengine.api.block_hash``); ``ops`` imports no other package;
+and inside them (``FOLDER_RULES``): models are math only, policies are pure, the step loops and the
+process sit above what they drive, op backends see only the shared op types. No import cycle
+between files, package ``__init__`` files included: each file sits above what it imports.
 """
 
 from __future__ import annotations
@@ -86,20 +89,97 @@ def _violations(graph: dict[str, set[str]]) -> list[str]:
             if not _in(src, "xservice") and _in(dst, "xservice"):
                 bad.append(f"{src} -> {dst}: a lower layer imports the service")
             for pkg in ("memory", "graph"):
-                if _in(src, pkg) and not any(_in(dst, p) for p in (pkg, "ops")):
+                allowed = (pkg, "ops") + (("xengine.api.block_hash",) if pkg == "memory" else ())
+                if _in(src, pkg) and not any(_in(dst, p) for p in allowed):
                     bad.append(f"{src} -> {dst}: {pkg} may import only ops")
             if _in(src, "ops") and not _in(dst, "ops"):
                 bad.append(f"{src} -> {dst}: ops imports no other package")
+            bad += [
+                f"{src} -> {dst}: {why}" for srcs, dsts, why in FOLDER_RULES if _matches(src, dst, srcs, dsts)
+            ]
     return sorted(bad)
 
 
+# (importers, what they must not import, why); a module matches a name when it is it or lies under it.
+# A "!" name exempts itself from the importers (a folder importing itself is always fine).
+_ENGINE_PARTS = ("colocation", "step", "runner", "scheduler", "process", "disagg", "engine", "llm")
+FOLDER_RULES: tuple[tuple[tuple[str, ...], tuple[str, ...], str], ...] = (
+    (
+        ("xengine.models", "xengine.layers"),
+        ("graph.interrupt", *(f"xengine.{p}" for p in _ENGINE_PARTS)),
+        "models and layers are math only",
+    ),
+    (
+        ("xengine", "graph", "memory", "ops", "!xengine.process"),
+        ("xengine.process",),
+        "only the engine process modules import each other",
+    ),
+    (
+        ("xengine", "!xengine.engine", "!xengine.step"),
+        ("xengine.step",),
+        "only the Engine drives the step loops",
+    ),
+    (
+        ("xengine.step",),
+        ("xengine.process", "xengine.engine", "xengine.llm"),
+        "a step loop sits below the Engine",
+    ),
+    (
+        ("xengine.colocation",),
+        ("xengine.step", "xengine.process", "xengine.disagg", "xengine.engine", "xengine.runner"),
+        "co-location is driven by the step loops, not the other way",
+    ),
+    (
+        ("xengine.runner",),
+        ("xengine.step", "xengine.engine", "xengine.process", "xengine.disagg"),
+        "the runner runs a plan; it does not drive steps",
+    ),
+    (
+        ("xengine.disagg",),
+        ("xengine.step", "xengine.engine", "xengine.process", "xengine.runner", "xengine.scheduler"),
+        "transfers move KV and embeddings only",
+    ),
+    (("xservice.policies",), ("xservice", "!xservice.policies"), "policies are pure: no service I/O"),
+    (
+        ("xservice.engine",),
+        ("xservice", "!xservice.engine", "!xservice.policies"),
+        "the engine seam sits below HTTP, serving and the cluster",
+    ),
+    (
+        ("xservice.serving", "xservice.routes", "xservice.batch", "xservice.rec", "xservice.protocol"),
+        ("xservice.cluster",),
+        "serving code talks to an EngineBackend, never to the cluster",
+    ),
+    (
+        ("ops.torch_ref", "ops.cpu_kernels", "ops.triton_kernels", "ops.onednn"),
+        (
+            "ops.registry",
+            "ops.attention",
+            "ops.moe",
+            "ops.norm",
+            "ops.rope",
+            "ops.activation",
+            "ops.kv_store",
+        ),
+        "op backends never call the facades they implement",
+    ),
+)
+
+
+def _matches(src: str, dst: str, srcs: tuple[str, ...], dsts: tuple[str, ...]) -> bool:
+    def hit(module: str, names: tuple[str, ...]) -> bool:
+        plain = [n for n in names if not n.startswith("!")]
+        exempt = [n[1:] for n in names if n.startswith("!")]
+        return any(_in(module, n) for n in plain) and not any(_in(module, n) for n in exempt)
+
+    return hit(src, srcs) and hit(dst, dsts)
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan), package __init__ edges
-    to their own submodules excluded (a package re-exporting its children is not a cycle)."""
-    edges = {
-        m: {d for d in ts if not (d.startswith(m + ".") and not graph.get(d, set()) & {m})} | set()
-        for m, ts in graph.items()
-    }
+    """Strongly connected components of more than one module (Tarjan), every edge counted: a
+    package ``__init__`` importing its submodules is part of the graph too (excluding those edges
+    once hid a circle through ``ops/__init__`` and the MoE backend)."""
+    edges = graph
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -147,3 +227,19 @@ def test_checker_sees_a_violation_and_a_cycle() -> None:
     graph = {"xservice.a": {"xengine.engine"}, "xengine.x": {"xengine.y"}, "xengine.y": {"xengine.x"}}
     assert _violations(graph) == ["xservice.a -> xengine.engine: the service may import only xengine.api"]
     assert _cycles(graph) == [["xengine.x", "xengine.y"]]
+
+
+def test_checker_sees_a_crossing_inside_a_package() -> None:
+    graph = {
+        "xengine.models.decoder": {"xengine.colocation.interrupter"},
+        "xservice.policies.routing": {"xservice.cluster.pool"},
+        "xservice.serving.chat": {"xservice.cluster.pool", "xservice.engine.protocol"},
+        "xengine.step.normal": {"xengine.step.result", "xengine.runner.model_runner"},
+        "xservice.policies.epd.assign": {"xservice.policies.epd.costs"},
+    }
+    assert _violations(graph) == [
+        "xengine.models.decoder -> xengine.colocation.interrupter: models and layers are math only",
+        "xservice.policies.routing -> xservice.cluster.pool: policies are pure: no service I/O",
+        "xservice.serving.chat -> xservice.cluster.pool: serving code talks to an EngineBackend, never to "
+        "the cluster",
+    ]

@@ -1,17 +1,20 @@
-"""One model instance: ``step()`` = schedule -> execute -> update -> per-request deltas."""
+"""One model instance: ``step()`` = schedule -> execute -> update -> per-request deltas.
+
+Built once from its parts: the model and its KV memory (``kv_setup.py``), the runner, the scheduler,
+and the step loop (``xengine/step/``: normal, or overlapped under async scheduling). Co-location
+(``xengine/colocation/``) and PD KV transfer (``xengine/disagg/``) plug into the loop; the process
+that serves the engine over sockets is ``xengine/process/``. The map: ``docs/architecture.md``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from graph.interrupt import StepInterrupted
 from ops.platforms import resolve_platform, set_platform
 from xengine.api.config import EngineConfig
 from xengine.api.messages import (
@@ -25,33 +28,29 @@ from xengine.api.messages import (
     KVImportResult,
 )
 from xengine.beam.catalog import CatalogRegistry
-from xengine.interruption import Interrupter, note_arrival
-from xengine.kv_setup import build_kv
-from xengine.kv_transfer import KVTransferManager
-from xengine.loader import load_model, resolve_dtype
+from xengine.colocation.interrupter import Interrupter, note_arrival
+from xengine.colocation.resume import StepResumer
+from xengine.disagg.kv_transfer import KVTransferManager
+from xengine.kv_setup import KVSetup, build_kv
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
+from xengine.models.loader import load_model, resolve_dtype
 from xengine.models.registry import get_model_class
 from xengine.multimodal.encode_stage import EncodeStage
 from xengine.multimodal.request_images import request_images, vision_spec
 from xengine.parallel.group import start_expert_parallel
-from xengine.pipeline import StepPipeline
 from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
-from xengine.scheduler.plan import ScheduledSeq, SchedulePlan, StepOutput, StepSample
 from xengine.scheduler.scheduler import Scheduler
-from xengine.step_resume import PausedStep, StepResumer
+from xengine.step.deltas import collect_deltas
+from xengine.step.execute import EngineBrokenError, StepExecutor
+from xengine.step.housekeeping import BetweenSteps
+from xengine.step.normal import NormalLoop
+from xengine.step.overlap import OverlapLoop
+from xengine.step.result import StepTiming
 from xengine.structured.manager import StructuredOutputs, compile_error_message
 from xengine.validation import validate_request
 
-logger = logging.getLogger("xengine.engine")
-
 _MAX_DEFAULT_LEN = 8192
-# this many steps in a row whose forward failed for every request: the engine itself is broken
-MAX_CONSECUTIVE_FAILED_STEPS = 3
-
-
-class EngineBrokenError(RuntimeError):
-    """Step after step failed for every request: restart the engine rather than keep failing."""
 
 
 def check_max_model_len(max_model_len: int | None, model_dir: str, info: ModelInfo) -> None:
@@ -73,23 +72,10 @@ def check_max_model_len(max_model_len: int | None, model_dir: str, info: ModelIn
     )
 
 
-@dataclass
-class StepTiming:
-    total_s: float  # whole step: schedule + inputs + forward + sample + update
-    forward_s: float  # model forward + logits only
-    num_seqs: int
-    num_tokens: int
-    host_s: float | None = None  # async: engine-thread time of the step, waiting excluded
-    # of the same plan as ``num_seqs`` (``SchedulePlan.token_counts``): KV tokens attended, prefill tokens
-    context_tokens: int = 0
-    prefill_tokens: int = 0
-    # the non-empty steps whose outputs were applied in this call (sync: this one, ``step_s`` =
-    # ``total_s``; async: the step that was in flight, and a sync plan's own, ``step_s`` measured from
-    # the previous completion while busy: ``PipelineTiming.completed``)
-    completed: list[StepSample] = field(default_factory=list)
-
-
 class Engine:
+    """One model instance in this process: requests in (``add_request``), per-request deltas out of
+    each ``step()``; stats, catalogs and PD KV export / import beside them."""
+
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
@@ -113,8 +99,7 @@ class Engine:
     def _load(self, config: EngineConfig, info: ModelInfo, model_dir: str) -> None:
         """Weights, KV memory, runner, scheduler: everything of the instance after its processes exist."""
         self.dtype = resolve_dtype(self.platform, config.model.dtype, info.torch_dtype)
-        device = self.platform.torch_device()
-        self.model = load_model(model_dir, self.dtype, device)
+        self.model = load_model(model_dir, self.dtype, self.platform.torch_device())
         cache = config.cache
         if self.parallel is not None:
             cache = self.parallel.check_model_and_cache(cache)
@@ -125,31 +110,30 @@ class Engine:
         kv = self.kv_setup = build_kv(
             cache, config.scheduler, info, self.dtype, self.platform, max_len, self.async_scheduling
         )
-        spec, kv_caches, num_blocks = kv.spec, kv.kv_caches, kv.manager.pool.num_blocks
-        self.max_model_len, self._len_limit = kv.max_model_len, kv.len_limit
+        self.max_model_len = kv.max_model_len
         self.model.set_max_model_len(self.max_model_len)
         if self.parallel is not None:  # every worker holds a KV pool of the same geometry
-            self.parallel.setup(num_blocks, spec.block_size, self.max_model_len)
+            self.parallel.setup(kv.manager.pool.num_blocks, kv.spec.block_size, self.max_model_len)
         self.kv = kv.manager
+        # online arrivals stop offline prefill steps between layers (not across expert-parallel ranks)
+        self.interrupter = Interrupter(
+            config.scheduler.offline_preemption if self.parallel is None else "step"
+        )
         self.runner = ModelRunner(
             self.model,
-            kv_caches,
+            kv.kv_caches,
             kv.layout,
             self.platform,
-            spec.block_size,
+            kv.spec.block_size,
             info.eos_token_ids,
             config.model.seed,
             max_model_len=self.max_model_len,
             graph_mode=self.graph_mode,
             parallel=self.parallel,
             encode_overlap=execution.encode_overlap_enabled(caps.default_encode_overlap),
+            interrupt=self.interrupter.event if self.interrupter.mode == "layer" else None,
         )
-        self.runner.capture_graphs(config.execution.buckets())
-        # online arrivals stop offline prefill steps between layers (not across expert-parallel ranks)
-        self.interrupter = Interrupter(
-            config.scheduler.offline_preemption if self.parallel is None else "step"
-        )
-        self.runner.interrupt = self.interrupter.event if self.interrupter.mode == "layer" else None
+        self.runner.capture_graphs(execution.buckets())
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
@@ -158,11 +142,7 @@ class Engine:
             async_mode=self.async_scheduling,
             encode_stage=self._encode_stage(config),
         )
-        self.pipeline = StepPipeline(self) if self.async_scheduling else None
-        self.resumer = StepResumer(self.scheduler)  # interrupted offline steps carry on later
-        self.kv_transfer = KVTransferManager(  # PD: Mooncake agent on first use
-            self.kv, kv_caches, spec, port_range=config.cache.transfer_ports()
-        )
+        self._build_step(config, kv)
         self.vocab_size = info.vocab_size
         self.vision = vision_spec(self.model)  # None: a text-only model
         self.catalogs = CatalogRegistry(info.vocab_size)
@@ -170,16 +150,33 @@ class Engine:
         self.structured = StructuredOutputs.for_model(
             model_dir, info.vocab_size, list(info.eos_token_ids), config.structured_outputs
         )
+        self.info = self._describe(config, info, model_dir, kv)
+
+    def _build_step(self, config: EngineConfig, kv: KVSetup) -> None:
+        """The step loop, chosen once: the normal one, or the overlap one under async scheduling."""
+        self.kv_transfer = KVTransferManager(  # PD: Mooncake agent on first use
+            self.kv, kv.kv_caches, kv.spec, port_range=config.cache.transfer_ports()
+        )
+        self.resumer = StepResumer(self.scheduler)  # interrupted offline steps carry on later
+        self.executor = StepExecutor(self.runner, self.scheduler, self.interrupter, self.parallel)
+        between = BetweenSteps(self.scheduler, self.kv, self.kv_transfer)
+        self.loop: NormalLoop | OverlapLoop = (
+            OverlapLoop(self.scheduler, self.runner, self.executor, between, self.interrupter)
+            if self.async_scheduling
+            else NormalLoop(self.scheduler, self.executor, between, self.interrupter, self.resumer)
+        )
         self.last_step_timing: StepTiming | None = None
         self.num_steps = 0
-        self.num_failed_steps = 0  # consecutive steps whose forward failed for every request
-        self.info = EngineInfo(
+
+    def _describe(self, config: EngineConfig, info: ModelInfo, model_dir: str, kv: KVSetup) -> EngineInfo:
+        spec = kv.spec
+        return EngineInfo(
             model_name=config.model.served_model_name or Path(model_dir).resolve().name,
             vocab_size=info.vocab_size,
             max_model_len=self.max_model_len,
             block_size=spec.block_size,
             eos_token_ids=list(info.eos_token_ids),
-            num_total_blocks=num_blocks,
+            num_total_blocks=kv.manager.pool.num_blocks,
             device=self.platform.name,
             pid=os.getpid(),
             hidden_size=info.hidden_size,
@@ -222,8 +219,8 @@ class Engine:
         """Schedule the requests whose grammar compiled; fail (naming the field) those whose did not."""
         if not len(self.structured.waiting):
             return
-        busy = self.pipeline is not None and self.pipeline.busy
-        for ready in self.structured.take_ready(idle=not (self.scheduler.has_unfinished() or busy)):
+        busy = self.scheduler.has_unfinished() or self.loop.busy
+        for ready in self.structured.take_ready(idle=not busy):
             self.scheduler.add(ready.request, ready.catalog)
             if ready.error is not None:
                 self.scheduler.fail_request(ready.request.req_id, compile_error_message(ready.error))
@@ -242,194 +239,20 @@ class Engine:
         self.scheduler.abort(req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        busy = self.pipeline is not None and self.pipeline.busy
         waiting = bool(len(self.structured.waiting))  # requests whose grammar is compiling
-        return self.scheduler.has_unfinished() or bool(self.scheduler.updated) or busy or waiting
+        return self.scheduler.has_unfinished() or bool(self.scheduler.updated) or self.loop.busy or waiting
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[CompletionDelta]:
+        """One step of the loop chosen at construction (``xengine/step/``): schedule -> execute ->
+        update. Returns what each request got since the last step."""
         self.check_workers()
         self._admit_compiled()
-        if self.pipeline is not None:
-            return self._step_async(self.pipeline)
         t0 = time.perf_counter()
-        paused = self.resumer.ready(self.interrupter.pending_online)
-        plan = paused.plan if paused is not None else self.scheduler.schedule()
-        if self.kv_transfer.num_pins:
-            self.kv_transfer.release_admitted(self.kv.block_tables)
-            if plan.is_empty:
-                self._unpin_for_head()
-        forward_s = 0.0
-        counts = (0, 0)
-        if not plan.is_empty:
-            self.interrupter.started(plan)
-            try:
-                plan, out = self._execute(plan) if paused is None else self._resume(paused)
-            except StepInterrupted as stop:  # nothing of it applied: paused, or run again later
-                self.interrupter.interrupted(plan, resumable=self.resumer.pause(plan, stop))
-                self.last_step_timing = StepTiming(time.perf_counter() - t0, 0.0, 0, 0, None)
-                return self._collect_deltas()
-            forward_s = out.forward_s
-            counts = plan.token_counts()  # before update moves num_computed_tokens
-            self.scheduler.update(plan, out)
-            self.num_steps += 1
-        elif self.scheduler.waiting and self.kv.num_free_blocks == self.kv.pool.num_blocks:
-            # nothing fits even with the whole pool free (no running request, no pinned import):
-            # fail the head instead of spinning
-            self.scheduler.fail(self.scheduler.waiting[0], "length")
-        deltas = self._collect_deltas()
-        total_s = time.perf_counter() - t0
-        completed = [StepSample(len(plan.seqs), *counts, total_s)] if plan.seqs else []
-        self.last_step_timing = StepTiming(
-            total_s, forward_s, len(plan.seqs), plan.num_batched_tokens, None, *counts, completed
-        )
-        return deltas
-
-    def _step_async(self, pipeline: StepPipeline) -> list[CompletionDelta]:
-        t0 = time.perf_counter()
-        plan, deltas = pipeline.step()
-        if self.kv_transfer.num_pins:
-            self.kv_transfer.release_admitted(self.kv.block_tables)
-            if plan.is_empty and not pipeline.busy:
-                self._unpin_for_head()
-        if not plan.is_empty:
-            self.num_steps += 1
-        elif pipeline.head_stuck and self.scheduler.waiting:
-            self.scheduler.fail(self.scheduler.waiting[0], "length")  # as in step(): never fits
-            deltas += self._collect_deltas()
-        timing = pipeline.last_timing
-        self.last_step_timing = StepTiming(
-            time.perf_counter() - t0, timing.forward_s, len(plan.seqs), plan.num_batched_tokens, timing.host_s,
-            *timing.counts, timing.completed,
-        )  # fmt: skip
-        return deltas
-
-    def _unpin_for_head(self) -> None:
-        """An empty step with requests waiting and none running: if imported prompts pinned for the
-        queued requests hold the pool (PD decode under KV pressure), nothing would ever free a block
-        for the first of them. Expired pins go first; then, if still stuck, every import pin but the
-        head's (its blocks stay cached, so the others usually still hit them)."""
-        self.kv_transfer.expire()
-        if self.scheduler.running or not self.scheduler.waiting:
-            return
-        dropped = self.kv_transfer.release_waiting_imports(keep=self.scheduler.waiting[0].seq_id)
-        if dropped:
-            logger.warning("KV pool held by %d imported prompts of queued requests: unpinned them", dropped)
-
-    def _resume(self, paused: PausedStep) -> tuple[SchedulePlan, StepOutput]:
-        """Carry a paused step on from where it stopped; if that fails, run it again from its start."""
-        try:
-            out = self.interrupter.run(paused.plan, lambda: self.runner.resume(paused.step, paused.point))
-        except StepInterrupted:
-            raise
-        except Exception:  # noqa: BLE001 - the plain path isolates what is wrong with it
-            logger.exception("resuming an interrupted step failed; running it again from its start")
-            self.resumer.drop()
-            return self._execute(paused.plan)
-        self.resumer.resumed()
-        return paused.plan, out
-
-    def _execute(self, plan: SchedulePlan, failed_once: bool = False) -> tuple[SchedulePlan, StepOutput]:
-        """Run ``plan``. If the forward raises, run each request of it alone and fail (finish_reason
-        "error") those that raise again, so one bad request does not take its batch or the engine
-        down. Returns the part of ``plan`` that ran and its output, for ``scheduler.update``.
-        Raises ``EngineBrokenError`` after ``MAX_CONSECUTIVE_FAILED_STEPS`` steps that failed for
-        every request."""
-        try:
-            if failed_once:  # (it already raised as a whole, on the async worker)
-                raise RuntimeError("the step failed on the async worker")
-            out = self.interrupter.run(plan, lambda: self.runner.execute(plan))
-        except StepInterrupted:
-            raise
-        except Exception as e:  # noqa: BLE001 - isolated below; re-raised if the engine itself is broken
-            if self.parallel is not None:  # the workers ran (part of) it: the group is out of step
-                if self.parallel.scan(wait_s=1.0) is not None:  # a peer's death shows as a socket error
-                    raise EngineBrokenError(self.parallel.failure) from e
-                raise EngineBrokenError(f"an expert-parallel step failed: {type(e).__name__}: {e}") from e
-            logger.exception("step failed for %d sequence(s); retrying each request alone", len(plan.seqs))
-            plan, out, error = self._execute_each_request(plan)
-            if plan.is_empty:
-                self.num_failed_steps += 1
-                if self.num_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
-                    raise EngineBrokenError(
-                        f"{self.num_failed_steps} steps in a row failed for every request; last error: {error}"
-                    ) from None
-                return plan, out
-        self.num_failed_steps = 0
-        return plan, out
-
-    def _execute_each_request(self, failed: SchedulePlan) -> tuple[SchedulePlan, StepOutput, str]:
-        """Re-run ``failed`` one request at a time (all sequences of a request step together).
-
-        Nothing of the failed attempt is kept: ``update`` was not called, so the scheduler still has
-        every sequence at its old ``num_computed_tokens``; a re-run rewrites the same KV slots. A
-        request that fails alone is ended through the scheduler, which frees its blocks; its KV
-        never reaches the prefix cache (only ``update`` inserts blocks). Returns the plan of the
-        requests that ran, their output and the last error."""
-        by_req: dict[str, list[ScheduledSeq]] = {}
-        for s in failed.seqs:
-            by_req.setdefault(s.req.req_id, []).append(s)
-        ran = SchedulePlan(block_tables=failed.block_tables, preempted_seq_ids=failed.preempted_seq_ids)
-        out, error = StepOutput(), ""
-        copies = failed.block_copies  # copy-on-write copies run once, with the first request
-        for req_id, seqs in by_req.items():
-            tables = {s.req.seq_id: failed.block_tables[s.req.seq_id] for s in seqs}
-            alone = SchedulePlan(seqs=seqs, block_tables=tables, block_copies=copies)
-            alone.num_batched_tokens = sum(s.num_new_tokens for s in seqs)
-            copies = []
-            try:
-                part = self.runner.execute(alone)
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                error = f"{type(e).__name__}: {e}"
-                logger.error("request %s failed in the model: %s", req_id, error)
-                self.scheduler.fail_request(req_id, f"the engine failed while running this request: {error}")
-                continue
-            ran.seqs.extend(seqs)
-            out.sampled.update(part.sampled)
-            out.beam_candidates.update(part.beam_candidates)
-            out.prompt_logprobs.update(part.prompt_logprobs)
-            out.embeddings.update(part.embeddings)
-            out.forward_s += part.forward_s
-        for job in failed.encodes:  # each request's images alone too
-            try:
-                self.runner.execute(SchedulePlan(encodes=[job]))
-                ran.encodes.append(job)
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                error = f"{type(e).__name__}: {e}"
-                self.scheduler.fail_request(job.req.req_id, f"the engine failed encoding its images: {error}")
-        ran.num_batched_tokens = sum(s.num_new_tokens for s in ran.seqs)
-        return ran, out, error
-
-    def _collect_deltas(self) -> list[CompletionDelta]:
-        deltas = []
-        finished = []
-        for req in self.scheduler.take_updated():
-            want_lp = req.params.logprobs is not None
-            deltas.append(
-                CompletionDelta(
-                    req_id=req.req_id,
-                    index=req.index,
-                    new_token_ids=req.new_token_ids,
-                    new_logprobs=req.new_logprobs if want_lp else None,
-                    new_top_logprobs=req.new_top_logprobs if want_lp else None,
-                    finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=req.num_cached_tokens,
-                    score=req.beam_score,
-                    cumulative_logprob=req.cumulative_logprob,
-                    error=req.error,
-                    prompt_logprobs=req.new_prompt_logprobs,
-                    embedding=req.embedding if req.is_finished else None,
-                    queue_time_s=req.queue_time_s,
-                )
-            )
-            req.queue_time_s = None  # reported once
-            req.new_token_ids, req.new_logprobs, req.new_top_logprobs = [], [], []
-            req.new_prompt_logprobs = None
-            if req.is_finished:
-                finished.append(req.seq_id)
-        self.runner.release(finished)
+        result = self.loop.step()
+        deltas = collect_deltas(self.scheduler, self.runner)
+        self.num_steps += result.executed
+        self.last_step_timing = result.timing(time.perf_counter() - t0)
         return deltas
 
     # ------------------------------------------------------------------ processes

@@ -31,7 +31,7 @@ def validate_request(engine: Engine, req: AddRequest) -> None:
     if len(ids) > engine.max_model_len - (0 if req.params.is_prefill_only else 1):
         raise ValueError(
             f"invalid value for 'prompt': {len(ids)} tokens, the maximum context length is "
-            f"{engine.max_model_len}, set by {engine._len_limit} (prompt must be shorter, leaving room for output)"
+            f"{engine.max_model_len}, set by {engine.kv_setup.len_limit} (prompt must be shorter, leaving room for output)"
         )
     req.params.validate(engine.vocab_size)
     if req.pooling is not None:

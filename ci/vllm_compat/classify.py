@@ -422,7 +422,7 @@ def render_markdown(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def render_grouped(rows: list[dict[str, Any]]) -> str:
     """Every non-passing server test, grouped by category and reason, tests listed per module (for
-    docs/vllm_compat.md)."""
+    benchmarks/results/ (the vLLM-compat run log))."""
     groups: dict[tuple[str, str], dict[str, list[str]]] = {}
     for r in rows:
         if r["category"] in ("passed", "vllm-internal"):

@@ -1,20 +1,13 @@
 """Confine a process's wildcard binds to one host and its listeners to this user, with a preloaded
 ``bind()`` / ``accept()`` shim (Linux).
 
-The Mooncake transfer engine binds its handshake listener to ``0.0.0.0`` and its TCP data listener
-to ``[::]`` whatever host it is given (see ``memory/transfer.py``), and anyone reaching them can read
-and write the registered KV memory. ``bind_host.c`` defines ``bind()``: with ``XLLM_BIND_HOST`` set
-to an address literal, a bind of the IPv4 or IPv6 wildcard goes to that address instead (same port;
-an IPv6 socket gets the v4-mapped form of an IPv4 host; an IPv4 socket cannot take an IPv6 host
-and its wildcard bind is refused). ``peer_guard.c`` defines ``accept()`` / ``accept4()``: on a stream
-socket bound from a wildcard address, a connection whose peer socket is on this host and owned by
-another uid than this process's (root excepted) is closed before the library sees it, and counted
-(``num_refused``); peers on other hosts cannot be checked (``peer_owner.c`` says how owners are
-found). The dynamic loader reads ``LD_PRELOAD`` only when a program starts, so a process confines
-itself by re-executing with ``exec_env``'s environment.
-
-The shim is built from those C files with the machine's C compiler on first use, into
-``<cache dir>/build/`` under a name keyed by the sources' hash.
+The Mooncake transfer engine binds its listeners to the wildcard address whatever host it is given
+and authenticates no peer (``memory/transfer.py``). ``bind_host.c`` moves wildcard binds onto
+``XLLM_BIND_HOST``; ``peer_guard.c`` closes, before the library reads a byte, a connection whose
+peer socket is on this host and owned by another uid (``peer_owner.c``: how owners are found). The
+loader reads ``LD_PRELOAD`` only at program start, so a process confines itself by re-executing with
+``exec_env``'s environment. Built from the C files on first use into ``<cache dir>/build/``.
+See ``docs/security.md``, "Mooncake binds".
 """
 
 from __future__ import annotations

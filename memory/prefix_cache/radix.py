@@ -5,27 +5,21 @@ path from the root spells a token prefix. Nodes hold no references: a cached blo
 ref count drops to zero waits in the pool's free queue (LRU), and when the pool hands it out
 again it calls ``evict`` here, which drops the node and its subtree.
 
-An optional ``event_sink(stored, removed)`` receives chained block hashes (``block_hash``) of
-nodes as they are inserted and dropped, for a cluster agent to publish (KV-cache events).
+An optional ``event_sink(stored, removed)`` receives the chained block hashes of nodes as they are
+inserted and dropped, for a cluster agent to publish (KV-cache events). The hash is the wire one
+the service's prefix index matches prompts with (``xengine/api/block_hash.py``; ``docs/cluster.md``).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memory.block_pool import BlockPool
 from memory.prefix_cache.base import BasePrefixCache, PrefixMatch
+from xengine.api.block_hash import block_hash
 
 KVEventSink = Callable[[list[int], list[int]], None]
-
-
-def block_hash(parent: int, token_ids: Sequence[int]) -> int:
-    """Chained hash of one block; must equal ``xservice.cluster.kv_index.block_hash``."""
-    h = hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=8, key=parent.to_bytes(8, "little"))
-    return int.from_bytes(h.digest(), "little")
 
 
 @dataclass(eq=False)

@@ -1,23 +1,12 @@
 """``XTensorKVLayout``: KV that is logically contiguous per sequence and physically paged (xLLM §4.3).
 
-Physical memory: ``2 × num_layers × num_blocks`` pages from the platform's VMM, page
-``(layer × 2 + kv) × num_blocks + block`` holding block ``block``'s K (kv 0) or V (kv 1) of that layer.
-Two kinds of virtual views over the same pages:
-
-- the **paged view**: every page mapped once, in order, so layer ``l`` is exactly ``PagedKVLayout``'s
-  ``[2, num_blocks, block_size, Hkv, D]`` tensor. Everything that works on blocks — writing new K/V by
-  slot mapping, copy-on-write forks, PD export/import over Mooncake — uses it unchanged;
-- **slots**: each running sequence gets a slot, a reserved range of ``max_model_len`` tokens per layer
-  and K/V (chunks of ``slots_per_chunk`` slots, so one layer's K of a chunk is one strided
-  ``[slots, max_len, Hkv, D]`` tensor). Position ``j`` of a slot maps the page of the sequence's
-  ``j``-th block, so attention reads the sequence's context in place (no block-table gather).
-
-Mapping is on demand (``prepare`` maps what a step's block tables add) and never undone on finish:
-a released slot keeps its mappings (its pages become *reusable*) and the next sequence in that slot
-is steered to those same blocks (``preferred_blocks``), so a steady stream of requests maps nothing.
-A prefix-cache hit maps the cached block's pages into the new slot too (the same physical page mapped
-twice). With look-ahead allocation the pages a sequence needs next are mapped on the mapper thread
-while the current step runs. Unmapping happens only to stay under the process's mapping budget.
+Pages come from the platform's VMM, one per (layer, K or V, block). Two virtual views share them: the
+**paged view** maps every page once, in order, so it is byte for byte ``PagedKVLayout``'s tensor and
+everything block-based (K/V writes by slot, copy-on-write, PD transfer) works unchanged; **slots**
+give each running sequence a ``max_model_len`` range per layer and K/V whose position ``j`` maps the
+page of its ``j``-th block, so attention reads the context in place. Mapping is on demand and kept
+after a sequence finishes (the next one in the slot is steered to the same blocks), so a steady stream
+of requests maps nothing. See ``docs/xtensor.md``.
 """
 
 from __future__ import annotations

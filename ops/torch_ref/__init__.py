@@ -7,7 +7,8 @@ from typing import Any
 
 
 def reference_ops() -> dict[str, Callable[..., Any]]:
-    """Every reference op by name (``ops/registry.py`` registers them for "cpu" and as the fallback)."""
+    """Every reference op by name (``ops/registry.py`` registers them for "cpu" and as the fallback);
+    ``moe_fused_experts``, composed of the MoE steps through their facade, is registered by ``ops/moe.py``."""
     from ops.torch_ref import moe
     from ops.torch_ref.activation import silu_and_mul
     from ops.torch_ref.attention import attention
@@ -35,5 +36,4 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
         "moe_grouped_matmul": moe.grouped_matmul,
         "moe_expert_swiglu": moe.expert_swiglu,
         "moe_combine": moe.combine,
-        "moe_fused_experts": moe.fused_experts,
     }

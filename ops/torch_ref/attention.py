@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ops.attention_mask import context_start, decode_mask, is_fresh_prefill, prefill_mask
 from ops.attention_metadata import AttentionMetadata
 from ops.torch_ref.kv_store import store_kv
 
@@ -64,7 +65,7 @@ def _prefill_runs(meta: AttentionMetadata, sliding_window: int | None) -> list[t
         if q_len <= 1:
             fresh_len = 0
             continue
-        fresh = meta.seq_lens_cpu[b] == q_len and (sliding_window is None or sliding_window >= q_len)
+        fresh = is_fresh_prefill(meta.seq_lens_cpu[b] - q_len, q_len, sliding_window)
         if fresh and q_len == fresh_len:
             runs[-1] = (runs[-1][0], b + 1)
         else:
@@ -154,19 +155,6 @@ def _step(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Step:
     return step
 
 
-def _decode_mask(step: _Step, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    """Additive float mask ``[B, 1, 1, L]``: 0 where a decode may attend, -inf elsewhere."""
-    mask = step.masks.get(sliding_window)
-    if mask is None:
-        key_pos = torch.arange(step.max_len, device=device)
-        allowed = key_pos <= step.last
-        if sliding_window is not None:
-            allowed &= key_pos > step.last - sliding_window
-        mask = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
-        mask = step.masks[sliding_window] = mask[:, None, None, :]
-    return mask
-
-
 def _decode(
     q: torch.Tensor, kv_cache: torch.Tensor, step: _Step, scale: float, sliding_window: int | None
 ) -> torch.Tensor:
@@ -182,7 +170,7 @@ def _decode(
     if step.buffer is None or step.buffer.shape != shape or step.buffer.dtype != kv_cache.dtype:
         step.buffer = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    mask = _decode_mask(step, sliding_window, q.device)
+    mask = decode_mask(step.masks, step.last, step.max_len, sliding_window, q.device)
     # The query heads sharing a KV head become that head's query rows: one pass over its K/V serves them.
     q_grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = None if chunk == num_seqs else q_grouped.new_empty(q_grouped.shape, dtype=torch.float32)
@@ -214,18 +202,13 @@ def _prefill(
     q_len, seq_len = q.shape[0], meta.seq_lens_cpu[b]
     first = seq_len - q_len  # position of the first new token
     qh = q.transpose(0, 1).unsqueeze(0)
-    if first == 0 and (sliding_window is None or sliding_window >= q_len):
+    if is_fresh_prefill(first, q_len, sliding_window):
         # No cached context and no effective window: the new K/V are the whole context.
         res = _sdpa(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None, scale, True)
         return res[0].transpose(0, 1).to(q.dtype)
-    # Keys before this start are outside every new token's window.
-    start = 0 if sliding_window is None else max(0, first - sliding_window + 1)
+    start = context_start(first, sliding_window)
     k_ctx, v_ctx = _gather_context(kv_cache, meta.block_tables[b : b + 1], meta.seq_lens[b : b + 1], seq_len)
     k_ctx, v_ctx = k_ctx[0, start:].transpose(0, 1), v_ctx[0, start:].transpose(0, 1)  # [Hkv, L, D]
-    key_pos = torch.arange(start, seq_len, device=q.device)
-    q_pos = torch.arange(first, seq_len, device=q.device).unsqueeze(1)
-    mask = key_pos <= q_pos
-    if sliding_window is not None:
-        mask &= key_pos > q_pos - sliding_window
+    mask = prefill_mask(first, seq_len, start, sliding_window, q.device)
     res = _sdpa(qh, k_ctx.unsqueeze(0), v_ctx.unsqueeze(0), mask, scale, False)
     return res[0].transpose(0, 1).to(q.dtype)

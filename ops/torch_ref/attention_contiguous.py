@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ops.attention_mask import context_start, decode_mask, is_fresh_prefill, prefill_mask
 from ops.attention_metadata import AttentionMetadata, ContiguousKV
 from ops.torch_ref.attention import _sdpa
 from ops.torch_ref.kv_store import store_kv
@@ -105,18 +106,6 @@ def _make_run(group: list[tuple[int, int, int]], per_chunk: int, device: torch.d
     return run
 
 
-def _mask(run: _Run, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    mask = run.masks.get(sliding_window)
-    if mask is None:
-        key_pos = torch.arange(run.max_len, device=device)
-        allowed = key_pos <= run.last
-        if sliding_window is not None:
-            allowed &= key_pos > run.last - sliding_window
-        mask = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
-        mask = run.masks[sliding_window] = mask[:, None, None, :]
-    return mask
-
-
 def _decode_run(
     q: torch.Tensor, kv: ContiguousKV, run: _Run, scale: float, sliding_window: int | None
 ) -> torch.Tensor:
@@ -129,7 +118,8 @@ def _decode_run(
     num_kv_heads = k_ctx.shape[1]
     # The query heads sharing a KV head become that head's query rows: one pass over its K/V serves them.
     qg = q[run.rows].reshape(r, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    res = _sdpa(qg, k_ctx, v_ctx, _mask(run, sliding_window, q.device), scale, False)
+    mask = decode_mask(run.masks, run.last, run.max_len, sliding_window, q.device)
+    res = _sdpa(qg, k_ctx, v_ctx, mask, scale, False)
     return res.reshape(r, num_heads, head_dim)
 
 
@@ -147,17 +137,13 @@ def _prefill(
     q_len = q.shape[0]
     first = seq_len - q_len
     qh = q.transpose(0, 1).unsqueeze(0)
-    if first == 0 and (sliding_window is None or sliding_window >= q_len):
+    if is_fresh_prefill(first, q_len, sliding_window):
         res = _sdpa(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None, scale, True)
         return res[0].transpose(0, 1).to(q.dtype)
-    start = 0 if sliding_window is None else max(0, first - sliding_window + 1)
+    start = context_start(first, sliding_window)
     chunk, row = divmod(slot, kv.slots_per_chunk)
     k_ctx = kv.k_chunks[chunk][row, start:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     v_ctx = kv.v_chunks[chunk][row, start:seq_len].transpose(0, 1).unsqueeze(0)
-    key_pos = torch.arange(start, seq_len, device=q.device)
-    q_pos = torch.arange(first, seq_len, device=q.device).unsqueeze(1)
-    mask = key_pos <= q_pos
-    if sliding_window is not None:
-        mask &= key_pos > q_pos - sliding_window
+    mask = prefill_mask(first, seq_len, start, sliding_window, q.device)
     res = _sdpa(qh, k_ctx, v_ctx, mask, scale, False)
     return res[0].transpose(0, 1).to(q.dtype)

@@ -4,7 +4,7 @@
 context after this step is ``seq_lens[b]`` tokens in the blocks of ``block_tables[b]``; its K/V go to
 ``slot_mapping[b]``. Rows with ``seq_lens`` 0 and slot -1 are bucket padding. Nothing here reads the
 host fields (they describe the capture, not the step), which is what lets a captured graph replay
-this work on new metadata. The CUDA backend (``ops/triton/decode_attention.py``) does the same in two
+this work on new metadata. The CUDA backend (``ops/triton_kernels/decode_attention.py``) does the same in two
 Triton kernels; this is their oracle and what the CPU runs.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ops.attention_mask import visible_keys
 from ops.attention_metadata import AttentionMetadata
 from ops.torch_ref.kv_store import store_kv
 
@@ -44,10 +45,8 @@ def attention_static(
     keys = kv_cache[0][tables].reshape(batch, width * block_size, num_kv_heads, head_dim)
     values = kv_cache[1][tables].reshape(batch, width * block_size, num_kv_heads, head_dim)
     pos = torch.arange(width * block_size, device=q.device)
-    lens = meta.seq_lens.long()[:, None]
-    valid = pos[None, :] < lens  # [B, L]
-    if sliding_window:
-        valid &= pos[None, :] >= lens - sliding_window
+    last = meta.seq_lens.long()[:, None] - 1  # each row's query position (-1: a padding row sees nothing)
+    valid = visible_keys(pos[None, :], last, sliding_window or None)  # [B, L]
     group = num_heads // num_kv_heads
     qg = q.view(batch, num_kv_heads, group, head_dim).float()
     scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * scale

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ops import moe
-from ops.moe import DispatchedTokens
+from ops.moe_types import DispatchedTokens
 from ops.torch_ref.activation import silu_and_mul
 
 
@@ -85,18 +84,3 @@ def combine(
     unpermuted[dispatched.order] = weighted
     hidden_size = expert_out.shape[-1]
     return unpermuted.view(dispatched.num_tokens, dispatched.top_k, hidden_size).sum(dim=1)
-
-
-def fused_experts(
-    hidden: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-) -> torch.Tensor:
-    """The composition through the facade, so a backend that registers only some steps gets them used."""
-    if hidden.shape[0] == 0:
-        return torch.empty_like(hidden)
-    dispatched = moe.dispatch(hidden, topk_ids, w13.shape[0])
-    out = moe.expert_swiglu(dispatched.hidden, dispatched.tokens_per_expert, w13, w2)
-    return moe.combine(out, dispatched, topk_weights).to(hidden.dtype)

@@ -55,3 +55,30 @@ def test_lock_pins_blocks():
     assert pool.num_free_blocks == 2
     assert cache.reset()
     assert cache.num_cached_blocks == 0
+
+
+def test_kv_events_carry_the_wire_block_hashes():
+    """What the cache publishes is what the service's prefix index computes for the same prompt."""
+    from xengine.api.block_hash import prompt_block_hashes
+
+    pool, cache = _cache()
+    events = []
+    cache.event_sink = lambda stored, removed: events.append((stored, removed))
+    tokens = list(range(100, 114))  # 3 full blocks + 2 tokens
+    cache.insert(tokens[:12], pool.allocate(3))
+    assert events == [(prompt_block_hashes(tokens, BS), [])]
+    assert prompt_block_hashes([9] + tokens[1:], BS)[2] != events[0][0][2]  # the chain carries the prefix
+
+
+def test_the_block_hash_is_defined_once():
+    """One definition (``xengine/api/block_hash.py``) for the engine and the service, not two kept equal."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    defining = [
+        str(path.relative_to(root))
+        for package in ("memory", "ops", "graph", "xengine", "xservice")
+        for path in sorted((root / package).rglob("*.py"))
+        if "def block_hash(" in path.read_text()
+    ]
+    assert defining == ["xengine/api/block_hash.py"]

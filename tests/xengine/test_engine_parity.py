@@ -2,7 +2,7 @@
 
 The oracle is HF ``transformers`` ``generate(do_sample=False)`` in float32 on the same tiny
 checkpoint, one prompt at a time. Logits closeness of the model alone (max abs diff <= 1e-4
-through paged attention) is covered by ``tests/models/test_model_parity.py``; here the engine
+through paged attention) is covered by ``tests/xengine/models/test_model_parity.py``; here the engine
 runs 16 prompts together under each scheduling configuration and every token must match.
 """
 

@@ -39,9 +39,9 @@ _LAUNCHER = """
 import asyncio, json, sys
 import uvicorn
 from xengine.api.text.tokenizer import Tokenizer
-from xservice.app import build_app
+from xservice.http.app import build_app
 from xservice.config import load_config
-from xservice.supervisor import SupervisedEngine
+from xservice.engine.supervised import SupervisedEngine
 
 async def main(overrides):
     cfg = load_config(None, overrides)

@@ -4,7 +4,7 @@ Mirrors PD's KV messages (``KVExport`` / ``KVImport`` / ``KVRelease`` in ``messa
 instance pins the embeddings of some images (by content hash) in its Mooncake-registered staging
 buffer and describes them (``EmbedExportInfo``); a prefill instance pulls them with one-sided reads
 into its image-embedding cache (``EmbedImportResult``); the exporter's pin is then released.
-Engine side: ``xengine/embed_transfer.py``. Torch-free: the service imports it.
+Engine side: ``xengine/disagg/embed_transfer.py``. Torch-free: the service imports it.
 """
 
 from __future__ import annotations

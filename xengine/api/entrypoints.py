@@ -5,5 +5,5 @@ sockets the service bound; cluster: an engine server that binds its own sockets 
 they are part of the contract between the two layers and named in one place.
 """
 
-ENGINE_PROC_MODULE = "xengine.engine_proc"  # single node: the service's own engine process
-ENGINE_SERVER_MODULE = "xengine.engine_server"  # cluster: an instance that registers in the store
+ENGINE_PROC_MODULE = "xengine.process.engine_proc"  # single node: the service's own engine process
+ENGINE_SERVER_MODULE = "xengine.process.engine_server"  # cluster: an instance that registers in the store

@@ -165,7 +165,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
 
 class ColocationStatsMsg(msgspec.Struct, kw_only=True):
-    """Online/offline co-location in the engine (``xengine/interruption.py``)."""
+    """Online/offline co-location in the engine (``xengine/colocation/interrupter.py``)."""
 
     offline_preemption: str = "layer"  # layer | step
     num_interrupted_steps: int = 0  # offline steps stopped between layers for an online arrival

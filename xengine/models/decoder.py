@@ -11,7 +11,6 @@ from torch import nn
 
 from graph.attention_op import unified_attention
 from graph.forward_context import forward_context
-from graph.interrupt import ResumePoint, StepInterrupted, interrupt_point
 from ops.activation import silu_and_mul
 from ops.attention import AttentionMetadata
 from ops.rope_scaling import max_context_len
@@ -53,19 +52,14 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_idx: int | None = None) -> None:
-        """``layer_idx``: the layer it is the MLP of, where an offline step may stop inside it."""
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias)
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.layer_idx = layer_idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = silu_and_mul(self.gate_up_proj(x))
-        if self.layer_idx is not None and not torch.compiler.is_compiling():
-            interrupt_point(self.layer_idx, "down", act)  # the MLP is most of a layer: a check inside too
-        return self.down_proj(act)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -81,8 +75,7 @@ class DecoderLayer(nn.Module):
         if attn is None:  # another attention (e.g. MLA) only where the model gives one
             attn = DecoderAttention(cfg, rotary, cfg.sliding_windows[layer_idx], layer_idx)
         self.self_attn = attn
-        self.layer_idx = layer_idx
-        self.mlp = DecoderMLP(cfg, layer_idx) if mlp is None else mlp  # a sparse MoE block in MoE models
+        self.mlp = DecoderMLP(cfg) if mlp is None else mlp  # a sparse MoE block in MoE models
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -93,24 +86,13 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual stream)``; their sum is the layer's output."""
-        eager = not torch.compiler.is_compiling()
-        if eager:  # an offline step may stop between layers (eager: here too; compiled: at attention)
-            interrupt_point(self.layer_idx, "layer", hidden, residual)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        if not eager:
-            return self.mlp(hidden), residual
-        interrupt_point(self.layer_idx, "mlp", hidden, residual)  # eager: also before the MLP
-        try:
-            return self.mlp(hidden), residual
-        except StepInterrupted as e:  # stopped inside the MLP: the residual stream is ours
-            if e.resume is not None and e.resume.phase == "down":
-                e.resume.residual = residual
-            raise
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -141,21 +123,13 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states of the tokens; attention reads its metadata and caches from the forward context."""
-        return self._layers_from(0, positions, self.embed_tokens(input_ids), None)
+        return self.forward_layers(positions, self.embed_tokens(input_ids), None)
 
-    def forward_from(self, point: ResumePoint, positions: torch.Tensor) -> torch.Tensor:
-        """The rest of a forward an interrupt stopped at ``point`` (same step, same context):
-        the same operations on the same tensors as the forward it interrupted would have run."""
-        hidden, residual, start = point.hidden, point.residual, point.layer
-        if point.phase != "layer":
-            mlp = self.layers[start].mlp
-            hidden = mlp.down_proj(hidden) if point.phase == "down" else mlp(hidden)
-            start += 1
-        return self._layers_from(start, positions, hidden, residual)
-
-    def _layers_from(
-        self, start: int, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    def forward_layers(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, start: int = 0
     ) -> torch.Tensor:
+        """Layers ``start..`` and the final norm over ``hidden`` / ``residual`` (the outputs of layer
+        ``start - 1``; the embeddings and None for the whole stack)."""
         for layer in self.layers[start:]:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)

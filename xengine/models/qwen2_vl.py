@@ -65,11 +65,7 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
         token embeddings; ``positions``: ``[3, T]`` M-RoPE ids. The forward context must be set."""
         hidden = self.model.embed_tokens(input_ids)
         hidden = hidden.index_copy(0, at, embeds.to(hidden.dtype))
-        residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return self.model.forward_layers(positions, hidden, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.tie_weights()

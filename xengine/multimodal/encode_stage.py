@@ -1,25 +1,14 @@
 """The encode stage: images are encoded in steps of their own, batched by HydraInfer's stage-level
-rules (``../shared/papers/hydrainfer-epd-disaggregation.txt``, Algorithm 1).
+rules (Algorithm 1 of the HydraInfer paper on EPD disaggregation).
 
-A request with images is in the *encode stage* until every image has embeddings; only then may its
-prefill be scheduled (``RequestImages.encoded``). Each step the scheduler first takes the ongoing
-decodes and prefill chunks under its token budget (``max_num_batched_tokens``: Algorithm 1's τ_t);
-**only a step without a prefill chunk** takes encodes, in waiting order (online before offline), up to
-``max_encode_images`` images (τ_e) and ``max_encode_tokens`` image tokens. The first image always
-fits, so an image larger than the budget still runs, alone. Both budgets keep one step under the TPOT
-SLO: ``xllm profile epd`` finds them by binary search over measured steps.
-
-A request skips the stage when its images are already in the instance's embedding cache or when the
-prefix cache already holds its prompt past its last image (a PD decode, a repeated prompt). With
-``encode_scheduling: inline`` there is no stage: a prefill step encodes what its chunk needs (plain
-FCFS batching, what the benchmark compares against).
-
-An ``encode_only`` request (EPD's encode instance) finishes with finish_reason "encoded" once its
-images are encoded; its embeddings stay in the instance cache for export.
-
-Async scheduling: an encode job of the plan still in flight is not scheduled again; a job of a plan
-that never ran (rewound) is picked up again one plan later. Embeddings land in the instance cache,
-so a repeated job encodes nothing.
+A request with images stays in the encode stage until every image has embeddings; only then may its
+prefill be scheduled. Only a step without a prefill chunk takes encodes, in waiting order, up to
+``max_encode_images`` images and ``max_encode_tokens`` image tokens (the first image always fits),
+so encodes never stretch a prefill step past the TPOT SLO. A request whose images are cached, or
+whose prompt the prefix cache holds past its last image, skips the stage; an ``encode_only`` request
+(EPD's encode instance) ends with finish_reason "encoded". Under async scheduling a job of the plan
+in flight is not scheduled again; a rewound plan's job is picked up one plan later. See
+``docs/multimodal.md``.
 """
 
 from __future__ import annotations

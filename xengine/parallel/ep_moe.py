@@ -1,22 +1,12 @@
 """Expert-parallel MoE: each rank holds some experts; tokens travel to them by all-to-all and back.
 
-Attention and dense layers run replicated on every rank (the same batch, the same KV), so after the
-router every rank holds every token. Rank ``r`` takes its contiguous slice of the step's real tokens
-(bucket padding is dropped), and for that slice:
-
-1. maps each (token, slot) pair's logical expert to a physical slot (with EPLB replicas, tokens of one
-   logical expert are spread over its replicas round-robin by position: deterministic on every rank);
-2. **dispatch**: sorts the rows by physical slot, exchanges per-slot row counts, then the rows
-   themselves with one ``all_to_all_single`` (uneven splits);
-3. runs its local experts over what it received (grouped by local slot, ``ops.moe.expert_swiglu``);
-4. **combine**: sends the outputs back with the reverse all-to-all and applies the routing weights;
-5. ``all_gather`` puts every rank's slice together so the next (replicated) layer has every token.
-
-**Dual-batch overlap** (``ExpertParallel.dual_batch_overlap``): the slice is split into two micro-batches
-balanced by tokens; each runs as a generator that yields with its collective in flight (async work
-handle), and the driver interleaves them so one micro-batch's all-to-all overlaps the other's routing,
-expert matmuls and un-permute. The time actually spent blocked on communication is ``CommStats``.
-Inside a compiled graph the whole layer is one opaque custom op (``xllm::ep_fused_experts``).
+Attention and dense layers run replicated, so after the router every rank holds every token. Each
+rank takes its slice of the step's real tokens, maps each (token, slot) pair to a physical expert slot
+(EPLB replicas round-robin by position), dispatches the rows with one ``all_to_all_single``, runs its
+local experts, combines the outputs with the reverse all-to-all and the routing weights, and an
+``all_gather`` puts the slices together. Dual-batch overlap interleaves two micro-batches so one's
+all-to-all overlaps the other's compute (``CommStats``: the time still blocked). Inside a compiled
+graph the layer is one opaque custom op. See ``docs/expert_parallel.md``.
 """
 
 from __future__ import annotations

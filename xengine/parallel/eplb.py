@@ -1,18 +1,11 @@
 """EPLB at run time: load counters over a window, rebalancing, and the double-buffered weight swap.
 
-Every step starts with an action rank 0 chose and broadcast with the inputs, so all ranks do the same
-collectives in the same order:
-
-- ``STATS`` / ``REBALANCE``: all-reduce every layer's window of load counters (tokens per logical expert,
-  tokens per rank). ``REBALANCE`` then runs the pure policy (``eplb_policy.rebalance``) on every rank:
-  the same numbers give the same placement everywhere, so nothing else is sent. A background thread
-  copies the new placement's expert weights from the host copy into each layer's standby buffer.
-- ``SWITCH_CHECK`` (while a new placement is loading): all-reduce MIN of "my standby buffers are
-  ready". Once every rank is ready, all of them swap active and standby buffers and the routing
-  tables, here, at this one step boundary, before the forward.
-
-The step that swaps only exchanges references (no copy on the critical path); ``last_swap_s`` and
-``last_load_s`` record what the switch and the background load cost.
+Rank 0 chooses each step's action and broadcasts it with the inputs, so all ranks run the same
+collectives: ``STATS`` / ``REBALANCE`` all-reduce the load counters (``REBALANCE`` then runs the pure
+policy, ``eplb_policy.rebalance``, on every rank: the same numbers give the same placement, and a
+background thread loads it into each layer's standby buffer); ``SWITCH_CHECK`` all-reduces "ready",
+and once every rank is, all swap buffers and routing tables at that step boundary (references only:
+nothing copied on the critical path). See ``docs/expert_parallel.md``.
 """
 
 from __future__ import annotations

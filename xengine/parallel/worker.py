@@ -26,8 +26,8 @@ from memory.kv_layout import KVCacheSpec, PagedKVLayout
 from ops.platforms import resolve_platform, set_platform
 from xengine.api.config import EngineConfig, from_dict
 from xengine.api.lifetime import set_parent_death_signal
-from xengine.loader import load_model, resolve_dtype
 from xengine.models.info import read_model_info
+from xengine.models.loader import load_model, resolve_dtype
 from xengine.parallel.group import init_expert_parallel
 from xengine.parallel.step_message import KIND_SETUP, KIND_STOP, receive
 

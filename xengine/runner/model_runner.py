@@ -1,4 +1,7 @@
-"""Runs one engine step on the device: inputs -> model -> logits -> sampler -> ``StepOutput``."""
+"""Runs one engine step on the device: inputs -> model -> logits -> sampler -> ``StepOutput``.
+
+``prepare`` (host side: KV pages, inputs, sampling rows) and ``run`` (device side) are separate so the
+overlapped loop (``xengine/step/overlap.py``) can prepare a step while the previous one runs."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from graph.interrupt import ResumePoint, StepInterrupted
 from memory.kv_layout import BaseKVLayout
 from ops.platforms import Platform
 from xengine.api.messages import TokenLogprob
+from xengine.colocation.layer_checks import LayerChecks
 from xengine.multimodal.encode_runner import EncodeRunner
 from xengine.multimodal.image_cache import ImageEmbeddingCache
 from xengine.multimodal.step_inputs import MultiModalStep, build_multimodal_step, has_images
@@ -44,7 +48,10 @@ class ModelRunner:
         graph_mode: str = "eager",
         parallel: ExpertParallelGroup | None = None,
         encode_overlap: bool = False,
+        interrupt: threading.Event | None = None,
     ) -> None:
+        """``interrupt``: set by an online arrival, it stops an offline step between layers
+        (``xengine/colocation/``); None: steps are never stopped."""
         self.model = model
         self.kv_caches = kv_caches
         self.layout = layout
@@ -63,8 +70,9 @@ class ModelRunner:
         encode = getattr(model, "encode_images", None)
         self.images = ImageEmbeddingCache(encode, self.device) if encode is not None else None
         self.encoder = EncodeRunner(self.images, encode_overlap) if self.images is not None else None
-        # offline steps stop between layers when this is set (``xengine/interruption.py``)
-        self.interrupt: threading.Event | None = None
+        self.interrupt = interrupt
+        # where an eager forward may stop and carry on from (before the graphs are captured)
+        self.layer_checks = LayerChecks.install(model) if interrupt is not None else None
         torch.manual_seed(default_seed)
 
     def _forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -136,12 +144,12 @@ class ModelRunner:
 
     def _resumable(self, step: PreparedStep) -> bool:
         """Whether an interrupted ``step`` can carry on where it stopped: an eager forward of a model
-        with ``forward_from``, in this process alone, text only."""
+        with layer checks, in this process alone, text only."""
         return (
             self.graph.mode == "eager"
             and self.parallel is None
             and (step.mm is None or not step.mm.pieces)
-            and hasattr(getattr(self.model, "model", None), "forward_from")
+            and self.layer_checks is not None
         )
 
     def _run_model(
@@ -159,7 +167,8 @@ class ModelRunner:
         resumable = interrupt is not None and prev_rows is None and self._resumable(step)
         with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens, interrupt, resumable):
             if resume is not None:
-                hidden = self.model.model.forward_from(resume, inputs.positions)
+                assert self.layer_checks is not None
+                hidden = self.layer_checks.resume(resume, inputs.positions)
             elif step.mm is not None and step.mm.pieces:
                 hidden = self._forward_images(inputs, step.mm)
             else:

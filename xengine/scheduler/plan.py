@@ -54,7 +54,7 @@ class SchedulePlan:
     # (forks of n > 1 requests, beam search steps)
     sync: bool = False
     # only offline work with a prefill chunk: an online arrival may stop it between layers
-    # (``graph/interrupt.py``); the engine then discards it and schedules again
+    # (``xengine/colocation/``); nothing of it applies then
     interruptible: bool = False
     encodes: list[EncodeJob] = field(default_factory=list)  # images to encode (``encode_stage.py``)
 

@@ -9,7 +9,7 @@ offline ones), then running and waiting offline ones. Within a class running seq
 first (decode-first, stall-free admission). A step with an online prompt chunk takes no offline work
 (``isolate_online_prefill``), offline work takes at most ``offline_max_batched_tokens`` of a step, and
 a step of only offline work that prefills is ``interruptible``: an online arrival stops it between
-layers (``graph/interrupt.py``) unless ``offline_preemption: step``.
+layers (``xengine/colocation/``) unless ``offline_preemption: step``.
 
 A beam-search request is one ``BeamGroup``: its root sequence is admitted (and prefilled) like any
 other; afterwards its live beams are scheduled together or not at all, since choosing the next
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterable
 
 from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
 from xengine.api.config import SchedulerConfig
@@ -69,6 +70,11 @@ class Scheduler(BeamScheduling):
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_computed_prompt_tokens = 0
+
+    def hold(self, seq_ids: Iterable[str] = ()) -> None:
+        """Keep ``seq_ids`` out of ``schedule`` (the sequences of a paused step, until it carries on:
+        ``xengine/colocation/resume.py``), in place of those held so far; none: hold nothing."""
+        self.held = set(seq_ids)
 
     # ------------------------------------------------------------------ admission / abort
     def add(self, req: Request, catalog: ItemCatalog | None = None) -> None:
@@ -157,7 +163,7 @@ class Scheduler(BeamScheduling):
                 return
             if req.rank[0] != cls or req.status != RequestStatus.RUNNING or req.seq_id in self._scheduled:
                 continue
-            if req.seq_id in self.held:  # in a paused step (``xengine/step_resume.py``)
+            if req.seq_id in self.held:  # in a paused step (``hold``)
                 continue
             if done_pending(req, self.max_model_len):  # its in-flight token ends it
                 continue

@@ -5,8 +5,8 @@ request is scheduled in the same step it arrives. Thread-safe: the engine thread
 compile worker fills it.
 
 Bounded by entries and by bytes: each entry is charged the compiled size the grammar sandbox
-measured (its lexer and parser state after the first mask, which is what a tiny regex such as
-``b{2147483647}`` inflates to ~90 MiB) plus its spec's text, so clients choosing specs cannot pin
+measured (its lexer and parser state after the first mask, which a tiny regex such as
+``b{2147483647}`` inflates enormously) plus its spec's text, so clients choosing specs cannot pin
 more than ``max_bytes`` however small their specs are.
 """
 

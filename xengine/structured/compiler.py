@@ -5,8 +5,8 @@ running on the worker (one per distinct spec: concurrent requests with the same 
 Each new spec is first compiled in the grammar sandbox (``xengine.api.grammar_sandbox``: a child
 process with memory and time limits, where a crash or a runaway hurts nobody), which also measures
 its compiled size; only a spec that passed there and is under ``max_compiled_bytes`` is compiled in
-this process, on a thread whose stack is larger than the sandbox's. The backend itself (tokenizer
-tables: ~1 s on a 151k vocabulary) is built on the worker at the first compile, so an engine that
+this process, on a thread whose stack is larger than the sandbox's. The backend itself (its tokenizer
+tables, costly on a large vocabulary) is built on the worker at the first compile, so an engine that
 never sees a constrained request never pays for it.
 """
 

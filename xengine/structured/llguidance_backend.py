@@ -1,7 +1,7 @@
 """The llguidance backend (https://github.com/guidance-ai/llguidance): Earley parser + lazy lexer in Rust.
 
 Compiling builds a template ``LLMatcher`` and computes its first mask (which warms the lexer state
-its copies share); every sequence then gets ``template.deep_copy()`` (~20 us). llguidance reports
+its copies share); every sequence then gets a cheap ``template.deep_copy()``. llguidance reports
 grammar errors through the matcher, never by raising; they become ``ValueError`` here.
 """
 

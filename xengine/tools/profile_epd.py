@@ -1,7 +1,7 @@
 """Engine-side half of ``xllm profile epd``: loads the model once, in this process, and times real stage
 costs on request. The torch-free CLI (``xservice/commands/profile.py``) drives it over JSON lines on
 stdin / stdout (one request, one answer; logs go to stderr) and does the fitting, the binary search
-and the strategy choice with the pure policy (``xservice/policies/epd.py``).
+and the strategy choice with the pure policy (``xservice/policies/epd/``).
 
 ``python -m xengine.tools.profile_epd --model DIR --image-size WxH [--threads T]``; requests:
 

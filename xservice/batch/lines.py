@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from xservice.batch.store import IngestedLine, new_id
-from xservice.errors import (
+from xservice.http.errors import (
     APIError,
     EngineUnavailableError,
     InternalError,
@@ -29,7 +29,7 @@ from xservice.errors import (
 )
 from xservice.protocol import ChatCompletionRequest, CompletionRequest
 from xservice.protocol.embeddings import EmbeddingRequest
-from xservice.request_model import find_unsafe_value
+from xservice.protocol.request_model import find_unsafe_value
 from xservice.serving.chat import create_chat_completion
 from xservice.serving.completions import create_completion
 from xservice.serving.context import ServingContext, new_request_id

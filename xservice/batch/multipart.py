@@ -10,7 +10,7 @@ from email.message import Message
 from email.parser import HeaderParser
 from email.utils import collapse_rfc2231_value
 
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from xservice.errors import ConflictError
+from xservice.http.errors import ConflictError
 
 ANONYMOUS = "anonymous"
 

@@ -18,7 +18,7 @@ from xservice.batch.runner import BatchRunner
 from xservice.batch.runner_health import BatchRunnerState, RunnerHealth
 from xservice.batch.store import BatchStore, StoreError
 from xservice.config import BatchConfig
-from xservice.errors import NotFoundError
+from xservice.http.errors import NotFoundError
 from xservice.serving.context import ServingContext
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from typing import Any
 
 from xservice.batch.quota import FileQuota, FileUsage, check_quota
 from xservice.batch.store_schema import BATCH_TIMESTAMPS, batch_object, create_or_upgrade, file_object
-from xservice.errors import EngineUnavailableError
+from xservice.http.errors import EngineUnavailableError
 
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Depends
 
-from xservice.errors import ConflictError, InvalidRequestError, NotFoundError
+from xservice.http.errors import ConflictError, InvalidRequestError, NotFoundError
 from xservice.protocol.base import APIRequest
 from xservice.serving.context import ServingContext, get_ctx
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from xengine.api.config import _f
 from xengine.api.paths import default_cluster_key_file
 from xengine.api.security import ClusterKey, load_or_create_key_file
-from xservice.cluster.epd_workload import parse_workload, workload_text
+from xservice.cluster.epd.workload import parse_workload, workload_text
 
 STORES = ("embedded", "etcd")
 PD_MODES = ("static", "dynamic")

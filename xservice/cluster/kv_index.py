@@ -2,29 +2,16 @@
 
 A block's hash chains its parent's: ``h_i = H(h_{i-1}, tokens of block i)`` with ``h_{-1} = 0``,
 so one hash names a whole prefix and the service can match a prompt without token ids from the
-engines. The engine side computes the same function in ``memory/prefix_cache/radix.py``
-(``block_hash``); a test pins them together.
+engines. Both sides use the one definition in ``xengine/api/block_hash.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Iterable, Sequence
 
+from xengine.api.block_hash import block_hash, prompt_block_hashes
 
-def block_hash(parent: int, token_ids: Sequence[int]) -> int:
-    h = hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=8, key=parent.to_bytes(8, "little"))
-    return int.from_bytes(h.digest(), "little")
-
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks."""
-    out, parent = [], 0
-    for i in range(len(token_ids) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
+__all__ = ["GlobalKVIndex", "block_hash", "prompt_block_hashes"]
 
 
 class GlobalKVIndex:

@@ -30,7 +30,7 @@ KV (none left: D recomputes the prompt). D dies during the import → another de
 D dies while decoding → the pool's migration (prompt + streamed tokens, recompute). Every path
 yields each token exactly once.
 
-EPD (``xservice/cluster/epd.py``) subclasses this dispatcher: its hooks ``_before_prefill`` (bring the
+EPD (``xservice/cluster/epd/dispatcher.py``) subclasses this dispatcher: its hooks ``_before_prefill`` (bring the
 images' embeddings to P) and ``_after_kv_import`` (and to D when it recomputes image pads) are no-ops here.
 """
 
@@ -50,7 +50,7 @@ import msgspec
 from xengine.api.image_keys import cache_token_ids
 from xengine.api.messages import AddRequest, CompletionDelta, KVExportInfo, KVImportResult, PromptLogprobs
 from xservice.cluster.remote_engine import RemoteEngineClient
-from xservice.engine_client import EngineDeadError
+from xservice.engine.errors import EngineDeadError
 from xservice.policies import DECODE_ROLES, InstanceSnapshot, PDPolicy, RouteRequest
 
 if TYPE_CHECKING:

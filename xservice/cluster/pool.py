@@ -1,4 +1,5 @@
-"""``InstancePool``: the ``EngineClient`` interface over every registered instance.
+"""``InstancePool``: the cluster's engine backend (``xservice/engine/protocol.py``) over every
+registered instance.
 
 ``build_app`` gets a pool instead of one engine client. Per request the pool picks an instance
 with the routing policy (over snapshots of load and of the global KV index), streams its deltas,
@@ -32,8 +33,10 @@ import msgspec
 from xengine.api.image_keys import cache_token_ids
 from xengine.api.messages import (
     AddRequest,
+    CatalogInfo,
     ColocationStatsMsg,
     CompletionDelta,
+    EngineInfo,
     EngineStats,
     GraphStatsMsg,
     XTensorStatsMsg,
@@ -48,7 +51,8 @@ from xservice.cluster.pd import PDDispatcher
 from xservice.cluster.registry import InstanceRegistry, InstanceState
 from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.cluster.supervisor import InstanceSupervisor
-from xservice.engine_client import HANG_TIMEOUT_S, EngineDeadError
+from xservice.engine.client import HANG_TIMEOUT_S
+from xservice.engine.errors import EngineDeadError
 from xservice.policies import PLAIN_ROLES, BaseRoutingPolicy, InstanceSnapshot, PDPolicy, RouteRequest
 
 logger = logging.getLogger(__name__)
@@ -107,7 +111,7 @@ class InstancePool:
         self._inflight: dict[str, int] = {}
         self._dead_at = time.monotonic()
         # incarnations known dead: never reconnected to (a fenced process that resumes comes back as
-        # a new incarnation, having dropped the old one's requests: see xengine/cluster_agent.py)
+        # a new incarnation, having dropped the old one's requests: see xengine/process/cluster_agent.py)
         self._dead: set[str] = set()
         self._changed = asyncio.Event()
         self._closed = False
@@ -266,7 +270,7 @@ class InstancePool:
                 del self._active[req_id]
 
     @property
-    def info(self) -> Any:
+    def info(self) -> EngineInfo:
         for client in self.clients.values():
             return client.info
         raise EngineDeadError("no engine instance registered yet")
@@ -388,6 +392,19 @@ class InstancePool:
     async def reset_prefix_cache(self, timeout_s: float = 5.0) -> bool:
         clients = [c for c in self.clients.values() if c.is_alive]
         return all(await asyncio.gather(*(c.reset_prefix_cache(timeout_s) for c in clients)))
+
+    async def register_catalog(
+        self, name: str, items: list[list[int]], timeout_s: float = 60.0
+    ) -> CatalogInfo:
+        """Item catalogs live in one engine's memory: a cluster serves none (a 400 naming ``name``)."""
+        raise ValueError(
+            "invalid value for 'name': item catalogs (generative recommendation) are served by a "
+            "single-node engine, not by a cluster"
+        )
+
+    async def list_catalogs(self, timeout_s: float = 5.0) -> list[CatalogInfo]:
+        """None: a cluster serves no item catalogs (see ``register_catalog``)."""
+        return []
 
     @property
     def is_alive(self) -> bool:

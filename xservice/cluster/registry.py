@@ -8,7 +8,7 @@ any other incarnation than the registered one are rejected (``num_stale_rejected
 
 A heartbeat gap is made true in the store: the registry revokes the silent instance's lease (the
 one its record names), so an engine that was only stalled finds its lease gone when it resumes and
-comes back as a new incarnation (``xengine/cluster_agent.py``) instead of heartbeating on under an
+comes back as a new incarnation (``xengine/process/cluster_agent.py``) instead of heartbeating on under an
 incarnation the services count dead. Gaps the service caused itself (its event loop stalled, so it
 read no heartbeat) do not count: a monitor tick that comes late moves every deadline by as much.
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-import zmq.asyncio
 
 from xengine.api.cluster.keys import InstanceRecord
 from xengine.api.embed_messages import (
@@ -26,14 +25,13 @@ from xengine.api.embed_messages import (
 )
 from xengine.api.messages import EngineInfo, Hello
 from xengine.api.security import ClusterKey
-from xservice.engine_client import EngineClient, EngineDeadError
+from xservice.engine.client import EngineClient
 
 
 class RemoteEngineClient(EngineClient):
     def __init__(self, record: InstanceRecord, key: ClusterKey | None = None) -> None:
         self.record = record
-        self._key = key
-        super().__init__(ipc_dir="")
+        super().__init__(record.input_addr, record.output_addr, bind=False, key=key)
         self.info = msgspec.convert(record.info, EngineInfo)
 
     @classmethod
@@ -51,17 +49,6 @@ class RemoteEngineClient(EngineClient):
         )
         return client
 
-    def _open_sockets(self, bind: bool) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
-        return super()._open_sockets(bind=False, key=self._key)
-
-    @property
-    def input_addr(self) -> str:
-        return self.record.input_addr
-
-    @property
-    def output_addr(self) -> str:
-        return self.record.output_addr
-
     @property
     def name(self) -> str:
         return self.record.name
@@ -71,16 +58,8 @@ class RemoteEngineClient(EngineClient):
         return self.record.incarnation
 
     @property
-    def is_alive(self) -> bool:
-        return self._dead_reason is None
-
-    @property
     def pid(self) -> int:
         return self.record.pid
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead_reason
 
     def mark_dead(self, reason: str) -> None:
         """The instance is gone: fail every in-flight request and call now."""
@@ -122,15 +101,3 @@ class RemoteEngineClient(EngineClient):
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
         self._release()
-
-    def _raise_if_dead(self) -> None:
-        if self._dead_reason is not None:
-            raise EngineDeadError(self._dead_reason)
-
-    def _release(self) -> None:
-        self._push.close(linger=0)
-        self._pull.close(linger=0)
-        self._ctx.term()
-
-    async def _gone(self) -> bool:
-        return self._dead_reason is not None

@@ -23,7 +23,6 @@ import contextlib
 import logging
 import socket
 import sys
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -32,9 +31,7 @@ from xengine.api.security import ClusterKey
 from xservice.cluster.colocation import Colocation
 from xservice.cluster.config import AUTO, ClusterConfig
 from xservice.cluster.dynamic_pd import DynamicPD
-from xservice.cluster.epd import EPDDispatcher
-from xservice.cluster.epd_auto import EPDAuto, resolve_epd_auto
-from xservice.cluster.image_index import ImageIndex
+from xservice.cluster.epd.serve import make_epd, resolve_auto
 from xservice.cluster.launchers import BaseLauncher, InstanceSpec, make_launcher
 from xservice.cluster.monitor import RuntimeMonitor
 from xservice.cluster.pool import InstancePool
@@ -84,7 +81,7 @@ async def open_service_store(
 async def serve_cluster(
     cfg: XllmConfig, sock: socket.socket, tokenizer: Any, serve_http: ServeHttp, phases: Any
 ) -> int:
-    auto = await _resolve_auto(cfg) if cfg.cluster.epd_strategy == AUTO else None
+    auto = await resolve_auto(cfg) if cfg.cluster.epd_strategy == AUTO else None
     cfg = auto.cfg if auto is not None else cfg
     cl = cfg.cluster
     key = cl.cluster_key()
@@ -158,35 +155,6 @@ async def serve_cluster(
             if launcher is not None:
                 await asyncio.to_thread(launcher.stop_all)
             await registry.close()
-
-
-async def _resolve_auto(cfg: XllmConfig) -> EPDAuto:
-    """``epd_strategy: auto``: profile (or reuse the cached profile) in a thread; cancelling the
-    service stops the profile at its next step."""
-    stop = threading.Event()
-    try:
-        return await asyncio.to_thread(resolve_epd_auto, cfg, stop)
-    except asyncio.CancelledError:
-        stop.set()
-        raise
-
-
-def make_epd(cl: ClusterConfig, pool: InstancePool, registry: InstanceRegistry) -> ImageIndex | None:
-    """EPD (``cluster.epd_strategy``): the pool's dispatcher becomes ``EPDDispatcher`` over a global
-    image index watching the store (None: no EPD)."""
-    if cl.epd_strategy == "none":
-        return None
-
-    def incarnation_of(name: str) -> str | None:
-        state = registry.instances.get(name)
-        return state.record.incarnation if state is not None else None
-
-    index = ImageIndex(registry.store, cl.key_prefix, incarnation_of)
-    registry.subscribe(lambda event, state, _: index.drop(state.record.name) if event == "down" else None)
-    index.start()
-    policy = PDPolicy(cl.cache_match_weight)
-    pool.pd = EPDDispatcher(pool, policy, cl.epd_strategy, index, cl.cache_match_weight)
-    return index
 
 
 async def make_dynamic_pd(cl: ClusterConfig, store: BaseMetadataStore) -> DynamicPD | None:

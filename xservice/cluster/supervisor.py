@@ -8,7 +8,7 @@ pool connects to it like to any instance. Once an instance used up its restart
 budget the supervisor gives up on it loudly. Attach mode (``launcher: external``) launches nothing,
 so it supervises nothing: standalone engines belong to the user's process manager. A process that
 only stalled past its lease (and never exited) is not relaunched in any mode: it rejoins by itself
-as a new incarnation once it resumes (``xengine/cluster_agent.py``, docs/cluster.md).
+as a new incarnation once it resumes (``xengine/process/cluster_agent.py``, docs/cluster.md).
 """
 
 from __future__ import annotations

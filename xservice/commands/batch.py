@@ -220,8 +220,9 @@ async def _run_file(cfg: Any, path: Path, endpoint: str) -> list[dict[str, Any]]
     from tqdm import tqdm
 
     from xservice.batch.lines import InputFileError, parse_lines
-    from xservice.engine_client import EngineClient, EngineStartupError
-    from xservice.metrics import ServiceMetrics
+    from xservice.engine.client import EngineClient
+    from xservice.engine.errors import EngineStartupError
+    from xservice.http.metrics import ServiceMetrics
     from xservice.serving.context import ServingContext
 
     try:

@@ -2,7 +2,7 @@
 
 ``xllm engine --config FILE --name NAME --role {mixed,prefill,decode} [--model DIR] [--port P]``
 
-Becomes (exec) ``python -m xengine.engine_server``, with no parent-death link: it binds
+Becomes (exec) ``python -m xengine.process.engine_server``, with no parent-death link: it binds
 its ZMQ sockets on ``cluster.engine_host`` (free ports, or ``--port`` and ``--port + 1``),
 registers under a lease in the etcd of ``cluster.etcd_endpoint`` / ``cluster.key_prefix`` and
 serves whichever service connects (``xllm serve`` with ``cluster.launcher: external``). When a
@@ -24,7 +24,7 @@ from xengine.api.entrypoints import ENGINE_SERVER_MODULE
 from xengine.api.paths import default_cluster_key_file
 from xengine.api.security import load_or_create_key_file
 from xservice.commands.common import CliError, load_cli_config, resolve_model
-from xservice.engine_process import child_env
+from xservice.engine.process import child_env
 
 ROLES = ("mixed", "prefill", "decode", "encode", "encode_prefill", "encode_decode")
 STORE_CHECK_TIMEOUT_S = 5.0

@@ -1,6 +1,6 @@
 """``xllm profile epd``: measure a vision-language model's stage costs on this machine, find Algorithm 1's
 per-step budgets under the TPOT SLO, and choose the EPD strategy and instance counts with the highest
-predicted goodput for a workload (``xservice/epd_profiler.py``; docs/multimodal.md, "EPD profiler").
+predicted goodput for a workload (``xservice/cluster/epd/profiler.py``; docs/multimodal.md, "EPD profiler").
 
 The model runs in one child process (``xengine.tools.profile_epd``), loaded once: the CLI stays
 torch-free.
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xservice.cluster.epd_workload import parse_image_size, parse_rate
+from xservice.cluster.epd.workload import parse_image_size, parse_rate
 from xservice.commands.common import EXIT_USAGE, CliError
 
 
@@ -69,7 +69,7 @@ def register_profile(subparsers: Any) -> None:
 
 def build_request(args: argparse.Namespace) -> Any:
     """The ``ProfileRequest`` of the flags; ``CliError`` naming the flag that is wrong."""
-    from xservice.epd_profiler import WORKLOADS, ProfileRequest
+    from xservice.cluster.epd.profiler import WORKLOADS, ProfileRequest
     from xservice.policies.epd import EPDSLO
 
     if not (Path(args.model) / "config.json").is_file():
@@ -138,7 +138,7 @@ def _rate(text: str) -> float | None:
 def run_profile_epd(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from xservice.epd_profiler import ProbeError, run_profile
+    from xservice.cluster.epd.profiler import ProbeError, run_profile
 
     req = build_request(args)
     err = Console(stderr=True)

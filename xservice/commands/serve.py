@@ -8,7 +8,7 @@ import logging
 import signal
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xservice.commands.common import (
     CliError,
@@ -19,6 +19,9 @@ from xservice.commands.common import (
     resolve_model,
 )
 from xservice.config import XllmConfig
+
+if TYPE_CHECKING:
+    from xservice.engine.protocol import EngineBackend
 
 
 def register_serve(subparsers: Any) -> None:
@@ -41,7 +44,7 @@ def run_serve(args: argparse.Namespace) -> int:
             f"service.log_level must be debug, info, warning or error, got {cfg.service.log_level!r}"
         )
     logging.basicConfig(level=level, format="%(asctime)s xservice %(levelname)s %(name)s: %(message)s")
-    from xservice.watchdog import inherited_socket, run_watchdog
+    from xservice.http.watchdog import inherited_socket, run_watchdog
 
     sock = inherited_socket()  # set when this process is a watchdog's server
     if sock is None:
@@ -80,8 +83,8 @@ class _SignalPhases:
 
 async def serve(cfg: XllmConfig, sock: socket.socket) -> int:
     """Start the engine, serve HTTP on ``sock`` until a signal, then stop both gracefully."""
-    from xservice.engine_client import EngineStartupError
-    from xservice.supervisor import SupervisedEngine
+    from xservice.engine.errors import EngineStartupError
+    from xservice.engine.supervised import SupervisedEngine
 
     phases = _SignalPhases()
     client = None
@@ -90,7 +93,7 @@ async def serve(cfg: XllmConfig, sock: socket.socket) -> int:
         if cfg.cluster.enabled:
             from xengine.api.cluster.store import StoreUnavailableError
             from xengine.api.security import ClusterKeyError
-            from xservice.cluster.epd_auto import EPDAutoError
+            from xservice.cluster.epd.auto import EPDAutoError
             from xservice.cluster.serve import serve_cluster
 
             try:
@@ -117,10 +120,12 @@ async def serve(cfg: XllmConfig, sock: socket.socket) -> int:
         sock.close()
 
 
-async def _serve_http(cfg: XllmConfig, sock: socket.socket, client: Any, tokenizer: Any, phases: Any) -> int:
+async def _serve_http(
+    cfg: XllmConfig, sock: socket.socket, client: EngineBackend, tokenizer: Any, phases: Any
+) -> int:
     import uvicorn
 
-    from xservice.app import build_app
+    from xservice.http.app import build_app
 
     app = build_app(client, tokenizer, cfg)
     config = uvicorn.Config(

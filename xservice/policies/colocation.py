@@ -6,7 +6,7 @@ instances) runs online decodes. An offline request's decode may run in either po
 strict instance's decode batch only when the performance model predicts that batch's step time
 stays under the TPOT SLO (with headroom) with it, and stays on its relaxed (prefill) instance
 otherwise, where it costs no KV transfer. Online arrivals on a relaxed instance stop offline
-prefill between layers (``xengine/interruption.py``).
+prefill between layers (``xengine/colocation/interrupter.py``).
 
 The performance model is a roofline with online factor learning: an instance's raw step time is
 ``max(compute / peak FLOP/s, bytes / memory bandwidth)`` over its weights, the batch's tokens and

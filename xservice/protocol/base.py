@@ -1,7 +1,7 @@
 """Bases of the HTTP API's bodies (pydantic, following OpenAI's schema) and the shared field tables.
 
 Requests are validated strictly (no "5" for 5, no "yes" for true) so type mistakes become 400s, and
-follow the field rule of ``xservice/request_model.py``: implemented, refused with a 400 naming the
+follow the field rule of ``xservice/protocol/request_model.py``: implemented, refused with a 400 naming the
 field, or on the short documented list of fields without meaning here. Unknown fields are refused.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from xservice.request_model import RequestModel
+from xservice.protocol.request_model import RequestModel
 
 
 class APIRequest(RequestModel):

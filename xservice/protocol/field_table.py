@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from xservice.request_model import RequestModel
+from xservice.protocol.request_model import RequestModel
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai_compat.md"
 BEGIN, END = "<!-- field-table:begin -->", "<!-- field-table:end -->"

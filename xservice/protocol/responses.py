@@ -14,8 +14,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from xservice.protocol.base import APIRequest, APIResponse, now
+from xservice.protocol.request_model import find_unsafe_value
 from xservice.protocol.tools import refuse_tool_type, refuse_type
-from xservice.request_model import find_unsafe_value
 
 _NOT_STORED = "responses are not stored by this server (every request is stateless)"
 _NO_FILES = (

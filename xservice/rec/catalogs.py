@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from xengine.api.messages import CatalogInfo
-from xservice.errors import EngineUnavailableError, NotFoundError, from_value_error
+from xservice.http.errors import EngineUnavailableError, NotFoundError, from_value_error
 from xservice.rec.protocol import CatalogObject
 
 if TYPE_CHECKING:
-    from xservice.engine_client import EngineClient
+    from xservice.engine.protocol import EngineBackend
 
 
 class CatalogNotFoundError(NotFoundError):
@@ -24,7 +24,7 @@ class CatalogDirectory:
     def __init__(self) -> None:
         self._infos: dict[str, CatalogInfo] = {}
 
-    async def register(self, client: EngineClient, name: str, items: list[list[int]]) -> CatalogInfo:
+    async def register(self, client: EngineBackend, name: str, items: list[list[int]]) -> CatalogInfo:
         try:
             info = await client.register_catalog(name, items)
         except ValueError as exc:
@@ -36,12 +36,12 @@ class CatalogDirectory:
         self._infos[name] = info
         return info
 
-    async def refresh(self, client: EngineClient) -> list[CatalogInfo]:
+    async def refresh(self, client: EngineBackend) -> list[CatalogInfo]:
         infos = await client.list_catalogs()
         self._infos = {i.name: i for i in infos}
         return infos
 
-    async def get(self, client: EngineClient, name: str) -> CatalogInfo:
+    async def get(self, client: EngineBackend, name: str) -> CatalogInfo:
         info = self._infos.get(name)
         if info is None:
             info = {i.name: i for i in await self.refresh(client)}.get(name)

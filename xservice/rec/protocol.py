@@ -7,7 +7,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xservice.request_model import RequestModel
+from xservice.protocol.request_model import RequestModel
 
 
 class _Request(RequestModel):

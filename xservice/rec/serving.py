@@ -7,8 +7,8 @@ import time
 from fastapi import Request
 
 from xengine.api.messages import AddRequest, CompletionDelta, SamplingParams
-from xservice.engine_client import EngineDeadError
-from xservice.errors import EngineUnavailableError, InternalError, InvalidRequestError, from_value_error
+from xservice.engine.errors import EngineDeadError
+from xservice.http.errors import EngineUnavailableError, InternalError, InvalidRequestError, from_value_error
 from xservice.rec.catalogs import CatalogDirectory, not_found
 from xservice.rec.protocol import RecGenerateRequest, RecGenerateResponse, RecItem, RecUsage
 from xservice.serving.context import ServingContext, new_request_id

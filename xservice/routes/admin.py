@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Depends
 
-from xservice.errors import EngineUnavailableError
+from xservice.http.errors import EngineUnavailableError
 from xservice.routes.error_responses import errors
 from xservice.serving.context import ServingContext, get_ctx
 

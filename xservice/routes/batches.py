@@ -8,8 +8,8 @@ from fastapi import APIRouter, Depends, Query
 
 from xservice.batch.lines import ENDPOINTS
 from xservice.batch.service import BatchService, found_or_404, get_batch_service, list_page
-from xservice.errors import InvalidRequestError, NotFoundError
-from xservice.request_model import RequestModel
+from xservice.http.errors import InvalidRequestError, NotFoundError
+from xservice.protocol.request_model import RequestModel
 
 router = APIRouter()
 

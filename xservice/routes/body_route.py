@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from xservice.request_model import RequestModel
+from xservice.protocol.request_model import RequestModel
 
 
 class BodyRoute(APIRoute):

@@ -6,7 +6,7 @@ every route), 413 (a body over the limit) and 500 (a bug), and 401 when the serv
 adds its own with ``errors(...)`` in its decorator: 404 (an unknown model or id), 409 (a state that
 refuses the request), 429 (too many requests in flight), 503 (no engine can serve). FastAPI's own
 422 is dropped from the document (``drop_validation_422``): request validation errors are 400s
-here (``xservice/errors.py``), so a client or fuzzer that checks status codes finds each one the
+here (``xservice/http/errors.py``), so a client or fuzzer that checks status codes finds each one the
 server sends documented.
 """
 

@@ -19,7 +19,7 @@ from xservice.batch.lines import check_upload
 from xservice.batch.multipart import FormField, parse_form
 from xservice.batch.quota import caller_id, check_quota
 from xservice.batch.service import BatchService, found_or_404, get_batch_service, list_page
-from xservice.errors import InvalidRequestError, NotFoundError, RequestTooLargeError
+from xservice.http.errors import InvalidRequestError, NotFoundError, RequestTooLargeError
 
 router = APIRouter()
 

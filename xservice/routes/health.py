@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from xservice.errors import EngineUnavailableError
+from xservice.http.errors import EngineUnavailableError
 from xservice.serving.context import ServingContext, get_ctx
+
+if TYPE_CHECKING:
+    from xservice.engine.protocol import EngineBackend
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
@@ -37,7 +40,7 @@ class EngineProbe:
     (``READY_TIMEOUT_S``), and back at the first ping it answers.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: EngineBackend) -> None:
         self.client = client
         self.answering = True  # the service starts once its engine is ready
         self._checked_at = float("-inf")

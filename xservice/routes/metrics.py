@@ -7,7 +7,7 @@ import logging
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
-from xservice.metrics import CONTENT_TYPE
+from xservice.http.metrics import CONTENT_TYPE
 from xservice.serving.context import ServingContext, get_ctx
 
 router = APIRouter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from xservice.errors import ModelNotFoundError
+from xservice.http.errors import ModelNotFoundError
 from xservice.protocol import ModelCard, ModelList
 from xservice.routes.error_responses import errors
 from xservice.serving.context import ServingContext, get_ctx

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from xservice.errors import InvalidRequestError, RequestTooLargeError, error_response
+from xservice.http.errors import InvalidRequestError, RequestTooLargeError, error_response
 
 INLINE_JOIN_BYTES = 1 << 20  # bodies up to 1 MiB are joined on the loop (well under a millisecond)
 

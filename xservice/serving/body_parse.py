@@ -1,21 +1,20 @@
 """JSON request bodies decoded, counted and validated off the event loop when they are large.
 
-FastAPI decodes and validates a declared body on the event loop. Measured on a 2-core box: a 3 MB chat
-body of 100k text parts held the loop ~1.4 s before its 400 (pydantic runs the field rule of
-``xservice/request_model.py`` once per part), so every stream on the server stalled that long, and
-eight such bodies at once stalled them ~8 s. ``BodyParser.parse`` does the same work on a small thread
-pool for bodies above ``INLINE_MAX_BYTES``, after the cheap counts of ``request_limits`` (which refuse
-such a body before any validation):
+FastAPI decodes and validates a declared body on the event loop, and a multi-megabyte body of many
+small parts (pydantic runs the field rule of ``xservice/protocol/request_model.py`` once per part)
+holds the loop long enough to stall every stream on the server. ``BodyParser.parse`` does the same
+work on a small thread pool for bodies above ``INLINE_MAX_BYTES``, after the cheap counts of
+``request_limits`` (which refuse such a body before any validation):
 
 - ``json.loads`` and pydantic's core hold the GIL in C; the decoder calls back into Python after each
   object and the field rule is Python, so the loop gets the GIL back every switch interval, except
-  inside one large array or object of scalars (bounded by the body size: ~80 ms for 4 MB);
+  inside one large array or object of scalars (bounded by the body size);
 - one worker thread: parses run one at a time, so the loop competes for the GIL with one of them at
   most (the others wait in the pool's queue, costing the loop nothing), and the GIL is handed back to
   the loop rather than to another parse.
 
 Errors are the ones FastAPI itself raises (``RequestValidationError`` located under ``body``), so a body
-parsed here gets the same 400 as before.
+parsed here gets the same 400 as one parsed inline. Measurements: ``docs/operations.md``, "Request limits".
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from typing import Any, TypeVar
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.serving.request_limits import RequestLimits, check_counts
 
 T = TypeVar("T")

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from xengine.api.messages import MAX_LOGPROBS
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.protocol import (
     ChatChoice,
     ChatChunkChoice,

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.protocol import ChatCompletionRequest, ChatCompletionResponse, Usage, dump
 from xservice.serving.chat import create_chat_completion
 from xservice.serving.context import ServingContext, new_request_id

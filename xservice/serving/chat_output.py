@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.protocol import ChatCompletionRequest, ChatResponseMessage
 from xservice.protocol.tools import DeltaFunction, DeltaToolCall, ToolCall, ToolCallFunction
 from xservice.serving.chat_render import ChatRender, chat_render_of

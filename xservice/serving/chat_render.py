@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from xengine.api.text.tokenizer import Tokenizer

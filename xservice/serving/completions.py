@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from xengine.api.messages import CompletionDelta, SamplingParams
 from xengine.api.text.output_processor import RequestOutputState, SeqDelta
-from xservice.errors import InvalidRequestError, from_value_error
+from xservice.http.errors import InvalidRequestError, from_value_error
 from xservice.protocol import (
     CompletionChoice,
     CompletionLogprobs,

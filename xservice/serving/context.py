@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from xservice.config import XllmConfig
-from xservice.errors import EngineUnavailableError, ModelNotFoundError, RateLimitError
-from xservice.metrics import ServiceMetrics
+from xservice.http.errors import EngineUnavailableError, ModelNotFoundError, RateLimitError
+from xservice.http.metrics import ServiceMetrics
 from xservice.serving.body_parse import BodyParser
 from xservice.serving.reasoning.registry import ReasoningFamily
 from xservice.serving.reasoning.registry import resolve_family as resolve_reasoning_family
@@ -25,7 +25,7 @@ from xservice.serving.tools.registry import ToolParserFamily, resolve_family
 if TYPE_CHECKING:
     from xengine.api.chat_images import ChatImageBuilder
     from xengine.api.text.tokenizer import Tokenizer
-    from xservice.engine_client import EngineClient
+    from xservice.engine.protocol import EngineBackend
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Ticket:
 class ServingContext:
     """Shared state of one app instance (stored on ``app.state.ctx``)."""
 
-    engine_client: EngineClient
+    engine_client: EngineBackend
     tokenizer: Tokenizer
     config: XllmConfig
     metrics: ServiceMetrics

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from xengine.api.messages import PoolingParams, SamplingParams
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.protocol import dump
 from xservice.protocol.embeddings import (
     Embedding,

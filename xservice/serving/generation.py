@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 from xengine.api.messages import AddRequest, PoolingParams, Priority, RequestSLO, SamplingParams
 from xengine.api.multimodal import ImageInput
 from xengine.api.text.output_processor import RequestOutputState, SeqDelta, SeqOutput
-from xservice.engine_client import EngineDeadError
-from xservice.errors import APIError, EngineUnavailableError, InternalError, from_value_error
-from xservice.metrics import RequestTimer
+from xservice.engine.errors import EngineDeadError
+from xservice.http.errors import APIError, EngineUnavailableError, InternalError, from_value_error
+from xservice.http.metrics import RequestTimer
 from xservice.serving.context import ServingContext
 from xservice.serving.slo import slo_met
 

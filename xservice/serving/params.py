@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from xengine.api.messages import SamplingParams
-from xservice.errors import InvalidRequestError, from_value_error
+from xservice.http.errors import InvalidRequestError, from_value_error
 from xservice.protocol import SamplingRequest
 from xservice.serving.structured import constraints
 

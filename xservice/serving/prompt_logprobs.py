@@ -12,7 +12,7 @@ import math
 
 from xengine.api.messages import MAX_LOGPROBS
 from xengine.api.text.output_processor import PromptLogprobsOutput
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs, SamplingRequest
 from xservice.serving.logprobs import CompletionLogprobsBuilder, TokenText
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from xengine.api.chat_images import place_images
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.protocol import ChatMessage, ContentPart, PromptInput
 from xservice.protocol.tools import MessageToolCall
 from xservice.serving.chat_render import ChatRender

@@ -20,7 +20,7 @@ from typing import Any
 
 from xengine.api.constraints import MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGIT_BIAS_ENTRIES
 from xengine.api.sampling_params import MAX_STOP_STRINGS
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.serving.tools.plan import MAX_TOOLS
 
 TOO_MANY = "array_above_max_length"  # OpenAI's code for a list longer than it accepts

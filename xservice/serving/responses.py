@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from xengine.api.messages import SamplingParams, StructuredOutputsParams
-from xservice.errors import InvalidRequestError, NotFoundError, from_value_error
+from xservice.http.errors import InvalidRequestError, NotFoundError, from_value_error
 from xservice.protocol import dump
 from xservice.protocol.responses import ResponseObject, ResponsesRequest, ResponseUsage
 from xservice.serving.chat_render import chat_render

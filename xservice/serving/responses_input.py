@@ -16,7 +16,7 @@ from typing import Any
 
 from xengine.api.grammar import check_spec, grammar_spec
 from xengine.api.messages import StructuredOutputsParams
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.protocol import ChatMessage
 from xservice.protocol.responses import (
     FunctionCallItem,

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from xengine.api.messages import RequestSLO
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 
 HEADERS = {"ttft_ms": "x-slo-ttft-ms", "tpot_ms": "x-slo-tpot-ms"}
 

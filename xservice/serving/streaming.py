@@ -12,8 +12,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from xservice.errors import APIError, InternalError, error_body, status_of
-from xservice.metrics import ServiceMetrics
+from xservice.http.errors import APIError, InternalError, error_body, status_of
+from xservice.http.metrics import ServiceMetrics
 from xservice.serving.context import Ticket
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from xengine.api.grammar import GrammarSpec, check_spec, grammar_spec
 from xengine.api.messages import StructuredOutputsParams
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.protocol import SamplingRequest
 
 if TYPE_CHECKING:

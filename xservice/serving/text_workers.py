@@ -1,11 +1,9 @@
 """Tokenizer work off the event loop: a bounded thread pool for large encodes, chat templates and decodes.
 
-Measured with ``tokenizers`` 0.23.3 on this 2-core box: encoding 4 MB of text takes ~1-1.4 s
-(``encode`` holds the GIL throughout; ``Tokenizer.encode`` uses ``encode_batch_fast``, which
-releases it and leaves the loop stalls of ~30 ms while the ids become a Python list), decoding
-1.3M ids takes ~0.15 s (``decode_batch`` releases the GIL), and rendering a chat template over
-4 MB of content takes ~20 ms (jinja holds the GIL but runs bytecode, so the loop still gets its
-turns). Threads therefore suffice; a process pool would only add copying megabytes between processes.
+Encoding megabytes of text takes seconds and would stall every stream on the loop. Batch encoding and
+decoding release the GIL (``Tokenizer.encode`` uses ``encode_batch_fast``) and jinja runs bytecode that
+yields it, so threads suffice; a process pool would only add copying megabytes between processes.
+Measurements: ``docs/operations.md``, "Request limits".
 """
 
 from __future__ import annotations

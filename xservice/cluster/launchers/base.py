@@ -1,6 +1,6 @@
 """What a launcher starts (``InstanceSpec``) and the handle it returns (``InstanceHandle``).
 
-An instance is one ``python -m xengine.engine_server`` process: it binds its sockets and registers
+An instance is one ``python -m xengine.process.engine_server`` process: it binds its sockets and registers
 in the metadata store itself, so the service finds it through the registry whatever launched it.
 """
 
@@ -35,7 +35,7 @@ class InstanceSpec:
         return env_with_key(base, self.key)
 
     def command_args(self, parent_pid: int | None) -> list[str]:
-        """Arguments after ``python -m xengine.engine_server``."""
+        """Arguments after ``python -m xengine.process.engine_server``."""
         args = [
             "--config-json", json.dumps(dataclasses.asdict(self.engine)),
             "--name", self.name,

@@ -9,7 +9,7 @@ import sys
 
 from xengine.api.entrypoints import ENGINE_SERVER_MODULE
 from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec, stop_process
-from xservice.engine_process import child_env
+from xservice.engine.process import child_env
 
 
 class LocalHandle(InstanceHandle):

@@ -1,6 +1,6 @@
 """``RayLauncher``: each engine instance hosted by a Ray actor (which owns the engine process).
 
-The actor starts ``python -m xengine.engine_server`` as its child (parent-death signal set, so the
+The actor starts ``python -m xengine.process.engine_server`` as its child (parent-death signal set, so the
 engine exits with its actor); the engine registers in the metadata store like any other, so the
 service connects to it the same way. Without a Ray cluster address, a local Ray runtime is
 started (``ray.init(num_cpus=2, include_dashboard=False)``).
@@ -15,7 +15,7 @@ from typing import Any
 
 from xengine.api.entrypoints import ENGINE_SERVER_MODULE
 from xservice.cluster.launchers.base import BaseLauncher, InstanceHandle, InstanceSpec, stop_process
-from xservice.engine_process import child_env
+from xservice.engine.process import child_env
 
 RAY_CALL_TIMEOUT_S = 30.0
 

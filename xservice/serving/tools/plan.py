@@ -22,7 +22,7 @@ import msgspec
 
 from xengine.api.grammar import GrammarSpec, check_spec, grammar_spec
 from xengine.api.messages import SamplingParams, StructuredOutputsParams
-from xservice.errors import InvalidRequestError
+from xservice.http.errors import InvalidRequestError
 from xservice.protocol.tools import FunctionDefinition, NamedToolChoice, ToolChoice
 from xservice.serving.tools.base import BaseToolParser
 from xservice.serving.tools.constraint import forced_calls_constraint

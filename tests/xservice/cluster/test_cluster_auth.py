@@ -1,0 +1,207 @@
+"""The engine plane is authenticated (ZMQ CURVE, one cluster key) and no client stream hangs silently.
+
+A real cluster (``xllm serve`` with two local engine processes, embedded store) serves greedy streams
+while rogue peers without the cluster key connect to an engine's command and output sockets and to
+the embedded store's bridge: every handshake is refused (and counted, whether the ZAP handler or the
+CURVE protocol itself refused it), no frame gets in or out, the streams finish untouched. Then a peer that *does* hold the key (a second service) takes an engine over with a
+``Hello``: the engine aborts our requests and drops their outputs; the service notices (unasked abort
+/ audit) and migrates the streams, which finish with the same tokens within a bounded time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from tests.xservice.cluster.helpers import PROMPTS, ClusterServer, stream_completion, wait_until
+from xengine.api.cluster import keys
+from xengine.api.cluster.store.base import StoreUnavailableError
+from xengine.api.cluster.store.bridge import BridgeStoreClient
+from xengine.api.messages import AddRequest, Hello, SamplingParams, make_encoder
+from xengine.api.security import ClusterKey, read_key_file, secure_client
+
+GUARD_S = 120.0  # a broken build must not hang the suite; not a timing assertion
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("auth") / "cluster.key"
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, key_file: Path) -> Iterator[ClusterServer]:
+    server = ClusterServer(
+        model_dir,
+        {
+            "instances": "engine-0:mixed,engine-1:mixed",
+            "metadata_store": "embedded",
+            "routing_policy": "round_robin",
+            "auth_key_file": str(key_file),
+        },
+    )
+    yield server
+    server.stop()
+
+
+def _run_streams(cluster: ClusterServer, during=None) -> tuple[dict[str, Any], float]:
+    client = cluster.openai()
+    out: dict[str, Any] = {}
+    threads = [
+        threading.Thread(target=stream_completion, args=(client, p, out, str(i)))
+        for i, p in enumerate(PROMPTS)
+    ]
+    [t.start() for t in threads]
+    fault_at = time.monotonic()
+    if during is not None:
+        wait_until(lambda: all(len(out.get(str(i), ())) >= 3 for i in range(len(PROMPTS))), 60, "streams")
+        fault_at = time.monotonic()
+        during()
+    [t.join(GUARD_S) for t in threads]
+    return out, time.monotonic() - fault_at
+
+
+def _texts(out: dict[str, Any]) -> list[str]:
+    assert not [k for k in out if k.endswith(":error")], out
+    assert [out[f"{i}:finish"] for i in range(len(PROMPTS))] == ["length"] * len(PROMPTS)
+    return ["".join(out[str(i)]) for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def expected(cluster: ClusterServer) -> list[str]:
+    return _texts(_run_streams(cluster)[0])
+
+
+def test_the_key_file_is_private(cluster: ClusterServer, key_file: Path) -> None:
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    read_key_file(key_file)  # well-formed
+
+
+def test_rogue_peers_are_refused_and_streams_are_untouched(
+    cluster: ClusterServer, expected: list[str], key_file: Path
+) -> None:
+    target = cluster.instances()["engine-0"]
+    migrations = cluster.admin()["num_migrations"]
+    denied = cluster.http.get("/v1/admin/stats").json()["num_auth_denied"]
+    ctx = zmq.Context()
+    own = ClusterKey.generate()  # a peer with a key of its own, even knowing the engine's public key
+    server_public = read_key_file(key_file).public
+    rogues: list[zmq.Socket] = []
+    stolen: list[bytes] = []
+
+    def attack() -> None:
+        enc = make_encoder()
+        frames = [
+            enc.encode(Hello(service_id="rogue")),
+            enc.encode(AddRequest(req_id="rogue-1", prompt_token_ids=[1, 2, 3], params=SamplingParams())),
+        ]
+        for curve in (False, True):
+            push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+            for sock in (push, pull):
+                if curve:
+                    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+                        server_public, own.public, own.secret,
+                    )  # fmt: skip
+                sock.setsockopt(zmq.LINGER, 0)
+            push.connect(target["address"])
+            pull.connect(target["output_address"])
+            rogues.extend((push, pull))
+            for frame in frames:
+                push.send(frame)  # queued: the handshake never completes, so nothing is delivered
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            for sock in rogues[1::2]:
+                if sock.poll(50):
+                    stolen.append(sock.recv())
+
+    out, _ = _run_streams(cluster, attack)
+    assert _texts(out) == expected
+    assert stolen == []
+    assert cluster.admin()["num_migrations"] == migrations  # nothing was aborted
+    wait_until(lambda: cluster.http.get("/v1/admin/stats").json()["num_auth_denied"] > denied, 10, "denials")
+    for sock in rogues:
+        sock.close()
+    ctx.term()
+
+
+def test_handshakes_failing_before_the_key_check_are_counted(cluster: ClusterServer) -> None:
+    """A peer holding another cluster's key (it encrypts to a server key that is not the engine's)
+    or none at all (plaintext) fails the CURVE handshake before the ZAP handler is asked: those
+    refusals count in ``num_auth_denied`` too, for either socket of the engine."""
+    target = cluster.instances()["engine-0"]
+    other = ClusterKey.generate()
+    ctx = zmq.Context()
+
+    def denied() -> int:
+        return cluster.http.get("/v1/admin/stats").json()["num_auth_denied"]
+
+    for key in (other, None):
+        for kind, address in ((zmq.PUSH, target["address"]), (zmq.PULL, target["output_address"])):
+            before = denied()
+            sock = ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if key is not None:
+                secure_client(sock, key)
+            sock.connect(address)
+            try:
+                wait_until(
+                    lambda b=before: denied() > b, 30, f"a refusal at {address} (key: {key is not None})"
+                )
+            finally:
+                sock.close()
+    ctx.term()
+
+
+def test_the_embedded_store_refuses_peers_without_the_key(cluster: ClusterServer) -> None:
+    engine_pid = cluster.instances()["engine-0"]["pid"]
+    argv = Path(f"/proc/{engine_pid}/cmdline").read_bytes().decode().split("\0")
+    bridge = argv[argv.index("--store") + 1].removeprefix("embedded+")
+    fake = keys.InstanceRecord(
+        name="fake", role="mixed", incarnation="x", input_addr="tcp://127.0.0.1:1", output_addr="tcp://127.0.0.1:2",
+        pid=1, info={}, started_at=0.0,
+    )  # fmt: skip
+
+    async def forge(key: ClusterKey | None) -> None:
+        store = BridgeStoreClient(bridge, key)
+        try:
+            await store.put("/xllm/instances/fake", keys.encode(fake))
+        finally:
+            await store.close()
+
+    for key in (None, ClusterKey.generate()):
+        with pytest.raises(StoreUnavailableError):
+            asyncio.run(forge(key))
+    assert "fake" not in cluster.instances()
+
+
+def test_an_engine_side_abort_nobody_asked_for_migrates_the_streams(
+    cluster: ClusterServer, expected: list[str], key_file: Path
+) -> None:
+    """A second service holding the key says hello to engine-0: it aborts our requests there and
+    drops their outputs. Our service must not wait on them forever."""
+    key = read_key_file(key_file)
+    target = cluster.instances()["engine-0"]
+    migrations = cluster.admin()["num_migrations"]
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    secure_client(push, key)
+    push.setsockopt(zmq.LINGER, 1000)
+
+    def take_over() -> None:
+        wait_until(lambda: cluster.instances()["engine-0"]["num_inflight"] > 0, 30, "work on engine-0")
+        push.connect(target["address"])
+        push.send(msgspec.msgpack.encode(Hello(service_id="another-service")))
+
+    out, seconds = _run_streams(cluster, take_over)
+    assert _texts(out) == expected  # migrated, not lost, not repeated
+    assert cluster.admin()["num_migrations"] > migrations
+    assert seconds < 60.0, seconds  # bounded: the audit runs every second (guard, not a speed claim)
+    push.close()
+    ctx.term()

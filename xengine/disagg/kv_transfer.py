@@ -1,0 +1,185 @@
+"""PD disaggregation, engine side: export prompt KV from a prefill instance, import it on a decode one.
+
+The prefix cache is the landing zone, so the scheduler does not change: ``export`` pins a prompt's
+cached whole blocks and describes them; ``import_`` pulls the blocks its own prefix cache misses with
+one batched Mooncake read, inserts them under the prompt's tokens and pins them until the decode
+request is admitted; pins also expire (a service that died). The Mooncake agent starts on first use,
+so a single node never needs it. See ``docs/cluster.md`` (PD disaggregation).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from memory.kv_cache_manager import KVCacheManager
+from memory.kv_layout import KVCacheSpec
+from memory.transfer import KVRegion, KVTransferAgent
+from xengine.api.messages import KVExportInfo, KVImportResult
+
+DEFAULT_PIN_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _Pin:
+    block_ids: list[int]
+    deadline: float
+    until_admitted: bool  # import pins end when the request of the same id is admitted
+
+
+class KVTransferManager:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        kv_caches: list[torch.Tensor],
+        spec: KVCacheSpec,
+        host: str = "127.0.0.1",
+        pin_timeout_s: float = DEFAULT_PIN_TIMEOUT_S,
+        port_range: tuple[int, int] | None = None,
+    ) -> None:
+        self.kv = kv
+        self.kv_caches = kv_caches
+        self.spec = spec
+        self.host = host
+        self.port_range = port_range  # of the agent's two listeners (cache.kv_transfer_port_range)
+        self.pin_timeout_s = pin_timeout_s
+        self._agent: KVTransferAgent | None = None
+        self._pins: dict[str, _Pin] = {}
+        self.num_blocks_imported = 0
+        self.num_bytes_imported = 0
+
+    def start(self) -> KVTransferAgent:
+        """Create the transfer agent (registers the KV memory) if it does not exist yet."""
+        if self._agent is None:
+            self._agent = KVTransferAgent(self.kv_caches, self.host, self.port_range)
+        return self._agent
+
+    @property
+    def num_pins(self) -> int:
+        return len(self._pins)
+
+    @property
+    def num_peers_refused(self) -> int:
+        """Connections to the transfer agent's listeners closed because another local user made them
+        (``memory/transfer.py``); 0 before the agent exists."""
+        return self._agent.num_peers_refused if self._agent is not None else 0
+
+    # ------------------------------------------------------------------ prefill side
+
+    def export(self, export_id: str, token_ids: list[int]) -> KVExportInfo:
+        """Pin the cached whole blocks of ``token_ids`` and describe them for a peer."""
+        agent = self.start()
+        self.expire()
+        if export_id in self._pins:
+            raise ValueError(f"invalid value for 'export_id': {export_id!r} is already pinned")
+        cache = self.kv.prefix_cache
+        block_ids = cache.match(token_ids).block_ids if cache is not None else []
+        self._pin(export_id, block_ids, until_admitted=False)
+        s, region = self.spec, agent.region
+        return KVExportInfo(
+            session=region.session,
+            layer_addrs=list(region.layer_addrs),
+            num_blocks=region.num_blocks,
+            block_bytes=region.block_bytes,
+            block_size=s.block_size,
+            num_layers=s.num_layers,
+            num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            dtype=str(s.dtype).replace("torch.", ""),
+            block_ids=block_ids,
+        )
+
+    # ------------------------------------------------------------------ decode side
+
+    def import_(self, source: KVExportInfo, token_ids: list[int], pin_id: str) -> KVImportResult:
+        """Make the prompt's leading whole blocks local (transferring only misses) and pin them."""
+        agent = self.start()
+        self.expire()
+        self._check_compatible(source)
+        cache = self.kv.prefix_cache
+        if cache is None:
+            raise ValueError("KV import needs the prefix cache (cache.enable_prefix_caching)")
+        if pin_id in self._pins:
+            raise ValueError(f"invalid value for 'pin_id': {pin_id!r} is already pinned")
+        bs = self.spec.block_size
+        num_full = min(len(source.block_ids), len(token_ids) // bs)
+        hits = cache.match(token_ids, num_full).block_ids
+        cache.lock(hits)
+        num_missing = min(num_full - len(hits), self.kv.pool.num_free_blocks)  # rest: recomputed
+        new = self.kv.pool.allocate(num_missing)
+        try:
+            stats = agent.read_blocks(self._region(source), list(zip(source.block_ids[len(hits) :], new)))
+        except BaseException:
+            self.kv.pool.free(list(reversed(new)) + list(reversed(hits)))
+            raise
+        block_ids = hits + new
+        cache.insert(token_ids[: len(block_ids) * bs], block_ids, len(hits))
+        self._pin(pin_id, block_ids, until_admitted=True, locked=True)
+        self.num_blocks_imported += stats.num_blocks
+        self.num_bytes_imported += stats.num_bytes
+        return KVImportResult(
+            num_blocks=len(block_ids),
+            num_hit_blocks=len(hits),
+            num_transferred_blocks=stats.num_blocks,
+            num_bytes=stats.num_bytes,
+            transfer_s=stats.seconds,
+        )
+
+    def _check_compatible(self, source: KVExportInfo) -> None:
+        s = self.spec
+        mine = (s.block_size, s.num_layers, s.num_kv_heads, s.head_dim, str(s.dtype).replace("torch.", ""))
+        theirs = (source.block_size, source.num_layers, source.num_kv_heads, source.head_dim, source.dtype)
+        if mine != theirs:
+            raise ValueError(
+                "KV layouts of the prefill and decode instances differ "
+                f"(block_size, layers, kv heads, head_dim, dtype): {theirs} vs {mine}; "
+                "run both with the same model, dtype and cache.block_size"
+            )
+
+    @staticmethod
+    def _region(source: KVExportInfo) -> KVRegion:
+        return KVRegion(source.session, list(source.layer_addrs), source.num_blocks, source.block_bytes)
+
+    # ------------------------------------------------------------------ pins
+
+    def _pin(self, pin_id: str, block_ids: list[int], until_admitted: bool, locked: bool = False) -> None:
+        if not locked:
+            self.kv.pool.touch(block_ids)
+        self._pins[pin_id] = _Pin(block_ids, time.monotonic() + self.pin_timeout_s, until_admitted)
+
+    def release(self, pin_id: str) -> bool:
+        """Drop the pin ``pin_id``; False when there was none."""
+        pin = self._pins.pop(pin_id, None)
+        if pin is None:
+            return False
+        self.kv.pool.free(list(reversed(pin.block_ids)))
+        return True
+
+    def release_admitted(self, admitted: set[str] | dict[str, object]) -> None:
+        """Drop import pins whose request now holds its own references (it was admitted)."""
+        for pin_id in [p for p, pin in self._pins.items() if pin.until_admitted and p in admitted]:
+            self.release(pin_id)
+
+    def release_waiting_imports(self, keep: str) -> int:
+        """Drop every import pin but ``keep``'s; their blocks stay in the prefix cache, evictable. For a
+        decode instance whose pool is all pinned by imported prompts of queued requests, so that the
+        first of them (``keep``) cannot get the block it still needs and nothing runs to free one.
+        Returns the pins dropped."""
+        drop = [p for p, pin in self._pins.items() if pin.until_admitted and p != keep]
+        for pin_id in drop:
+            self.release(pin_id)
+        return len(drop)
+
+    def release_all(self) -> int:
+        """Drop every pin (the instance was fenced off: no service will pull or admit them); the count."""
+        pin_ids = list(self._pins)
+        for pin_id in pin_ids:
+            self.release(pin_id)
+        return len(pin_ids)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for pin_id in [p for p, pin in self._pins.items() if pin.deadline < now]:
+            self.release(pin_id)
