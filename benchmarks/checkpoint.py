@@ -8,10 +8,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from xengine.api.envs import cache_dir
+
 
 def cache_root() -> Path:
     """Where generated benchmark checkpoints are kept (``$XLLM_CACHE_DIR`` or ``~/.cache/xllm``)."""
-    root = os.environ.get("XLLM_CACHE_DIR") or Path.home() / ".cache" / "xllm"
+    root = cache_dir()
     return Path(root) / "bench-models"
 
 

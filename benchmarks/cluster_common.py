@@ -33,13 +33,13 @@ class LocalCluster:
         max_model_len: int = 1024,
         cluster: dict[str, Any] | None = None,
     ):
-        """``cluster``: overrides of the ``cluster`` config section (lease TTL, heartbeat, ...)."""
+        """``cluster``: overrides of the ``cluster`` config section by sub-section (``{"registry": {...}}``)."""
         overrides = {
             "model": {"model": model, "max_model_len": max_model_len, "seed": 0},
             "cache": {"block_size": 16, "num_blocks": num_blocks},
             "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 1024},
             "device": {"device": "cpu", "num_threads": 1},
-            "cluster": {"routing_policy": policy, **(cluster or {})},
+            "cluster": {"routing": {"policy": policy}, **(cluster or {})},
         }
         self.cfg = load_config(None, overrides)
         self.engine = self.cfg.engine
@@ -52,12 +52,14 @@ class LocalCluster:
         self.key = cl.cluster_key()
         self._stack = contextlib.AsyncExitStack()
         self.store, self.store_url = await self._stack.enter_async_context(open_service_store(cl, self.key))
-        self.registry = InstanceRegistry(self.store, cl.key_prefix, cl.lease_ttl_s, cl.heartbeat_interval_s)
+        self.registry = InstanceRegistry(
+            self.store, cl.registry.key_prefix, cl.registry.lease_ttl_s, cl.registry.heartbeat_interval_s
+        )
         self.pool = InstancePool(
             self.registry,
-            make_policy(cl.routing_policy, cl.cache_match_weight),
-            cl.migrate_on_failure,
-            PDPolicy(cl.cache_match_weight),
+            make_policy(cl.routing.policy, cl.routing.cache_match_weight),
+            cl.registry.migrate_on_failure,
+            PDPolicy(cl.routing.cache_match_weight),
             self.key,
         )
         self.pool.hang_timeout_s = self.cfg.service.engine_hang_timeout_s
@@ -75,8 +77,8 @@ class LocalCluster:
         for name in names:
             role = (roles or {}).get(name, "mixed")
             spec = InstanceSpec(
-                name, role, self.engine, self.store_url, cl.key_prefix, cl.engine_host,
-                cl.lease_ttl_s, cl.heartbeat_interval_s, self.key,
+                name, role, self.engine, self.store_url, cl.registry.key_prefix, cl.launch.engine_host,
+                cl.registry.lease_ttl_s, cl.registry.heartbeat_interval_s, self.key,
             )  # fmt: skip
             self.specs[name] = spec
             await asyncio.to_thread(self.launcher.launch, spec)

@@ -91,8 +91,8 @@ async def run(args: argparse.Namespace) -> dict:
         "model": model,
         "streams": args.streams,
         "max_tokens": args.max_tokens,
-        "lease_ttl_s": cl.lease_ttl_s,
-        "heartbeat_interval_s": cl.heartbeat_interval_s,
+        "lease_ttl_s": cl.registry.lease_ttl_s,
+        "heartbeat_interval_s": cl.registry.heartbeat_interval_s,
         "results": results,
     }
 

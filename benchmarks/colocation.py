@@ -4,7 +4,7 @@ offline work (layer-level vs step-level preemption), measured side by side in on
 
 Each configuration is a fresh ``xllm serve`` (engines 1 thread each, ``--threads`` states it):
 
-- ``colocation``: the xLLM §3.1 design, ``cluster.colocation: true`` over one prefill instance
+- ``colocation``: the xLLM §3.1 design, ``cluster.colocation.enabled: true`` over one prefill instance
   (latency-relaxed pool) and one decode instance (latency-strict pool) with Mooncake KV transfer;
   online arrivals stop offline prefill between layers (``scheduler.offline_preemption: layer``);
 - ``step_level``: the same cluster with ``offline_preemption: step`` (an online arrival waits for
@@ -167,11 +167,10 @@ def server_config(model: str, port: int, name: str, args: argparse.Namespace) ->
     }
     if name != "single_engine":
         cfg["cluster"] = {
-            "instances": "p0:prefill,d0:decode",
-            "metadata_store": "embedded",
-            "colocation": True,
-            "tpot_slo_ms": args.tpot_slo_ms,
-            "engine_nice": args.engine_nice,
+            "launch": {"instances": "p0:prefill,d0:decode", "engine_nice": args.engine_nice},
+            "registry": {"store": "embedded"},
+            "colocation": {"enabled": True},
+            "slo": {"tpot_ms": args.tpot_slo_ms},
         }
     else:
         cfg["scheduler"]["offline_preemption"] = "step"  # what one engine did before co-location
@@ -374,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-nice",
         type=int,
         default=10,
-        help="cluster.engine_nice: the engines' nice value, so the API server and this client (nice 0) come "
+        help="cluster.launch.engine_nice: the engines' nice value, so the API server and this client (nice 0) come "
         "first on cores they share with busy engines (in a deployment they have cores of their own)",
     )
     p.add_argument("--configs", default="colocation,step_level", help="configurations to run, in order")

@@ -5,7 +5,7 @@ short outputs), then (B) decode-heavy (short prompts, long outputs). Each config
 ``xllm serve`` cluster of the same ``--instances`` engines (1 thread each), roles in a real etcd
 (``--store embedded``: the service's own store), KV over Mooncake, requests through the
 ``benchmarks/serving`` client: ``static`` with P prefill + (N - P) decode instances for every P of ``--static``, and
-``dynamic`` (``cluster.pd_mode: dynamic``) starting from ``--dynamic-start`` prefill instances.
+``dynamic`` (``cluster.pd.mode: dynamic``) starting from ``--dynamic-start`` prefill instances.
 A request attains the SLO when its TTFT and its TPOT both meet theirs (a failed request does not).
 
 All configurations are up at once (idle ones cost nothing) and play ``--rounds`` rounds: each round
@@ -103,20 +103,22 @@ def cluster_config(model: str, dep: Deployment, index: int, args: argparse.Names
         f"d{i}" for i in range(args.instances - dep.num_prefill)
     ]
     cluster: dict[str, Any] = {
-        "instances": ",".join(f"{n}:{'prefill' if n[0] == 'p' else 'decode'}" for n in names),
-        "pd_mode": "dynamic" if dep.dynamic else "static",
-        "ttft_slo_ms": args.ttft_slo_ms,
-        "tpot_slo_ms": args.tpot_slo_ms,
-        "min_decode_instances": args.min_decode,
-        "min_prefill_instances": 1,
-        "flip_cooldown_s": args.flip_cooldown_s,
+        "launch": {"instances": ",".join(f"{n}:{'prefill' if n[0] == 'p' else 'decode'}" for n in names)},
+        "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
+        "pd": {
+            "mode": "dynamic" if dep.dynamic else "static",
+            "min_decode_instances": args.min_decode,
+            "min_prefill_instances": 1,
+            "flip_cooldown_s": args.flip_cooldown_s,
+        },
+        "registry": {"store": "embedded"},
     }
     if args.etcd_endpoint:
-        cluster.update(
-            metadata_store="etcd", etcd_endpoint=args.etcd_endpoint, key_prefix=f"/xllm-bench-{index}"
-        )
-    else:
-        cluster["metadata_store"] = "embedded"
+        cluster["registry"] = {
+            "store": "etcd",
+            "etcd_endpoint": args.etcd_endpoint,
+            "key_prefix": f"/xllm-bench-{index}",
+        }
     first = 24100 + index * KV_PORTS_PER_DEPLOYMENT  # a port range per deployment: they run side by side
     return {
         "model": {

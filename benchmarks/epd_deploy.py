@@ -42,7 +42,7 @@ PORTS_PER_CLUSTER = 25  # Mooncake ports (two per instance) of one cluster, from
 
 
 def instances_flag(strategy: str, counts: dict[str, int]) -> tuple[str, str]:
-    """(``cluster.epd_strategy``, ``cluster.instances``) of a profiler row (``EPD``: plain instances)."""
+    """(``cluster.epd.strategy``, ``cluster.launch.instances``) of a profiler row (``EPD``: plain instances)."""
     items = []
     for pool in STRATEGIES[strategy]:
         prefix, role = ROLES[pool]

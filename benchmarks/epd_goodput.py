@@ -6,7 +6,7 @@
 For each workload (the profiler's ``WORKLOADS``; ``--quick`` shortens text-heavy's output): run the
 profiler (``run_profile``, 1 engine thread, the instances' own setting) with ``--instances`` and the
 workload's SLOs, take its choice, and the best split of every strategy from its own table (colocated
-``EPD`` = ``epd_strategy: none`` with plain instances, ``E+P+D``, ``EP+D``, ``ED+P``). ``--cores C``
+``EPD`` = ``epd.strategy: none`` with plain instances, ``E+P+D``, ``EP+D``, ``ED+P``). ``--cores C``
 tells the profiler the instances share C cores (default: one core each, its own default); the choice
 under the other assumption (this machine's cores, or one each) is printed beside, with its measured
 goodput when it is one of the deployments run. Every deployment then runs for real, all up at once

@@ -17,10 +17,12 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from xengine.api.envs import cache_dir
+
 
 def default_cache_dir() -> Path:
     """``$XLLM_CACHE_DIR`` or ``~/.cache/xllm`` (the same default as ``xengine.api.paths``)."""
-    return Path(os.environ.get("XLLM_CACHE_DIR") or Path.home() / ".cache" / "xllm")
+    return cache_dir()
 
 
 def c_compiler(purpose: str) -> str:

@@ -1,13 +1,14 @@
 """Service configuration and the top-level config file (``xllm serve --config FILE``).
 
 A YAML file maps 1:1 onto ``XllmConfig``: sections ``service``, ``model``, ``cache``,
-``scheduler``, ``device``, ``execution``, ``parallel``, ``batch``, ``cluster``. Unknown keys are an error. Torch-free.
+``scheduler``, ``device``, ``execution``, ``parallel``, ``batch``, ``cluster`` (the last in
+sub-sections; its former flat keys load with a warning, ``xservice/cluster/config_legacy.py``).
+Unknown keys are an error. Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +28,14 @@ from xengine.api.config import (
     _f,
     from_dict,
 )
+from xengine.api.envs import API_KEY
 from xengine.api.media import MediaLimits
 from xengine.api.paths import cache_dir
 from xservice.cluster.config import ClusterConfig
+from xservice.cluster.config_legacy import cluster_from_dict, replace_cluster
 from xservice.policies.restart import RestartPolicy
 
-ENV_API_KEY = "XLLM_API_KEY"
+ENV_API_KEY = API_KEY.name
 
 
 def read_api_key_file(path: str) -> str:
@@ -147,7 +150,7 @@ class ServiceConfig:
             )
         if self.api_key:
             return self
-        key = read_api_key_file(self.api_key_file) if self.api_key_file else os.environ.get(ENV_API_KEY, "")
+        key = read_api_key_file(self.api_key_file) if self.api_key_file else API_KEY.get()
         return dataclasses.replace(self, api_key=key.strip() or None, api_key_file="")
 
     def validate(self) -> None:
@@ -313,7 +316,9 @@ _SECTIONS = {
 
 
 def load_config(path: str | Path | None, overrides: dict[str, dict[str, Any]] | None = None) -> XllmConfig:
-    """Read a YAML config (or defaults when ``path`` is None) and apply per-section overrides."""
+    """Read a YAML config (or defaults when ``path`` is None) and apply per-section overrides.
+
+    ``overrides["cluster"]`` may be nested (``{"pd": {"mode": "dynamic"}}``) or use the former flat keys."""
     data: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text()
@@ -326,9 +331,15 @@ def load_config(path: str | Path | None, overrides: dict[str, dict[str, Any]] | 
             raise ValueError(
                 f"{path}: unknown config section '{name}'; valid: {', '.join(sorted(_SECTIONS))}"
             )
-        sections[name] = from_dict(_SECTIONS[name], value or {}, name)
+        if name == "cluster":  # sub-sections, and the former flat keys (with a warning)
+            sections[name] = cluster_from_dict(value or {})
+        else:
+            sections[name] = from_dict(_SECTIONS[name], value or {}, name)
     cfg = XllmConfig(**sections)
     for name, changes in (overrides or {}).items():
+        if name == "cluster":
+            cfg = dataclasses.replace(cfg, cluster=replace_cluster(cfg.cluster, changes))
+            continue
         changes = {k: v for k, v in changes.items() if v is not None}
         if changes:
             cfg = dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **changes)})

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ops.native_build import build_shared_library
+from xengine.api.envs import BIND_HOST
 
-ENV_HOST = "XLLM_BIND_HOST"
+ENV_HOST = BIND_HOST.name
 SOURCE = Path(__file__).with_name("bind_host.c")
 # compiled and linked with SOURCE into the one library (the C compiler takes them among the libraries)
 _OTHER_SOURCES = [SOURCE.with_name("peer_guard.c"), SOURCE.with_name("peer_owner.c")]
@@ -139,10 +140,10 @@ def exec_env(host: str, env: Mapping[str, str], cache_dir: Path | None = None) -
     wildcard listeners admit only this user's local peers; None when it already runs that way. (A
     wildcard ``host`` keeps the binds where they are; the accept guard still applies.)"""
     literal = host_literal(host)
-    if env.get(ENV_HOST) == literal and shim_loaded():
+    if BIND_HOST.get(env) == literal and shim_loaded():
         return None
     new = confined_env(host, env, cache_dir)
-    if env.get(ENV_HOST) == literal and env.get("LD_PRELOAD") == new["LD_PRELOAD"]:
+    if BIND_HOST.get(env) == literal and env.get("LD_PRELOAD") == new["LD_PRELOAD"]:
         # already re-executed with it, yet the loader did not preload it: executing again would loop
         raise RuntimeError(
             f"LD_PRELOAD={new['LD_PRELOAD']} was not loaded (see the loader's message above); the "

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from ops.native_build import build_shared_library
+from xengine.api.envs import CPU_KERNELS
 
 logger = logging.getLogger(__name__)
 
 # "auto" (where the CPU has AVX-512) | "off" | kernels to turn off, e.g. "-elementwise,-panel_gemm"
-ENV_KERNELS = "XLLM_CPU_KERNELS"
+ENV_KERNELS = CPU_KERNELS.name
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-Wall"]
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -57,7 +57,7 @@ _errors: dict[str, str] = {}
 
 def kernels_disabled_reason(name: str | None = None) -> str | None:
     """Why no kernel (or kernel ``name``) runs on this machine (None: it may)."""
-    choice = os.environ.get(ENV_KERNELS, "auto").lower().replace(" ", "")
+    choice = CPU_KERNELS.get().lower().replace(" ", "")
     parts = [] if choice in ("auto", "off") else choice.split(",")
     off = {p[1:] for p in parts}  # "-elementwise,-panel_gemm"
     if any(not p.startswith("-") for p in parts) or off - set(SIGNATURES):

@@ -5,12 +5,11 @@ This package is the only place in the codebase that names devices.
 
 from __future__ import annotations
 
-import os
-
 from ops.platforms.base import Capabilities, Platform
 from ops.platforms.cpu import CpuPlatform
 from ops.platforms.cuda import CudaPlatform
 from ops.platforms.npu import NpuPlatform
+from xengine.api.envs import DEVICE
 
 __all__ = [
     "Capabilities",
@@ -23,7 +22,7 @@ __all__ = [
 
 # Detection order: the first available wins.
 _PLATFORMS: dict[str, type[Platform]] = {"npu": NpuPlatform, "cuda": CudaPlatform, "cpu": CpuPlatform}
-ENV_DEVICE = "XLLM_DEVICE"
+ENV_DEVICE = DEVICE.name
 
 _current: Platform | None = None
 
@@ -37,7 +36,7 @@ def resolve_platform(device: str | None = None) -> Platform:
     """Return the platform for ``device`` ("cpu" | "cuda" | "npu", an index suffix like "cuda:1" is
     ignored), else ``$XLLM_DEVICE``, else the first available one. Raises ``ValueError`` for an unknown
     or unavailable device."""
-    requested = device or os.environ.get(ENV_DEVICE) or None
+    requested = device or DEVICE.get() or None
     if requested is None:
         for cls in _PLATFORMS.values():
             if cls.is_available():

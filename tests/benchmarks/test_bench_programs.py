@@ -43,9 +43,14 @@ def _serve(base_url: str, model_dir: Path, endpoint: str = "completions") -> dic
 def _check_serve(result: dict) -> None:
     assert result["completed"] == 3 and result["failed"] == 0
     assert result["total_output_tokens"] == 12  # ignore_eos: exactly output_len each
-    assert result["goodput"] > 0
-    for key in ("mean_ttft_ms", "p99_tpot_ms", "median_itl_ms", "p90_e2e_ms"):
-        assert result[key] >= 0
+    # every request meets a 1e9 ms TTFT SLO: goodput is exactly the request rate
+    assert result["goodput"] == pytest.approx(result["request_throughput"]) and result["goodput"] > 0
+    # latencies of one run against each other: a request ends after its first token, and TPOT spans
+    # the three tokens after it
+    assert 0 < result["mean_ttft_ms"] < result["mean_e2e_ms"]
+    assert result["p90_ttft_ms"] <= result["p90_e2e_ms"]
+    assert 0 < result["median_tpot_ms"] <= result["p99_tpot_ms"] < result["p99_e2e_ms"]
+    assert result["median_itl_ms"] <= result["p99_itl_ms"] <= result["p99_e2e_ms"]
 
 
 def test_offline_throughput_xllm_and_hf(tiny_qwen3: Path, capsys: pytest.CaptureFixture[str]) -> None:

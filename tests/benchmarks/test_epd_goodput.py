@@ -8,7 +8,7 @@ import pytest
 from benchmarks.epd_deploy import instances_flag
 from benchmarks.epd_goodput import deployments
 from benchmarks.serving.client import RequestSpec, build_payload
-from xservice.cluster.config import ClusterConfig
+from xservice.cluster.config_legacy import cluster_from_dict
 from xservice.policies.epd import STRATEGIES, splits
 
 
@@ -16,7 +16,7 @@ from xservice.policies.epd import STRATEGIES, splits
 def test_every_split_of_every_strategy_is_a_valid_cluster(strategy: str) -> None:
     for counts in splits(4, len(STRATEGIES[strategy])):
         epd, instances = instances_flag(strategy, dict(zip(STRATEGIES[strategy], counts)))
-        ClusterConfig(instances=instances, epd_strategy=epd).validate()
+        cluster_from_dict({"launch": {"instances": instances}, "epd": {"strategy": epd}}).validate()
         assert len(instances.split(",")) == 4
     assert instances_flag("EPD", {"EPD": 3}) == ("none", "engine-0:mixed,engine-1:mixed,engine-2:mixed")
 

@@ -216,14 +216,21 @@ def test_kv_store_writes_strided_rows_like_the_reference(dtype) -> None:
     assert torch.equal(cache, ref)
 
 
-def test_other_dtypes_use_the_reference(monkeypatch) -> None:
-    calls = []
-    monkeypatch.setattr(kernel_attention, "reference_attention", lambda *a: calls.append(a) or a[0])
-    half = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
-    decode = build_attention_metadata([1], [5], [[0]], 16)
-    q = torch.randn(1, 4, 64).bfloat16()
-    kernel_attention.decode_attention(q, q[:, :2], q[:, :2], half, decode, 0.1)
-    assert len(calls) == 1
+def test_other_dtypes_use_the_reference() -> None:
+    """The kernel is float32 only: a bfloat16 step gets exactly the torch reference's output and cache."""
+    from ops.torch_ref.attention import attention as torch_ref_attention
+
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(2, 4, 16, 2, 64, generator=gen).bfloat16()
+    q = torch.randn(1, 4, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    ref_cache = cache.clone()
+    ref = torch_ref_attention(q, k, v, ref_cache, build_attention_metadata([1], [5], [[0]], 16), 0.1)
+    out = kernel_attention.decode_attention(
+        q, k, v, cache, build_attention_metadata([1], [5], [[0]], 16), 0.1
+    )
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    assert torch.equal(cache, ref_cache)
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)

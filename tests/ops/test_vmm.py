@@ -5,6 +5,8 @@ CPU runs everywhere; the CUDA variant needs a GPU (``-m cuda``), the NPU one an 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,8 +53,21 @@ def test_cpu_vmm_refuses_unaligned_sizes() -> None:
 
 
 def test_cpu_vmm_reports_a_mapping_budget() -> None:
-    budget = resolve_platform("cpu").vmm().mapping_budget()
-    assert budget is None or budget > 1000
+    """On Linux the budget follows ``vm.max_map_count`` and shrinks as this process maps regions."""
+    vmm = resolve_platform("cpu").vmm()
+    limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    before = vmm.mapping_budget()
+    assert before is not None and 1000 < before < limit * 4 // 5 // 2
+    page = max(vmm.granularity, 4096)
+    vrange = vmm.reserve(64 * page)
+    pages = vmm.create_pages(32, page)
+    try:
+        for i in range(32):  # every other page: 32 separate regions, each splitting the reserved one
+            vmm.map(vrange, 2 * i * page, pages, i)
+        assert vmm.mapping_budget() <= before - 16  # ~32 less; margin for the process's own maps
+    finally:
+        vmm.release(vrange)
+        vmm.free_pages(pages)
 
 
 def test_accelerator_vmm_modules_import_without_a_device() -> None:

@@ -129,15 +129,19 @@ def test_non_integer_token_ids_are_refused(llm, expected, bad_id):
 
 
 def test_prompt_over_the_unchunked_budget(make_model_dir):
+    """Without chunked prefill a prompt must fit one step's budget: a longer one is refused up front,
+    naming the limit, and leaves nothing behind; one that fits runs to the end (both sequences)."""
     engine = make_engine(
         make_model_dir("qwen3"), enable_chunked_prefill=False, max_num_batched_tokens=64, num_blocks=32
     )
     prompt = random_prompts([100], seed=43)[0]
-    try:
+    with pytest.raises(
+        ValueError, match=r"'prompt'.*64, set by max_num_batched_tokens \(chunked prefill is off"
+    ):
         engine.add_request(AddRequest(req_id="big", prompt_token_ids=prompt, params=SamplingParams(n=2)))
-    except ValueError as e:  # refusing it up front is fine, if the message names the limit
-        assert "max_num_batched_tokens" in str(e)
-        return
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == 32
+    params = SamplingParams(n=2, max_tokens=3, ignore_eos=True)
+    engine.add_request(AddRequest(req_id="fits", prompt_token_ids=prompt[:60], params=params))
     finished = {d.index for d in run_to_completion(engine, max_steps=50) if d.finish_reason is not None}
     assert finished == {0, 1}
-    assert engine.scheduler.groups == {}
+    assert engine.scheduler.groups == {} and engine.kv.num_free_blocks == 32

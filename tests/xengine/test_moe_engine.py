@@ -29,14 +29,22 @@ from xengine.llm import LLM
 ARCHS = ("qwen3_moe", "deepseek_v3")
 ROOT = Path(__file__).resolve().parents[2]
 TINY_PRESET = ROOT / "configs" / "cpu-tiny-test.yaml"
+# the default run: each model's caches and step loops, prefix caching off and whole-prompt prefill
+# (qwen3_moe, ~1 s), and DeepSeek-V3's MLA latent cache under partial graphs (~5 s)
 FAST = {
     "qwen3_moe": [
         ("prefix+chunked", "paged"),
         ("prefix+chunked", "paged+async"),
         ("preempt", "paged+async"),
         ("prefix+chunked", "xtensor+async+partial"),
+        ("noprefix+whole", "paged"),
     ],
-    "deepseek_v3": [("prefix+chunked", "paged+async"), ("preempt", "paged"), ("prefix+chunked", "xtensor")],
+    "deepseek_v3": [
+        ("prefix+chunked", "paged+async"),
+        ("preempt", "paged"),
+        ("prefix+chunked", "xtensor"),
+        ("prefix+chunked", "paged+partial"),
+    ],
 }
 CASES = [
     pytest.param(a, c, m, id=f"{a}-{c}-{m}", marks=() if (c, m) in FAST[a] else pytest.mark.slow)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from xengine.api import envs
 
 
 def cache_dir() -> Path:
     """The root of xllm's cached files (default model, batch store, cluster key)."""
-    return Path(os.environ.get("XLLM_CACHE_DIR") or Path.home() / ".cache" / "xllm")
+    return envs.cache_dir()
 
 
 def default_model_dir() -> Path:

@@ -2,7 +2,7 @@
 
 Threat model (``docs/security.md``): anything that can reach an engine's ZMQ ports or the embedded
 store's bridge port — another local user, a process of another uid, a host on the network when
-``cluster.engine_host`` is not loopback — is untrusted. Processes of the serving user (who can read
+``cluster.launch.engine_host`` is not loopback — is untrusted. Processes of the serving user (who can read
 the key file, or ptrace the service) and root are trusted.
 
 Every engine binds its command (PULL) and output (PUSH) sockets as CURVE servers, the service's
@@ -14,7 +14,7 @@ socket's output either). Traffic is encrypted too.
 
 The key is a CURVE secret key (z85). Its public half is derived from it and never needs to be
 published. It comes from, in order: ``XLLM_CLUSTER_KEY`` (how the service hands an ephemeral key
-to the engines it launches), or a key file of mode 0600 (``cluster.auth_key_file``; shared by
+to the engines it launches), or a key file of mode 0600 (``cluster.auth.key_file``; shared by
 ``xllm engine`` and ``xllm serve`` in attach mode, created on first use).
 """
 
@@ -32,7 +32,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-ENV_KEY = "XLLM_CLUSTER_KEY"
+from xengine.api.envs import CLUSTER_KEY
+
+ENV_KEY = CLUSTER_KEY.name
 _HEADER = "xllm-cluster-key-v1"
 
 
@@ -108,7 +110,7 @@ def load_or_create_key_file(path: str | Path) -> ClusterKey:
 
 def take_env_key() -> ClusterKey | None:
     """The key handed over in ``XLLM_CLUSTER_KEY`` (removed from the environment once read)."""
-    text = os.environ.pop(ENV_KEY, None)
+    text = CLUSTER_KEY.pop()
     return None if not text else ClusterKey.from_text(text, ENV_KEY)
 
 

@@ -17,9 +17,11 @@ class Linear(nn.Linear):
     _packed: int | None = None
     _packed_owner: object = None  # keeps the backend's packed weight alive while this layer is
 
-    def pack(self) -> None:
+    def pack(self) -> bool:
+        """Pack the weight for the platform's kernel; False where the platform has none."""
         packed = pack_linear(self.weight, self.bias)
         self._packed, self._packed_owner = (None, None) if packed is None else packed
+        return self._packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
@@ -32,8 +34,7 @@ def pack_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack()
-            count += module._packed is not None
+            count += module.pack()
     return count
 
 

@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from xengine.api.config import EngineConfig, from_dict
+from xengine.api.envs import ENGINE_LOG_LEVEL
 from xengine.api.lifetime import set_parent_death_signal
 from xengine.api.messages import (
     AbortRequests,
@@ -350,7 +351,7 @@ def config_to_json(config: EngineConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("XLLM_ENGINE_LOG_LEVEL", "INFO").upper(),
+        level=ENGINE_LOG_LEVEL.get().upper(),
         format=f"%(asctime)s xengine[{os.getpid()}] %(levelname)s %(message)s",
         stream=sys.stderr,
     )

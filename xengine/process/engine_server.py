@@ -33,6 +33,7 @@ from xengine.api.cluster.keys import ROLES, TRANSFER_ROLES, InstanceRecord
 from xengine.api.config import EngineConfig, from_dict
 from xengine.api.embed_messages import EMBED_CALLS
 from xengine.api.entrypoints import ENGINE_SERVER_MODULE
+from xengine.api.envs import ENGINE_LOG_LEVEL
 from xengine.api.lifetime import set_parent_death_signal
 from xengine.api.messages import (
     AddRequest,
@@ -382,7 +383,7 @@ def lower_priority(nice: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("XLLM_ENGINE_LOG_LEVEL", "INFO").upper(),
+        level=ENGINE_LOG_LEVEL.get().upper(),
         format=f"%(asctime)s xengine[{args.name}:{os.getpid()}] %(levelname)s %(message)s",
         stream=sys.stderr,
     )

@@ -53,7 +53,7 @@ class FlipRequest(APIRequest):
 async def admin_flip(name: str, body: FlipRequest, ctx: ServingContext = Depends(get_ctx)) -> dict[str, Any]:
     dynamic = getattr(ctx.engine_client, "dynamic", None)
     if dynamic is None:
-        raise InvalidRequestError("Roles flip only with dynamic PD (cluster.pd_mode: dynamic).", param="role")
+        raise InvalidRequestError("Roles flip only with dynamic PD (cluster.pd.mode: dynamic).", param="role")
     if body.role not in ("prefill", "decode"):
         raise InvalidRequestError("'role' must be 'prefill' or 'decode'.", param="role")
     try:

@@ -15,10 +15,10 @@ Per request (``n == 1``, no beam search), with ``PDPolicy`` choosing the instanc
    ``max_tokens - 1``; the prompt's whole blocks are prefix-cache hits there, so D recomputes only
    the partial last block and the first token. Its deltas are streamed under the original id.
 
-With dynamic PD (``cluster.pd_mode: dynamic``, ``xservice/cluster/dynamic_pd.py``) the instances are
+With dynamic PD (``cluster.pd.mode: dynamic``, ``xservice/cluster/dynamic_pd.py``) the instances are
 chosen by predicted TTFT / TPOT against the SLOs (a prefill may first flip a decode instance to
 prefill), and the prefill instance may keep the decode itself (no export / import at all) when it
-can hold the TPOT SLO. With co-location (``cluster.colocation``, ``xservice/cluster/colocation.py``)
+can hold the TPOT SLO. With co-location (``cluster.colocation.enabled``, ``xservice/cluster/colocation.py``)
 an offline request prefills on the relaxed (prefill) instance with the least prefill in flight and
 decodes on a strict (decode) instance only when the roofline model says that batch keeps the TPOT
 SLO with it; otherwise it decodes where it prefilled.

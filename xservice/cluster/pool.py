@@ -100,7 +100,7 @@ class InstancePool:
         self.service_id = uuid.uuid4().hex  # sent to every instance in a Hello (see engine_server)
         self.key = key  # the cluster key every instance authenticates us with (None: auth off)
         self.supervisor: InstanceSupervisor | None = None  # relaunches launched instances (serve.py)
-        self.epd_auto: dict[str, Any] = {"enabled": False}  # epd_strategy auto's choice (serve.py)
+        self.epd_auto: dict[str, Any] = {"enabled": False}  # epd.strategy auto's choice (serve.py)
         self.hang_timeout_s = HANG_TIMEOUT_S
         self.instance_stats: dict[str, EngineStats] = {}  # per instance, as of the last ``stats()``
         self.clients: dict[str, RemoteEngineClient] = {}  # connected and answering

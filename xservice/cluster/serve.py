@@ -1,7 +1,7 @@
 """``xllm serve`` in cluster mode: store, registry, launched instances and the pool behind the app.
 
-Called by ``xservice.commands.serve`` when the config lists ``cluster.instances`` (or sets
-``cluster.launcher: external``). The service opens the metadata store (etcd, or the embedded store
+Called by ``xservice.commands.serve`` when the config lists ``cluster.launch.instances`` (or sets
+``cluster.launch.launcher: external``). The service opens the metadata store (etcd, or the embedded store
 served to its engines over loopback ZMQ), starts the registry, launches the instances, waits until
 each registered, then serves HTTP over an ``InstancePool``. A launched instance whose process exits
 is failed over at once (its lease would expire later anyway) and relaunched by the
@@ -12,7 +12,7 @@ With ``launcher: external`` (attach mode) it launches nothing: the instances are
 ``xllm engine`` processes that registered in etcd and outlive the service. The registry's first
 snapshot rebuilds the global prefix index from the persisted ``<prefix>/kv/*`` plus the latest
 ``<prefix>/kv_events/*`` before the first request is routed; the service then waits for the
-instances listed in ``cluster.instances`` (else every registered one, or the first to register).
+instances listed in ``cluster.launch.instances`` (else every registered one, or the first to register).
 Stopping the service leaves the engines running.
 """
 
@@ -56,13 +56,13 @@ async def open_service_store(
 ) -> AsyncIterator[tuple[BaseMetadataStore, str]]:
     """The service's store and the URL its engines use to reach it (an embedded store's bridge admits
     only holders of ``key`` when given)."""
-    if cluster.metadata_store == "etcd":
+    if cluster.registry.store == "etcd":
         from xengine.api.cluster.store.etcd import EtcdStore
 
-        host, _, port = cluster.etcd_endpoint.rpartition(":")
+        host, _, port = cluster.registry.etcd_endpoint.rpartition(":")
         store = EtcdStore(host or "127.0.0.1", int(port))
         try:
-            yield store, cluster.store_url
+            yield store, cluster.registry.store_url
         finally:
             await store.close()
         return
@@ -70,7 +70,7 @@ async def open_service_store(
     from xservice.cluster.store.embedded import EmbeddedStore
 
     store = EmbeddedStore()
-    bridge = StoreBridgeServer(store, f"tcp://{cluster.engine_host}:0", key)
+    bridge = StoreBridgeServer(store, f"tcp://{cluster.launch.engine_host}:0", key)
     try:
         yield store, f"embedded+{bridge.addr}"
     finally:
@@ -81,18 +81,20 @@ async def open_service_store(
 async def serve_cluster(
     cfg: XllmConfig, sock: socket.socket, tokenizer: Any, serve_http: ServeHttp, phases: Any
 ) -> int:
-    auto = await resolve_auto(cfg) if cfg.cluster.epd_strategy == AUTO else None
+    auto = await resolve_auto(cfg) if cfg.cluster.epd.strategy == AUTO else None
     cfg = auto.cfg if auto is not None else cfg
     cl = cfg.cluster
     key = cl.cluster_key()
     async with open_service_store(cl, key) as (store, engine_store_url):
-        registry = InstanceRegistry(store, cl.key_prefix, cl.lease_ttl_s, cl.heartbeat_interval_s)
+        registry = InstanceRegistry(
+            store, cl.registry.key_prefix, cl.registry.lease_ttl_s, cl.registry.heartbeat_interval_s
+        )
         dynamic = await make_dynamic_pd(cl, store)
         pool = InstancePool(
             registry,
-            make_policy(cl.routing_policy, cl.cache_match_weight),
-            cl.migrate_on_failure,
-            PDPolicy(cl.cache_match_weight),
+            make_policy(cl.routing.policy, cl.routing.cache_match_weight),
+            cl.registry.migrate_on_failure,
+            PDPolicy(cl.routing.cache_match_weight),
             key,
             dynamic,
             make_colocation(cl, dynamic),
@@ -114,35 +116,38 @@ async def serve_cluster(
                 await registry.start()
             except StoreUnavailableError as e:
                 raise StoreUnavailableError(
-                    f"{e}; start one (ci/etcd.sh start) or check cluster.etcd_endpoint"
+                    f"{e}; start one (ci/etcd.sh start) or check cluster.registry.etcd_endpoint"
                 ) from e
             if cl.external:
                 await _wait_for_external(cl, pool, registry)
                 return await serve_http(cfg, sock, pool, tokenizer, phases)
-            launcher = await asyncio.to_thread(make_launcher, cl.launcher)
+            launcher = await asyncio.to_thread(make_launcher, cl.launch.launcher)
             specs = {
                 name: InstanceSpec(
                     name,
                     role,
                     auto.engines[name] if auto is not None else cfg.engine,
                     engine_store_url,
-                    cl.key_prefix,
-                    cl.engine_host,
-                    cl.lease_ttl_s,
-                    cl.heartbeat_interval_s,
+                    cl.registry.key_prefix,
+                    cl.launch.engine_host,
+                    cl.registry.lease_ttl_s,
+                    cl.registry.heartbeat_interval_s,
                     key,
-                    nice=cl.engine_nice,
+                    nice=cl.launch.engine_nice,
                 )  # fmt: skip
                 for name, role in cl.instance_specs()
             }
             for spec in specs.values():
                 await asyncio.to_thread(launcher.launch, spec)
-            print(f"xllm: launched {len(specs)} instance(s) with the {cl.launcher} launcher", file=sys.stderr)
+            print(
+                f"xllm: launched {len(specs)} instance(s) with the {cl.launch.launcher} launcher",
+                file=sys.stderr,
+            )
             pool.supervisor = InstanceSupervisor(
                 launcher, specs, cfg.service.restart_policy(), pool.mark_dead, registry.incarnation_of
             )
             watcher = asyncio.get_running_loop().create_task(pool.supervisor.run())
-            await pool.wait_for(list(specs), cl.instance_startup_timeout_s)
+            await pool.wait_for(list(specs), cl.launch.startup_timeout_s)
             return await serve_http(cfg, sock, pool, tokenizer, phases)
         finally:
             for task in (watcher, flipper, rebalancer):
@@ -159,14 +164,14 @@ async def serve_cluster(
 
 async def make_dynamic_pd(cl: ClusterConfig, store: BaseMetadataStore) -> DynamicPD | None:
     """Dynamic PD's controller, with the roles a previous service stored restored (None: static PD)."""
-    if cl.pd_mode != "dynamic":
+    if cl.pd.mode != "dynamic":
         return None
-    roles = RoleTable(store, cl.key_prefix)
+    roles = RoleTable(store, cl.registry.key_prefix)
     try:
         restored = await roles.load({n: r for n, r in cl.instance_specs() if r in ("prefill", "decode")})
     except StoreUnavailableError as e:
         raise StoreUnavailableError(
-            f"{e}; start one (ci/etcd.sh start) or check cluster.etcd_endpoint"
+            f"{e}; start one (ci/etcd.sh start) or check cluster.registry.etcd_endpoint"
         ) from e
     if restored:
         print(
@@ -176,25 +181,27 @@ async def make_dynamic_pd(cl: ClusterConfig, store: BaseMetadataStore) -> Dynami
             flush=True,
         )
     policy = DynamicPDPolicy(
-        min_decode=cl.min_decode_instances,
-        min_prefill=cl.min_prefill_instances,
-        cooldown_s=cl.flip_cooldown_s,
-        min_interval_s=cl.flip_min_interval_s,
-        idle_s=cl.prefill_idle_s,
-        sustain_s=cl.tpot_miss_sustain_s,
-        capacity_pressure=cl.decode_capacity_pressure,
+        min_decode=cl.pd.min_decode_instances,
+        min_prefill=cl.pd.min_prefill_instances,
+        cooldown_s=cl.pd.flip_cooldown_s,
+        min_interval_s=cl.pd.flip_min_interval_s,
+        idle_s=cl.pd.prefill_idle_s,
+        sustain_s=cl.pd.tpot_miss_sustain_s,
+        capacity_pressure=cl.pd.decode_capacity_pressure,
     )
-    slo = SLO(cl.ttft_slo_ms / 1000, cl.tpot_slo_ms / 1000)
-    return DynamicPD(roles, policy, slo, RuntimeMonitor(cl.prefill_idle_s), cl.startup_profile)
+    slo = SLO(cl.slo.ttft_ms / 1000, cl.slo.tpot_ms / 1000)
+    return DynamicPD(roles, policy, slo, RuntimeMonitor(cl.pd.prefill_idle_s), cl.pd.startup_profile)
 
 
 def make_colocation(cl: ClusterConfig, dynamic: DynamicPD | None) -> Colocation | None:
     """Co-location's controller (None: off); it shares dynamic PD's monitor when there is one."""
-    if not cl.colocation:
+    if not cl.colocation.enabled:
         return None
-    policy = ColocationPolicy(cl.tpot_slo_ms / 1000, cl.colocation_headroom)
-    monitor = dynamic.monitor if dynamic is not None else RuntimeMonitor(cl.prefill_idle_s)
-    return Colocation(policy, monitor, cl.peak_gflops_per_thread * 1e9, cl.mem_bw_gbps * 1e9)
+    policy = ColocationPolicy(cl.slo.tpot_ms / 1000, cl.colocation.headroom)
+    monitor = dynamic.monitor if dynamic is not None else RuntimeMonitor(cl.pd.prefill_idle_s)
+    return Colocation(
+        policy, monitor, cl.colocation.peak_gflops_per_thread * 1e9, cl.colocation.mem_bw_gbps * 1e9
+    )
 
 
 async def _wait_for_external(cl: ClusterConfig, pool: InstancePool, registry: InstanceRegistry) -> None:
@@ -212,7 +219,7 @@ async def _wait_for_external(cl: ClusterConfig, pool: InstancePool, registry: In
     )
     names = [n for n, _ in cl.instance_specs()] or registered
     if names:
-        await pool.wait_for(names, cl.instance_startup_timeout_s)
+        await pool.wait_for(names, cl.launch.startup_timeout_s)
     else:
         print("xllm: waiting for an instance to register (xllm engine ...)", file=sys.stderr, flush=True)
-        await pool.wait_for_any(cl.instance_startup_timeout_s)
+        await pool.wait_for_any(cl.launch.startup_timeout_s)

@@ -16,6 +16,7 @@ from typing import Any
 
 from xengine.api.config import replace_section
 from xengine.api.paths import default_model_dir
+from xservice.cluster.config_legacy import FLAT_KEYS, FLAT_SWITCHES, section_types
 from xservice.config import XllmConfig, load_config
 
 EXIT_USAGE = 2
@@ -30,44 +31,73 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per config field (``--block-size`` for ``cache.block_size``), help from the field.
 
     Booleans that default to true get ``--no-<name>`` (``enable_`` dropped), others ``--<name>``.
-    Every flag defaults to None, meaning "keep the config file's value".
+    ``cluster``'s sub-sections give ``--<section>-<field>`` (``--pd-mode`` for ``cluster.pd.mode``; an
+    ``enabled`` field is ``--<section>``), and the former flat key's flag (``--routing-policy`` for
+    ``cluster.routing.policy``) stays as an alias. Every flag defaults to None: "keep the config file's value".
     """
     sections = typing.get_type_hints(XllmConfig)
     for section in (f.name for f in dataclasses.fields(XllmConfig)):
+        if section == "cluster":
+            _add_cluster_flags(parser)
+            continue
         cls = sections[section]
         group = parser.add_argument_group(f"{section} (config section '{section}')")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            _add_field_flag(group, section, f, hints[f.name])
+            _add_field_flag(group, (section,), f, hints[f.name])
 
 
-def _add_field_flag(group: Any, section: str, f: dataclasses.Field, hint: Any) -> None:
-    dest = f"cfg__{section}__{f.name}"
+def _add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    former = {new: old for old, new in FLAT_KEYS.items()}
+    former.update({(section, "enabled"): old for old, section in FLAT_SWITCHES.items()})
+    for sub, cls in section_types().items():
+        group = parser.add_argument_group(f"cluster.{sub} (config section 'cluster.{sub}')")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            alias = former.get((sub, f.name))
+            _add_field_flag(group, ("cluster", sub), f, hints[f.name], alias)
+
+
+def _add_field_flag(
+    group: Any, path: tuple[str, ...], f: dataclasses.Field, hint: Any, alias: str | None = None
+) -> None:
+    dest = "cfg__" + "__".join((*path, f.name))
     doc = f.metadata.get("help", "").replace("%", "%%")
     default = "unset" if f.default in (None, "") else f.default
-    where = f"[{section}.{f.name}; default: {default}]"
-    name = f.name.replace("_", "-")
+    where = f"[{'.'.join((*path, f.name))}; default: {default}]"
+    names = [f.name if len(path) == 1 else path[-1] if f.name == "enabled" else f"{path[-1]}_{f.name}"]
+    names += [alias] if alias and alias not in names else []
+    names = [n.replace("_", "-") for n in names]
     if hint is bool:
         if f.default:
-            flag, value, help_text = "--no-" + name.removeprefix("enable-"), False, f"Turn off: {doc} {where}"
+            flags, value, help_text = (
+                ["--no-" + n.removeprefix("enable-") for n in names],
+                False,
+                f"Turn off: {doc}",
+            )
         else:
-            flag, value, help_text = "--" + name, True, f"{doc} {where}"
-        group.add_argument(flag, dest=dest, action="store_const", const=value, default=None, help=help_text)
+            flags, value, help_text = ["--" + n for n in names], True, doc
+        group.add_argument(
+            *flags, dest=dest, action="store_const", const=value, default=None, help=f"{help_text} {where}"
+        )
         return
     kind = ([t for t in typing.get_args(hint) if t is not type(None)] or [hint])[0]
-    metavar = _METAVARS.get(kind, name.upper())
+    metavar = _METAVARS.get(kind, f.name.replace("_", "-").upper())
     group.add_argument(
-        f"--{name}", dest=dest, type=kind, default=None, metavar=metavar, help=f"{doc} {where}"
+        *[f"--{n}" for n in names], dest=dest, type=kind, default=None, metavar=metavar, help=f"{doc} {where}"
     )
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """The config flags that were given, as ``{section: {field: value}}``."""
+    """The config flags that were given, as ``{section: {field: value}}`` (``cluster``: ``{sub: {...}}``)."""
     out: dict[str, dict[str, Any]] = {}
     for key, value in vars(args).items():
         if key.startswith("cfg__") and value is not None:
-            _, section, name = key.split("__", 2)
-            out.setdefault(section, {})[name] = value
+            _, section, *path = key.split("__")
+            target = out.setdefault(section, {})
+            for part in path[:-1]:
+                target = target.setdefault(part, {})
+            target[path[-1]] = value
     return out
 
 

@@ -3,9 +3,9 @@
 ``xllm engine --config FILE --name NAME --role {mixed,prefill,decode} [--model DIR] [--port P]``
 
 Becomes (exec) ``python -m xengine.process.engine_server``, with no parent-death link: it binds
-its ZMQ sockets on ``cluster.engine_host`` (free ports, or ``--port`` and ``--port + 1``),
-registers under a lease in the etcd of ``cluster.etcd_endpoint`` / ``cluster.key_prefix`` and
-serves whichever service connects (``xllm serve`` with ``cluster.launcher: external``). When a
+its ZMQ sockets on ``cluster.launch.engine_host`` (free ports, or ``--port`` and ``--port + 1``),
+registers under a lease in the etcd of ``cluster.registry.etcd_endpoint`` / ``cluster.registry.key_prefix`` and
+serves whichever service connects (``xllm serve`` with ``cluster.launch.launcher: external``). When a
 new service connects (the previous one died or was restarted), the requests of the previous one
 are aborted. SIGTERM / Ctrl-C drains running requests and deregisters.
 """
@@ -36,7 +36,7 @@ def register_engine(subparsers: Any) -> None:
         help="run one standalone engine instance registered in etcd (cluster mode)",
         description="Run one engine instance that registers in etcd (config section 'cluster': "
         "etcd_endpoint, key_prefix, engine_host, lease_ttl_s, heartbeat_interval_s) and serves the "
-        "service that connects to it ('xllm serve' with cluster.launcher: external). It outlives the "
+        "service that connects to it ('xllm serve' with cluster.launch.launcher: external). It outlives the "
         "service: a restarted service finds it in etcd again.",
     )
     p.add_argument("--config", metavar="FILE", help="YAML config file (engine sections and 'cluster').")
@@ -54,17 +54,17 @@ def run_engine(args: argparse.Namespace) -> int:
     cl = cfg.cluster
     if not args.name or "/" in args.name:
         raise CliError("--name must be non-empty and contain no '/'")
-    if cl.metadata_store != "etcd":
+    if cl.registry.store != "etcd":
         raise CliError(
-            "xllm engine needs cluster.metadata_store: etcd (the embedded store lives in a service, so a "
+            "xllm engine needs cluster.registry.store: etcd (the embedded store lives in a service, so a "
             "standalone engine could not outlive it); set it in the config file"
         )
     if not 0 <= args.port < 65535:
         raise CliError("--port must be in [0, 65534] (the output socket uses port + 1)")
-    _check_store(cl.etcd_endpoint)
+    _check_store(cl.registry.etcd_endpoint)
     print(
         f"xllm: engine {args.name} ({args.role}) for {cfg.model.model}, "
-        f"registering in etcd://{cl.etcd_endpoint}{cl.key_prefix}",
+        f"registering in etcd://{cl.registry.etcd_endpoint}{cl.registry.key_prefix}",
         file=sys.stderr,
         flush=True,
     )
@@ -73,17 +73,17 @@ def run_engine(args: argparse.Namespace) -> int:
         "--config-json", json.dumps(dataclasses.asdict(cfg.engine)),
         "--name", args.name,
         "--role", args.role,
-        "--store", cl.store_url,
-        "--key-prefix", cl.key_prefix,
-        "--host", cl.engine_host,
+        "--store", cl.registry.store_url,
+        "--key-prefix", cl.registry.key_prefix,
+        "--host", cl.launch.engine_host,
         "--port", str(args.port),
-        "--lease-ttl-s", str(cl.lease_ttl_s),
-        "--heartbeat-interval-s", str(cl.heartbeat_interval_s),
+        "--lease-ttl-s", str(cl.registry.lease_ttl_s),
+        "--heartbeat-interval-s", str(cl.registry.heartbeat_interval_s),
     ]  # fmt: skip
-    if cl.engine_nice:
-        server_args += ["--nice", str(cl.engine_nice)]
-    if cl.auth:  # the key file the attaching service reads too (created here on first use)
-        key_file = cl.auth_key_file or str(default_cluster_key_file())
+    if cl.launch.engine_nice:
+        server_args += ["--nice", str(cl.launch.engine_nice)]
+    if cl.auth.enabled:  # the key file the attaching service reads too (created here on first use)
+        key_file = cl.auth.key_file or str(default_cluster_key_file())
         try:
             load_or_create_key_file(key_file)
         except (OSError, ValueError) as e:
@@ -113,5 +113,5 @@ def _check_store(endpoint: str) -> None:
     except (StoreUnavailableError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
         raise CliError(
             f"etcd not reachable at {endpoint} ({e}); "
-            "start one (ci/etcd.sh start) or fix cluster.etcd_endpoint"
+            "start one (ci/etcd.sh start) or fix cluster.registry.etcd_endpoint"
         ) from e

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from xengine.api.config import EngineConfig
 from xengine.api.entrypoints import ENGINE_PROC_MODULE
+from xengine.api.envs import API_KEY
 from xengine.api.messages import EngineDead, EngineInfo, Ready
 from xservice.engine.errors import EngineStartupError
 
@@ -60,7 +61,7 @@ class StderrTee:
 def child_env() -> dict[str, str]:
     """Our environment, with this checkout first on PYTHONPATH so the engine runs the same code."""
     env = dict(os.environ)
-    env.pop("XLLM_API_KEY", None)  # the service's secret; engines never need it
+    env.pop(API_KEY.name, None)  # the service's secret; engines never need it
     root = str(Path(__file__).resolve().parents[2])  # the checkout holding xservice/ and xengine/
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in parts if p != root])

@@ -21,21 +21,22 @@ import sys
 import time
 from typing import Any
 
+from xengine.api.envs import SERVE_LISTEN_FD, WATCHDOG_PID
 from xengine.api.lifetime import die_with_parent
 from xservice.policies.restart import RestartPolicy
 
-LISTEN_FD_ENV = "XLLM_SERVE_LISTEN_FD"  # set in the child: the inherited listening socket's fd
-WATCHDOG_ENV = "XLLM_WATCHDOG_PID"  # set in the child: the watchdog's pid (the child dies with it)
+LISTEN_FD_ENV = SERVE_LISTEN_FD.name  # set in the child: the inherited listening socket's fd
+WATCHDOG_ENV = WATCHDOG_PID.name  # set in the child: the watchdog's pid (the child dies with it)
 CLEAN_EXIT_CODES = (0, 1, 2, 130)  # served and stopped, gave up, usage error, interrupted
 
 
 def inherited_socket() -> socket.socket | None:
     """In a watchdog's child: the listening socket it handed down (None when run directly)."""
-    fd = os.environ.pop(LISTEN_FD_ENV, None)
-    if fd is None:
+    fd = SERVE_LISTEN_FD.pop()
+    if not fd:
         return None
-    parent = os.environ.pop(WATCHDOG_ENV, None)
-    if parent is not None:  # a killed watchdog leaves no server behind
+    parent = WATCHDOG_PID.pop()
+    if parent:  # a killed watchdog leaves no server behind
         die_with_parent(int(parent))
     return socket.socket(fileno=int(fd))
 

@@ -1,46 +1,10 @@
 """Dynamic PD disaggregation (xLLM report §3.2): elastic pools, SLO-aware request scheduling and role flips.
 
 Pure and deterministic over snapshots, so the same code runs in the service and in the cluster
-simulator. Instances are stateless: each can prefill and decode, and its *role* is a service-side
-attribute. An instance's pool is its launch role (``origin``) and its current role together:
-
-====== ========= ======= =================================================
-origin role      pool    meaning
-====== ========= ======= =================================================
-P      prefill   ``P``   a prefill instance doing prefill
-D      decode    ``D``   a decode instance doing decode
-P      decode    ``P→D`` a prefill instance lent to decode
-D      prefill   ``D→P`` a decode instance lent to prefill
-====== ========= ======= =================================================
-
-**Prefill** (``select_prefill``): the ``P`` instance with the least estimated queueing, if its
-predicted TTFT (queue + compute of the uncached tokens there) meets the SLO; else the ``D→P`` one
-likewise; else any prefill-side instance predicted to meet it (a prefix-cache hit can make a more
-queued instance the faster one); else a decode-side instance is flipped to prefill (``D→P`` flip): the lightest of the
-``P→D`` pool first (it goes home), then of ``D``; never below ``min_decode`` decode-side instances,
-and not within ``cooldown_s`` of its last flip. The request then goes to whichever candidate
-predicts the lowest TTFT.
-
-**Decode** (``select_decode``): the prefill instance itself when that avoids the KV transfer and it
-can hold the TPOT SLO (no prefill queued behind; the step time its streams observe, if any, and the
-predicted step time with the request added both under the SLO); else the decode-side instance with the fewest running tokens whose KV stays within its
-capacity and the TPOT SLO; else the one with the fewest running tokens. Capacity counts what each
-placed stream will grow to (prompt plus ``max_tokens``), not only its context today, so a burst of
-placements cannot overfill an instance whose streams are young.
-
-**Flips** (``plan_flips``, called periodically): prefill-side → decode (``P→D``) when a decode-side
-instance's observed step time misses the TPOT SLO, or a prefill-side instance has idled for
-``idle_s`` (prefill in flight at most ``idle_utilization`` of that window) while a decode-side
-instance is under pressure (observed step time at least ``pressure`` of the TPOT SLO), or the
-decode side's KV is committed to ``capacity_pressure`` of its capacity (the streams placed there
-will fill it: more decode instances are the only way to keep placing without queueing) while the
-prefill side would still meet the TTFT SLO without the instance (nothing queued on it, the others'
-queues within half the SLO, the side's busy time within ``SPARE_UTILIZATION`` of one fewer instance); the ``D→P`` pool goes back first.
-Always keeps ``min_prefill`` prefill-side instances.
-
-**Hysteresis**: at most one flip per ``min_interval_s`` cluster-wide; an instance is not flipped
-again within ``cooldown_s`` of its last flip; a flip opposite to the last one waits ``cooldown_s``
-too; triggers from observations (TPOT miss, idleness) must hold for ``sustain_s``.
+simulator. Instances can both prefill and decode; a role is a service-side attribute, and an
+instance's pool is its launch role (``origin``) with its current role. ``select_prefill`` and
+``select_decode`` place a request by predicted TTFT / TPOT and KV capacity; ``plan_flips`` lends
+instances between the sides under hysteresis. The rules, in order: ``docs/dynamic_pd.md``, "Scheduling".
 """
 
 from __future__ import annotations

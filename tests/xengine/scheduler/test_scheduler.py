@@ -126,23 +126,21 @@ def test_offline_work_takes_at_most_its_budget():
     assert plan.num_batched_tokens == 13
 
 
-def test_decode_builds_the_prefix_cache_token_list_only_when_a_block_fills(monkeypatch):
-    """A running request's full token list (prompt + output, its context's length) is built for the
-    prefix cache once per filled block, not on every step: a per-step copy grew with the context."""
-    builds = []
-    original = Request.cache_token_ids
-
-    def counting(req):
-        builds.append(req.num_tokens)
-        return original.fget(req)
-
-    monkeypatch.setattr(Request, "cache_token_ids", property(counting))
+def test_decode_builds_the_prefix_cache_token_list_only_when_a_block_fills():
+    """A running request's blocks (prompt + output) enter the prefix cache as each one fills, no
+    sooner and no later: the scheduler builds the request's token list for the cache only then (a
+    per-step copy grew with the context)."""
     s = make_scheduler(block_size=4)
-    s.add(make_req("a", 6, max_tokens=20))
+    req = make_req("a", 6, max_tokens=20)
+    s.add(req)
+    context = list(range(1, 7)) + [7] * 19  # the prompt, then the outputs fed back (run_step samples 7)
+    computed, cached = [], []
     for _ in range(20):
         run_step(s)
+        computed.append(req.num_computed_tokens)
+        cached.append(s.kv.get_computed_prefix(context).num_tokens)
     assert not s.running
-    # one for the prefix lookup at admission, one for the prompt's full block, then the computed
-    # length (7, 8, ..., 25) fills a block at 8, 12, 16, 20 and 24: 7 builds in 20 steps, not 21
-    assert len(builds) == 7
-    assert s.kv.get_computed_prefix(list(range(1, 7)) + [7] * 19).num_tokens == 24  # all 6 blocks
+    assert computed == list(range(6, 26))
+    # the computed length 6, 7, ..., 25 fills a block at 8, 12, 16, 20 and 24 (the prompt's first at once)
+    assert cached == [n // 4 * 4 for n in computed]
+    assert cached[-1] == 24  # all 6 blocks

@@ -5,12 +5,16 @@ while rogue peers without the cluster key connect to an engine's command and out
 the embedded store's bridge: every handshake is refused (and counted, whether the ZAP handler or the
 CURVE protocol itself refused it), no frame gets in or out, the streams finish untouched. Then a peer that *does* hold the key (a second service) takes an engine over with a
 ``Hello``: the engine aborts our requests and drops their outputs; the service notices (unasked abort
-/ audit) and migrates the streams, which finish with the same tokens within a bounded time.
+/ audit) and migrates the streams, which finish with the same tokens within a bounded time. An engine
+frozen with SIGSTOP (alive, so only its lease tells) has its streams migrated the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from tests.xservice.cluster.helpers import PROMPTS, ClusterServer, stream_completion, wait_until
 from xengine.api.cluster import keys
@@ -181,11 +186,75 @@ def test_the_embedded_store_refuses_peers_without_the_key(cluster: ClusterServer
     assert "fake" not in cluster.instances()
 
 
+def _handshaken(sock: zmq.Socket, address: str) -> None:
+    """Connect ``sock`` to ``address`` and wait until its CURVE handshake succeeded."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(address)
+    try:
+        assert monitor.poll(int(GUARD_S * 1000)), f"no handshake with {address}"
+        recv_monitor_message(monitor)
+    finally:
+        sock.disable_monitor()
+        monitor.close()
+
+
+def _freeze_while_busy(cluster: ClusterServer, name: str | None = None) -> dict[str, Any] | None:
+    """SIGSTOP instance ``name`` (default: the busiest) and return it if the service still counts
+    requests in flight on it once frozen (else wake it and return None: try again)."""
+    instances = cluster.instances()
+    instance = instances[name] if name else max(instances.values(), key=lambda i: i["num_inflight"])
+    if instance["num_inflight"] == 0:
+        return None
+    os.kill(instance["pid"], signal.SIGSTOP)
+    if cluster.instances()[instance["name"]]["num_inflight"] > 0:
+        return instance
+    os.kill(instance["pid"], signal.SIGCONT)  # its streams ended just before the freeze
+    return None
+
+
+def test_a_frozen_engine_is_failed_over_through_its_lease_alone(
+    cluster: ClusterServer, expected: list[str]
+) -> None:
+    """A stopped process (SIGSTOP) lives on: no exit watch sees it, only its silence does (no
+    heartbeat for a lease: the registry declares it dead and revokes the lease). Its streams migrate
+    and finish with the same tokens; resumed, the same process rejoins as a new incarnation."""
+    migrations = cluster.admin()["num_migrations"]
+    frozen: list[dict[str, Any]] = []
+
+    def freeze() -> None:
+        frozen.append(
+            wait_until(lambda: _freeze_while_busy(cluster), 60, "an instance frozen with work on it")
+        )
+        name = frozen[0]["name"]
+        wait_until(
+            lambda: not cluster.instances().get(name, {}).get("healthy"), GUARD_S, f"{name} declared dead"
+        )
+
+    try:
+        out, _ = _run_streams(cluster, freeze)
+        assert _texts(out) == expected  # migrated, not lost, not repeated
+        assert cluster.admin()["num_migrations"] > migrations
+    finally:
+        for victim in frozen:
+            os.kill(victim["pid"], signal.SIGCONT)
+    victim = frozen[0]
+
+    def rejoined() -> dict[str, Any] | None:
+        now = cluster.instances().get(victim["name"])
+        return now if now and now["healthy"] and now["incarnation"] != victim["incarnation"] else None
+
+    assert wait_until(rejoined, GUARD_S, f"{victim['name']} to rejoin")["pid"] == victim["pid"]  # no relaunch
+
+
 def test_an_engine_side_abort_nobody_asked_for_migrates_the_streams(
     cluster: ClusterServer, expected: list[str], key_file: Path
 ) -> None:
     """A second service holding the key says hello to engine-0: it aborts our requests there and
-    drops their outputs. Our service must not wait on them forever."""
+    drops their outputs. Our service must not wait on them forever.
+
+    The Hello must reach engine-0 while our streams still run there: its connection is made first,
+    and it is sent while engine-0 is frozen (SIGSTOP) with our streams in flight, so they cannot
+    finish before the engine reads it."""
     key = read_key_file(key_file)
     target = cluster.instances()["engine-0"]
     migrations = cluster.admin()["num_migrations"]
@@ -193,13 +262,18 @@ def test_an_engine_side_abort_nobody_asked_for_migrates_the_streams(
     push = ctx.socket(zmq.PUSH)
     secure_client(push, key)
     push.setsockopt(zmq.LINGER, 1000)
+    _handshaken(push, target["address"])
 
     def take_over() -> None:
-        wait_until(lambda: cluster.instances()["engine-0"]["num_inflight"] > 0, 30, "work on engine-0")
-        push.connect(target["address"])
-        push.send(msgspec.msgpack.encode(Hello(service_id="another-service")))
+        wait_until(lambda: _freeze_while_busy(cluster, "engine-0"), 60, "engine-0 frozen with work on it")
+        try:
+            push.send(msgspec.msgpack.encode(Hello(service_id="another-service")))
+        finally:
+            os.kill(target["pid"], signal.SIGCONT)
 
     out, seconds = _run_streams(cluster, take_over)
+    log = cluster.log_path.read_text(errors="replace")
+    assert re.search(r"service another-service connected \(previous: .*\); aborting [1-9]", log), log[-3000:]
     assert _texts(out) == expected  # migrated, not lost, not repeated
     assert cluster.admin()["num_migrations"] > migrations
     assert seconds < 60.0, seconds  # bounded: the audit runs every second (guard, not a speed claim)

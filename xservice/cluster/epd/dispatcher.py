@@ -1,5 +1,5 @@
 """EPD disaggregation, service side: image requests run their encode, prefill and decode stages on
-instances chosen per stage (HydraInfer §4.4), by ``cluster.epd_strategy``:
+instances chosen per stage (HydraInfer §4.4), by ``cluster.epd.strategy``:
 
 - ``E+P+D``: an ``encode`` instance E encodes the images (``AddRequest.encode_only``: the embeddings
   stay in its image cache), a ``prefill`` instance P pulls them (``embed_export`` on E,

@@ -1,5 +1,5 @@
 """EPD's part of cluster serving (``xservice/cluster/serve.py``): the dispatcher over a global image
-index, and ``epd_strategy: auto``'s start-up profile. See ``docs/multimodal.md``.
+index, and ``epd.strategy: auto``'s start-up profile. See ``docs/multimodal.md``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 async def resolve_auto(cfg: XllmConfig) -> EPDAuto:
-    """``epd_strategy: auto``: profile (or reuse the cached profile) in a thread; cancelling the
+    """``epd.strategy: auto``: profile (or reuse the cached profile) in a thread; cancelling the
     service stops the profile at its next step."""
     stop = threading.Event()
     try:
@@ -32,18 +32,18 @@ async def resolve_auto(cfg: XllmConfig) -> EPDAuto:
 
 
 def make_epd(cl: ClusterConfig, pool: InstancePool, registry: InstanceRegistry) -> ImageIndex | None:
-    """EPD (``cluster.epd_strategy``): the pool's dispatcher becomes ``EPDDispatcher`` over a global
+    """EPD (``cluster.epd.strategy``): the pool's dispatcher becomes ``EPDDispatcher`` over a global
     image index watching the store (None: no EPD)."""
-    if cl.epd_strategy == "none":
+    if cl.epd.strategy == "none":
         return None
 
     def incarnation_of(name: str) -> str | None:
         state = registry.instances.get(name)
         return state.record.incarnation if state is not None else None
 
-    index = ImageIndex(registry.store, cl.key_prefix, incarnation_of)
+    index = ImageIndex(registry.store, cl.registry.key_prefix, incarnation_of)
     registry.subscribe(lambda event, state, _: index.drop(state.record.name) if event == "down" else None)
     index.start()
-    policy = PDPolicy(cl.cache_match_weight)
-    pool.pd = EPDDispatcher(pool, policy, cl.epd_strategy, index, cl.cache_match_weight)
+    policy = PDPolicy(cl.routing.cache_match_weight)
+    pool.pd = EPDDispatcher(pool, policy, cl.epd.strategy, index, cl.routing.cache_match_weight)
     return index

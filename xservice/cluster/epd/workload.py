@@ -1,4 +1,4 @@
-"""``cluster.epd_workload``: the workload ``epd_strategy: auto`` profiles for (torch-free).
+"""``cluster.epd.workload``: the workload ``epd.strategy: auto`` profiles for (torch-free).
 
 A named workload of ``xllm profile epd`` (``image-heavy``, ``text-heavy``), or a description: a YAML
 mapping, kept on the config as its one-line flag form
@@ -13,7 +13,7 @@ WORKLOAD_KEYS = ("images_per_request", "image_size", "prompt_tokens", "output_to
 
 
 def workload_text(spec: dict[str, Any]) -> str:
-    """A workload mapping as ``cluster.epd_workload``'s one-line form (``image_size`` as WxH)."""
+    """A workload mapping as ``cluster.epd.workload``'s one-line form (``image_size`` as WxH)."""
     parts = []
     for key, value in spec.items():
         if key == "image_size" and isinstance(value, (list, tuple)):
@@ -23,13 +23,13 @@ def workload_text(spec: dict[str, Any]) -> str:
 
 
 def parse_workload(text: str) -> dict[str, Any]:
-    """``cluster.epd_workload`` as the profiler's workload fields (``image_size`` a (w, h) tuple,
+    """``cluster.epd.workload`` as the profiler's workload fields (``image_size`` a (w, h) tuple,
     ``request_rate`` None for 'max'); ``ValueError`` naming what is wrong."""
     from xservice.cluster.epd.profiler import WORKLOADS
 
     if text in WORKLOADS:
         return {**WORKLOADS[text], "request_rate": None}
-    where = f"cluster.epd_workload {text!r}"
+    where = f"cluster.epd.workload {text!r}"
     spec: dict[str, Any] = {"request_rate": None}
     for item in (x.strip() for x in text.split(",") if x.strip()):
         key, sep, value = (s.strip() for s in item.partition("="))

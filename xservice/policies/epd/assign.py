@@ -1,6 +1,6 @@
 """From an EPD profile to a deployment: each instance's role and its engine budgets (pure, no I/O).
 
-``cluster.epd_strategy: auto`` (``xservice/cluster/epd/auto.py``) profiles at start-up; this turns
+``cluster.epd.strategy: auto`` (``xservice/cluster/epd/auto.py``) profiles at start-up; this turns
 the profiler's report (``xservice/cluster/epd/profiler.py``) into an ``EPDDeployment``:
 
 - the cluster strategy: the chosen one, ``none`` when colocated EPD won;
@@ -36,24 +36,24 @@ COLOCATED = "EPD"  # the profiler's name of the baseline; the cluster's is "none
 
 
 def cluster_strategy(policy_name: str) -> str:
-    """The ``cluster.epd_strategy`` of a profiler strategy (``EPD`` -> ``none``)."""
+    """The ``cluster.epd.strategy`` of a profiler strategy (``EPD`` -> ``none``)."""
     return "none" if policy_name == COLOCATED else policy_name
 
 
 def policy_strategies(cluster_names: Sequence[str]) -> tuple[str, ...]:
-    """The profiler's names of ``cluster.epd_strategy`` values (``none`` -> ``EPD``)."""
+    """The profiler's names of ``cluster.epd.strategy`` values (``none`` -> ``EPD``)."""
     return tuple(COLOCATED if name == "none" else name for name in cluster_names)
 
 
 @dataclass(frozen=True)
 class EPDDeployment:
-    strategy: str  # cluster.epd_strategy: none, E+P+D, EP+D or ED+P
+    strategy: str  # cluster.epd.strategy: none, E+P+D, EP+D or ED+P
     roles: dict[str, str]  # instance name -> role, in config order
     overrides: dict[str, dict[str, int]]  # instance name -> scheduler field -> value
     notes: list[str] = field(default_factory=list)  # budgets not applied, and why
 
     def instances(self) -> str:
-        """``cluster.instances`` with the roles: ``name:role,...``."""
+        """``cluster.launch.instances`` with the roles: ``name:role,...``."""
         return ",".join(f"{name}:{role}" for name, role in self.roles.items())
 
 

@@ -1,46 +1,9 @@
 """Which EPD strategy and instance counts serve a workload best: an analytical goodput model (pure).
 
-Strategies (HydraInfer §3.3, §4.4): ``E+P+D`` (three pools), ``EP+D``, ``ED+P``, and ``EPD``, the
-baseline with every stage on every instance. Each request visits each stage once, so each instance of
-a pool of ``c`` gets ``r = λ / c`` requests/s when the service offers ``λ``.
-
-Per request (``EPDWorkload``): ``n`` images of ``g`` patches, prompt ``L`` tokens (text + images),
-``O`` output tokens, decodes attending ``T̄ = L + O/2`` tokens on average. An instance's marginal work
-per request (``StageCosts``): encode ``n·g·e1`` (plus ``e0``, one batch of its own, where E shares the
-instance with P or D; a pure E instance amortises ``e0`` over its batch), prefill ``p1·L + p2·L²``,
-decode ``(O-1)·(d1 + d2·T̄)``. Its utilisation without per-step fixed costs is ``ρ = r · Σ work``.
-
-- **Step time.** An instance runs steps back to back while it has work; each step pays a fixed cost
-  ``f`` (``d0`` with D, else ``p0`` with P, else ``e0``). Per second ``N·f + ρ = 1`` for ``N`` steps,
-  so the mean step is ``s = f / (1 - ρ)``: it grows with the work the instance carries. A decode's
-  TPOT is ``s`` on its instance (plus, without P there, the P→D KV transfer spread over its tokens):
-  **an ED or EPD instance's decode steps carry the encode (and prefill) work, so TPOT grows**.
-- **Algorithm 1 on decode instances.** With ``B = r·(O-1)·s`` decodes in flight (Little), ``budgets``
-  gives τ_e and τ_t under the TPOT SLO. A step carries encodes or a prefill chunk (not both), so the
-  share of steps the work needs is ``r·s·(n/τ_e + L/(τ_t - B))``; over 1 the pool cannot keep up. With
-  τ_e = 0 every image runs alone in a step over the SLO; that is allowed while those steps stay under
-  10% of all steps (HydraInfer counts a request as meeting TPOT when 90% of its TPOTs do).
-- **TTFT** = the stages on the first-token path (E, the E→P embedding transfer when E and P are on
-  different pools, P). On an instance without D a stage waits for the step in progress (``u·s/2``,
-  ``u`` its busy fraction) and runs in one step (``s`` + its own work; on EP the encode and the prefill
-  are two steps). On a decode instance it takes ``ceil(n/τ_e)`` encode steps and ``ceil(L/chunk)``
-  prefill steps, each as long as a step carrying that work, after waiting ``q = share / (2(1 - share))``
-  of that for the requests ahead of it.
-- **Goodput**: the highest ``λ`` (at most the offered rate) where every pool is under capacity and
-  TTFT and TPOT meet the SLOs, by bisection (every constraint tightens as ``λ`` grows). ``limit``
-  says which constraint stops it just above that rate.
-
-- **Shared cores** (``cores``; default: every instance has its own). Instances that share ``C`` cores
-  slow each other down: an instance computes while it holds work (a decode-carrying one: while any
-  request is on it, ``1 - exp(-r·T)`` of the time for a request's time ``T`` there; any other: its
-  busy share), the cluster's demand ``Σ busy`` over ``C`` is the slowdown ``k`` (at least 1), and
-  every compute cost (encode, prefill, decode) is ``k`` times the measured one, to a fixed point.
-  Instances that all step at once pay their per-step costs in turn: many lightly batched decode
-  instances cost more than one batching all decodes.
-
-Not modelled: overlap of encode and language work in one step, prefix / image cache hits, request
-size variance, KV memory beyond ``max_num_seqs``, the service's own work per request (HTTP, image
-decoding and preprocessing, detokenisation), which shares the cores too.
+Each pool's mean step grows with the work it carries, Algorithm 1's budgets bound what a decode step
+may carry, TTFT sums the first-token path, and goodput is the highest rate where every pool keeps up
+and both SLOs hold. The derivation, its terms and what it leaves out: ``docs/multimodal.md``,
+"The goodput model".
 """
 
 from __future__ import annotations

@@ -189,9 +189,7 @@ def _image_sets(etcd_server: EtcdServer, prefix: str) -> dict[str, set[str]]:
 
 
 def test_dead_encoders_leave_the_encoding_to_the_prefill_instance(cluster: EPDCluster, request) -> None:
-    strategy, server, oracle = cluster.strategy, cluster.server, cluster.oracle
-    if strategy != "E+P+D":
-        pytest.skip("the E+P+D clusters cover it")
+    server, oracle = cluster.server, cluster.oracle
     etcd_server = request.getfixturevalue("etcd")
 
     # every image an encoder holds, the prefill instance imported (all published in etcd, leased)
@@ -221,11 +219,11 @@ def test_dead_encoders_leave_the_encoding_to_the_prefill_instance(cluster: EPDCl
 @pytest.mark.parametrize(
     ("instances", "strategy", "message"),
     [
-        ("e:encode,p:prefill,d:decode", "none", "set cluster.epd_strategy"),
+        ("e:encode,p:prefill,d:decode", "none", "set cluster.epd.strategy"),
         ("p:prefill,d:decode", "E+P+D", "has no encode instance"),
         ("ep:encode_prefill,p:prefill,d:decode", "EP+D", "roles prefill do not belong to it"),
-        ("ed:encode_decode,p:prefill", "E+D", "cluster.epd_strategy must be one of none, E+P+D, EP+D, ED+P"),
-        ("e:encode,p:prefill,d:decode", "E+P+D --pd-mode dynamic", "needs cluster.pd_mode: static"),
+        ("ed:encode_decode,p:prefill", "E+D", "cluster.epd.strategy must be one of none, E+P+D, EP+D, ED+P"),
+        ("e:encode,p:prefill,d:decode", "E+P+D --pd-mode dynamic", "needs cluster.pd.mode: static"),
     ],
 )
 def test_bad_epd_config_is_a_clear_error(make_model_dir, instances: str, strategy: str, message: str) -> None:

@@ -1,4 +1,4 @@
-"""``cluster.epd_strategy: auto``: the EPD profiler at ``xllm serve`` start-up chooses the strategy, the
+"""``cluster.epd.strategy: auto``: the EPD profiler at ``xllm serve`` start-up chooses the strategy, the
 roles and Algorithm 1's budgets, cached on disk for the next start.
 
 Unit: config validation errors name the field and the fix; ``plan_deployment`` (pure) turns a given
@@ -21,7 +21,7 @@ import pytest
 
 from tests.xservice.cluster.helpers import ROOT, ClusterServer
 from xengine.api.config import EngineConfig
-from xservice.cluster.config import ClusterConfig
+from xservice.cluster.config_legacy import cluster_from_dict
 from xservice.config import XllmConfig
 from xservice.policies.epd.assign import engine_for, goodput_by_strategy, plan_deployment
 
@@ -36,38 +36,41 @@ AUTO: dict[str, Any] = {"instances": "a,b,c", "epd_strategy": "auto", "epd_workl
     ("changes", "message"),
     [
         ({"instances": "a:encode,b,c"}, "list the instances without one (or with role 'auto'); got a:encode"),
-        ({"epd_strategy": "none", "instances": "a:auto,b:mixed"}, "role 'auto' needs cluster.epd_strategy: auto"),
-        ({"epd_workload": ""}, "needs cluster.epd_workload: 'image-heavy', 'text-heavy' or a description"),
+        ({"epd_strategy": "none", "instances": "a:auto,b:mixed"}, "role 'auto' needs cluster.epd.strategy: auto"),
+        ({"epd_workload": ""}, "needs cluster.epd.workload: 'image-heavy', 'text-heavy' or a description"),
         ({"epd_workload": "video-heavy"}, "expected one of image-heavy, text-heavy, or key=value items"),
         ({"epd_workload": "images_per_request=2,image_size=448x448"}, "missing prompt_tokens, output_tokens"),
         ({"epd_workload": "images_per_request=1,image_size=big,prompt_tokens=8,output_tokens=8"}, "image_size must be WxH"),
         ({"epd_workload": "images_per_request=1,image_size=8x8,prompt_tokens=8,output_tokens=0"}, "output_tokens must be an integer >= 1"),
         ({"epd_workload": "images_per_request=1,image_size=8x8,prompt_tokens=8,output_tokens=8,request_rate=-1"}, "request_rate must be a number > 0 or 'max'"),
         ({"epd_workload": "images_per_request=1,image_size=8x8,prompt_tokens=8,output_tokens=8,rate=1"}, "got 'rate=1'"),
-        ({"instances": ""}, "list their names in cluster.instances"),
+        ({"instances": ""}, "list their names in cluster.launch.instances"),
         ({"launcher": "external", "metadata_store": "etcd"}, "with launcher local or ray"),
-        ({"pd_mode": "dynamic"}, "'auto' needs cluster.pd_mode: static and colocation off"),
-        ({"tpot_slo_ms": 0.0}, "cluster.ttft_slo_ms and cluster.tpot_slo_ms must be > 0"),
-        ({"epd_profile_effort": "fast"}, "cluster.epd_profile_effort must be one of full, quick"),
+        ({"pd_mode": "dynamic"}, "'auto' needs cluster.pd.mode: static and colocation off"),
+        ({"tpot_slo_ms": 0.0}, "cluster.slo.ttft_ms and cluster.slo.tpot_ms must be > 0"),
+        ({"epd_profile_effort": "fast"}, "cluster.epd.profile_effort must be one of full, quick"),
         ({"epd_auto_strategies": "EP+D,E+D"}, "must list distinct strategies from none, E+P+D, EP+D, ED+P"),
         ({"instances": "a,b", "epd_auto_strategies": "E+P+D"}, "none fits 2 instance(s)"),
-        ({"epd_strategy": "E+D"}, "cluster.epd_strategy must be one of none, E+P+D, EP+D, ED+P, auto"),
+        ({"epd_strategy": "E+D"}, "cluster.epd.strategy must be one of none, E+P+D, EP+D, ED+P, auto"),
     ],
 )  # fmt: skip
 def test_bad_auto_config_names_the_field_and_the_fix(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match="cluster") as err:
-        ClusterConfig(**{**AUTO, **changes}).validate()
+        cluster_from_dict({**AUTO, **changes}).validate()
     assert message in str(err.value)
 
 
 def test_auto_instances_take_role_auto_and_a_workload_mapping_its_flag_form() -> None:
     workload = {"images_per_request": 2, "image_size": [448, 224], "prompt_tokens": 64, "output_tokens": 16}
-    cl = ClusterConfig(**{**AUTO, "instances": "a, b:auto ,c", "epd_workload": workload})  # type: ignore[arg-type]
+    cl = cluster_from_dict({**AUTO, "instances": "a, b:auto ,c", "epd_workload": workload})
     cl.validate()
     assert cl.instance_specs() == [("a", "auto"), ("b", "auto"), ("c", "auto")]
-    assert cl.epd_workload == "images_per_request=2,image_size=448x224,prompt_tokens=64,output_tokens=16"
-    assert cl.auto_strategies() == ("none", "E+P+D", "EP+D", "ED+P")
-    assert ClusterConfig(instances="a,b").instance_specs() == [("a", "mixed"), ("b", "mixed")]
+    assert cl.epd.workload == "images_per_request=2,image_size=448x224,prompt_tokens=64,output_tokens=16"
+    assert cl.epd.auto_strategies_list() == ("none", "E+P+D", "EP+D", "ED+P")
+    assert cluster_from_dict({"launch": {"instances": "a,b"}}).instance_specs() == [
+        ("a", "mixed"),
+        ("b", "mixed"),
+    ]
 
 
 def test_a_bad_auto_config_fails_xllm_serve_in_one_line(make_model_dir) -> None:
@@ -118,7 +121,7 @@ def test_plan_gives_roles_in_pool_order_and_budgets_to_encoders_and_prefillers(
     assert plan.roles == dict(zip(NAMES, roles, strict=True))
     assert plan.overrides == dict(zip(NAMES, overrides, strict=True)) and plan.notes == []
     assert plan.instances() == ",".join(f"{n}:{r}" for n, r in zip(NAMES, roles, strict=True))
-    cl = ClusterConfig(instances=plan.instances(), epd_strategy=plan.strategy)
+    cl = cluster_from_dict({"launch": {"instances": plan.instances()}, "epd": {"strategy": plan.strategy}})
     cl.validate()  # a valid fixed-strategy cluster
 
 
@@ -148,7 +151,9 @@ def test_the_cache_key_follows_the_model_files_and_the_slos(tmp_path: Path) -> N
     model = tmp_path / "vl"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    cl = ClusterConfig(**AUTO, epd_profile_cache_dir=str(tmp_path / "cache"), epd_profile_effort="quick")
+    cl = cluster_from_dict(
+        {**AUTO, "epd_profile_cache_dir": str(tmp_path / "cache"), "epd_profile_effort": "quick"}
+    )
     cfg = dataclasses.replace(
         XllmConfig(cluster=cl), model=dataclasses.replace(XllmConfig().model, model=str(model))
     )
@@ -156,7 +161,9 @@ def test_the_cache_key_follows_the_model_files_and_the_slos(tmp_path: Path) -> N
     assert (req.num_instances, req.repeats, req.images_per_request, req.image_size) == (3, 1, 4, (448, 448))
     first = cache_file(cfg, cache_key(cfg, req))
     assert first.parent == tmp_path / "cache" and first == cache_file(cfg, cache_key(cfg, req))
-    slower = dataclasses.replace(cfg, cluster=dataclasses.replace(cl, tpot_slo_ms=50.0))
+    slower = dataclasses.replace(
+        cfg, cluster=dataclasses.replace(cl, slo=dataclasses.replace(cl.slo, tpot_ms=50.0))
+    )
     assert cache_file(slower, cache_key(slower, profile_request(slower))) != first
     os.utime(model / "config.json", ns=(1, 1))
     assert cache_file(cfg, cache_key(cfg, req)) != first

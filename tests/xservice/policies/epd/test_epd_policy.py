@@ -49,7 +49,7 @@ def test_fit_recovers_the_three_models_from_noiseless_samples() -> None:
     enc = [(p, COSTS.encode_batch_s(p)) for p in (1024, 2048, 4096, 8192)]
     pre = [(t, COSTS.prefill_alone_s(t)) for t in (64, 256, 1024, 4096)]
     dec = [(b, c, COSTS.decode_step_s(b, c)) for b in (1, 8, 32) for c in (512 * b, 2048 * b)]
-    fitted = fit_stage_costs(enc, pre, dec, embed_bytes_per_token=7168.0)
+    fitted = fit_stage_costs(enc, pre, dec)
     for name in (
         "encode_s",
         "encode_s_per_patch",
@@ -61,7 +61,10 @@ def test_fit_recovers_the_three_models_from_noiseless_samples() -> None:
         assert getattr(fitted, name) == pytest.approx(getattr(COSTS, name), rel=1e-3), name
     assert fitted.prefill_s_per_token2 == pytest.approx(COSTS.prefill_s_per_token2, rel=1e-2)
     assert fitted.decode_s_per_context_token == pytest.approx(COSTS.decode_s_per_context_token, rel=1e-2)
-    assert fitted.embed_bytes_per_token == 7168.0
+    # and predicts the stage times at points no sample was taken at
+    assert fitted.encode_batch_s(3000) == pytest.approx(COSTS.encode_batch_s(3000), rel=1e-3)
+    assert fitted.prefill_alone_s(2000) == pytest.approx(COSTS.prefill_alone_s(2000), rel=1e-3)
+    assert fitted.decode_step_s(16, 8192) == pytest.approx(COSTS.decode_step_s(16, 8192), rel=1e-3)
     with pytest.raises(ValueError, match="prefill: need samples at >= 3"):
         fit_stage_costs(enc, pre[:2], dec)
 
