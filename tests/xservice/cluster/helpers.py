@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,23 @@ def wait_until(cond, timeout_s: float = 30.0, what: str = "condition") -> Any:
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def freeze_a_busy_instance(
+    cluster: ClusterServer, eligible: Callable[[dict[str, Any]], bool] = lambda i: True
+) -> dict[str, Any] | None:
+    """SIGSTOP the eligible instance with the most requests in flight, and return it if the service
+    still counts requests in flight on it once frozen (else wake it and return None: try again).
+    Frozen, its streams cannot finish before the fault a test injects next."""
+    candidates = [i for i in cluster.instances().values() if eligible(i)]
+    victim = max(candidates, key=lambda i: i["num_inflight"], default=None)
+    if victim is None or victim["num_inflight"] == 0:
+        return None
+    os.kill(victim["pid"], signal.SIGSTOP)
+    if cluster.instances()[victim["name"]]["num_inflight"] > 0:
+        return victim
+    os.kill(victim["pid"], signal.SIGCONT)  # its streams ended just before the freeze
+    return None
 
 
 def complete(client: openai.OpenAI, prompt: str, max_tokens: int = 8, stream: bool = False) -> Any:

@@ -26,7 +26,13 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tests.xservice.cluster.helpers import PROMPTS, ClusterServer, stream_completion, wait_until
+from tests.xservice.cluster.helpers import (
+    PROMPTS,
+    ClusterServer,
+    freeze_a_busy_instance,
+    stream_completion,
+    wait_until,
+)
 from xengine.api.cluster import keys
 from xengine.api.cluster.store.base import StoreUnavailableError
 from xengine.api.cluster.store.bridge import BridgeStoreClient
@@ -198,20 +204,6 @@ def _handshaken(sock: zmq.Socket, address: str) -> None:
         monitor.close()
 
 
-def _freeze_while_busy(cluster: ClusterServer, name: str | None = None) -> dict[str, Any] | None:
-    """SIGSTOP instance ``name`` (default: the busiest) and return it if the service still counts
-    requests in flight on it once frozen (else wake it and return None: try again)."""
-    instances = cluster.instances()
-    instance = instances[name] if name else max(instances.values(), key=lambda i: i["num_inflight"])
-    if instance["num_inflight"] == 0:
-        return None
-    os.kill(instance["pid"], signal.SIGSTOP)
-    if cluster.instances()[instance["name"]]["num_inflight"] > 0:
-        return instance
-    os.kill(instance["pid"], signal.SIGCONT)  # its streams ended just before the freeze
-    return None
-
-
 def test_a_frozen_engine_is_failed_over_through_its_lease_alone(
     cluster: ClusterServer, expected: list[str]
 ) -> None:
@@ -223,7 +215,7 @@ def test_a_frozen_engine_is_failed_over_through_its_lease_alone(
 
     def freeze() -> None:
         frozen.append(
-            wait_until(lambda: _freeze_while_busy(cluster), 60, "an instance frozen with work on it")
+            wait_until(lambda: freeze_a_busy_instance(cluster), 60, "an instance frozen with work on it")
         )
         name = frozen[0]["name"]
         wait_until(
@@ -265,7 +257,11 @@ def test_an_engine_side_abort_nobody_asked_for_migrates_the_streams(
     _handshaken(push, target["address"])
 
     def take_over() -> None:
-        wait_until(lambda: _freeze_while_busy(cluster, "engine-0"), 60, "engine-0 frozen with work on it")
+        wait_until(
+            lambda: freeze_a_busy_instance(cluster, lambda i: i["name"] == "engine-0"),
+            60,
+            "engine-0 frozen with work on it",
+        )
         try:
             push.send(msgspec.msgpack.encode(Hello(service_id="another-service")))
         finally:

@@ -23,7 +23,13 @@ from typing import Any
 import openai
 import pytest
 
-from tests.xservice.cluster.helpers import ClusterServer, EtcdServer, colocated_texts, wait_until
+from tests.xservice.cluster.helpers import (
+    ClusterServer,
+    EtcdServer,
+    colocated_texts,
+    freeze_a_busy_instance,
+    wait_until,
+)
 
 pytest.importorskip("mooncake.engine")
 
@@ -171,25 +177,17 @@ def test_operator_flip_then_kill_9_of_that_instance_loses_no_request(
     runner = threading.Thread(target=lambda: out.update(_run_all(client, SHORT, SHORT_TOKENS)))
     runner.start()
 
-    def freeze_a_streaming_decode() -> dict[str, Any] | None:
-        """SIGSTOP a decode instance that reported streams past their first token and has requests in
-        flight, and return it if the service still counts requests in flight on it once frozen (else
-        wake it and return None: try again)."""
-        insts = cluster.instances().values()
-        streaming = [i for i in insts if i["role"] == "decode" and i["predictors"]["num_decoding"]]
-        victim = max(streaming, key=lambda i: i["num_inflight"], default=None)
-        if victim is None or victim["num_inflight"] == 0:
-            return None
-        os.kill(victim["pid"], signal.SIGSTOP)
-        if cluster.instances()[victim["name"]]["num_inflight"] > 0:
-            return victim
-        os.kill(victim["pid"], signal.SIGCONT)  # its streams ended just before the freeze
-        return None
+    def streaming_decode(i: dict[str, Any]) -> bool:  # reported streams past their first token
+        return i["role"] == "decode" and bool(i["predictors"]["num_decoding"])
 
     decode_side = [i for i in cluster.instances().values() if i["role"] == "decode"]
     assert len(decode_side) >= 3, cluster.instances()
     # frozen from here to the kill: its streams cannot finish before it (the flip needs no answer from it)
-    victim = wait_until(freeze_a_streaming_decode, 60, "a decode instance with streams in flight")
+    victim = wait_until(
+        lambda: freeze_a_busy_instance(cluster, streaming_decode),
+        60,
+        "a decode instance with streams in flight",
+    )
     try:
         resp = cluster.http.post(
             f"/v1/admin/instances/{victim['name']}/role", json={"role": "prefill", "reason": "test"}

@@ -22,6 +22,7 @@ from tests.xservice.cluster.helpers import (
     ClusterServer,
     EtcdServer,
     complete,
+    freeze_a_busy_instance,
     start_streams,
     wait_until,
 )
@@ -156,19 +157,6 @@ def test_serving_continues_while_etcd_is_down_and_instances_reregister(
         what="fresh heartbeats",
     )
     assert complete(client, "etcd is back").choices[0].finish_reason == "length"
-
-
-def freeze_a_busy_instance(cluster: ClusterServer) -> dict[str, Any] | None:
-    """SIGSTOP the instance with the most requests in flight, and return it if the service still
-    counts requests in flight on it once frozen (else wake it and return None: try again)."""
-    victim = max(cluster.instances().values(), key=lambda i: i["num_inflight"])
-    if victim["num_inflight"] == 0:
-        return None
-    os.kill(victim["pid"], signal.SIGSTOP)
-    if cluster.instances()[victim["name"]]["num_inflight"] > 0:
-        return victim
-    os.kill(victim["pid"], signal.SIGCONT)  # its streams ended just before the freeze
-    return None
 
 
 def test_kill_9_mid_stream_migrates_requests_without_losing_or_repeating_tokens(
