@@ -62,7 +62,7 @@ def cluster(model_dir: Path, key_file: Path) -> Iterator[ClusterServer]:
     server.stop()
 
 
-def _run_streams(cluster: ClusterServer, during=None) -> tuple[dict[str, Any], float]:
+def _run_streams(cluster: ClusterServer, during=None) -> dict[str, Any]:
     client = cluster.openai()
     out: dict[str, Any] = {}
     threads = [
@@ -70,13 +70,11 @@ def _run_streams(cluster: ClusterServer, during=None) -> tuple[dict[str, Any], f
         for i, p in enumerate(PROMPTS)
     ]
     [t.start() for t in threads]
-    fault_at = time.monotonic()
     if during is not None:
         wait_until(lambda: all(len(out.get(str(i), ())) >= 3 for i in range(len(PROMPTS))), 60, "streams")
-        fault_at = time.monotonic()
         during()
-    [t.join(GUARD_S) for t in threads]
-    return out, time.monotonic() - fault_at
+    [t.join(GUARD_S) for t in threads]  # a stream still waiting after that has no finish: _texts fails
+    return out
 
 
 def _texts(out: dict[str, Any]) -> list[str]:
@@ -87,7 +85,7 @@ def _texts(out: dict[str, Any]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def expected(cluster: ClusterServer) -> list[str]:
-    return _texts(_run_streams(cluster)[0])
+    return _texts(_run_streams(cluster))
 
 
 def test_the_key_file_is_private(cluster: ClusterServer, key_file: Path) -> None:
@@ -132,7 +130,7 @@ def test_rogue_peers_are_refused_and_streams_are_untouched(
                 if sock.poll(50):
                     stolen.append(sock.recv())
 
-    out, _ = _run_streams(cluster, attack)
+    out = _run_streams(cluster, attack)
     assert _texts(out) == expected
     assert stolen == []
     assert cluster.admin()["num_migrations"] == migrations  # nothing was aborted
@@ -223,7 +221,7 @@ def test_a_frozen_engine_is_failed_over_through_its_lease_alone(
         )
 
     try:
-        out, _ = _run_streams(cluster, freeze)
+        out = _run_streams(cluster, freeze)
         assert _texts(out) == expected  # migrated, not lost, not repeated
         assert cluster.admin()["num_migrations"] > migrations
     finally:
@@ -267,11 +265,10 @@ def test_an_engine_side_abort_nobody_asked_for_migrates_the_streams(
         finally:
             os.kill(target["pid"], signal.SIGCONT)
 
-    out, seconds = _run_streams(cluster, take_over)
+    out = _run_streams(cluster, take_over)
     log = cluster.log_path.read_text(errors="replace")
     assert re.search(r"service another-service connected \(previous: .*\); aborting [1-9]", log), log[-3000:]
     assert _texts(out) == expected  # migrated, not lost, not repeated
     assert cluster.admin()["num_migrations"] > migrations
-    assert seconds < 60.0, seconds  # bounded: the audit runs every second (guard, not a speed claim)
     push.close()
     ctx.term()
