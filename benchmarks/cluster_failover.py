@@ -21,6 +21,7 @@ import time
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
 from benchmarks.cluster_common import LocalCluster
+from benchmarks.machine import describe
 from benchmarks.smoke import add_smoke_flag, parse_args
 from xengine.api.messages import AddRequest, SamplingParams
 
@@ -94,6 +95,7 @@ async def run(args: argparse.Namespace) -> dict:
         "lease_ttl_s": cl.registry.lease_ttl_s,
         "heartbeat_interval_s": cl.registry.heartbeat_interval_s,
         "results": results,
+        "machine": describe(cluster.engine.device.num_threads),
     }
 
 

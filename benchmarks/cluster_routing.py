@@ -19,6 +19,7 @@ import time
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
 from benchmarks.cluster_common import LocalCluster
+from benchmarks.machine import describe
 from benchmarks.smoke import add_smoke_flag, parse_args
 from xengine.api.messages import AddRequest, SamplingParams
 from xservice.policies import make_policy
@@ -95,6 +96,7 @@ async def run(args: argparse.Namespace) -> dict:
         "question_tokens": args.question_tokens,
         "max_tokens": args.max_tokens,
         "results": runs,
+        "machine": describe(cluster.engine.device.num_threads),
     }
 
 
