@@ -34,12 +34,9 @@ from xengine.api.image_keys import cache_token_ids
 from xengine.api.messages import (
     AddRequest,
     CatalogInfo,
-    ColocationStatsMsg,
     CompletionDelta,
     EngineInfo,
     EngineStats,
-    GraphStatsMsg,
-    XTensorStatsMsg,
 )
 from xengine.api.security import ClusterKey
 from xservice.cluster.colocation import Colocation
@@ -50,6 +47,7 @@ from xservice.cluster.kv_index import prompt_block_hashes
 from xservice.cluster.pd import PDDispatcher
 from xservice.cluster.registry import InstanceRegistry, InstanceState
 from xservice.cluster.remote_engine import RemoteEngineClient
+from xservice.cluster.stats_sum import sum_engine_stats
 from xservice.cluster.supervisor import InstanceSupervisor
 from xservice.engine.client import HANG_TIMEOUT_S
 from xservice.engine.errors import EngineDeadError
@@ -367,23 +365,7 @@ class InstancePool:
         stats = list(self.instance_stats.values())
         if not stats:
             raise EngineDeadError(f"no engine instance answered: {results[0]!r}")
-        total = _sum_structs(stats, EngineStats())
-        total.kv_usage = sum(s.kv_usage for s in stats) / len(stats)
-        total.kv_layout = stats[0].kv_layout
-        xts = [s.xtensor for s in stats if s.xtensor is not None]
-        total.xtensor = _sum_structs(xts, XTensorStatsMsg()) if xts else None
-        total.async_scheduling = stats[0].async_scheduling
-        graphs = [s.graph for s in stats if s.graph is not None]
-        if graphs:
-            total.graph = _sum_structs(graphs, GraphStatsMsg(mode=graphs[0].mode, buckets=graphs[0].buckets))
-        cols = [s.colocation for s in stats if s.colocation is not None]
-        if cols:  # counters summed, latencies of the worst instance
-            total.colocation = _sum_structs(
-                cols, ColocationStatsMsg(offline_preemption=cols[0].offline_preemption)
-            )
-            for f in ("preemption_latency_p50_ms", "preemption_latency_p99_ms", "preemption_latency_max_ms"):
-                setattr(total.colocation, f, max(getattr(c, f) for c in cols))
-        return total
+        return sum_engine_stats(stats)
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         clients = [c for c in self.clients.values() if c.is_alive]
@@ -493,12 +475,3 @@ class InstancePool:
             "dynamic_pd": self.dynamic.view() if self.dynamic is not None else {"enabled": False},
             "colocation": self.colocation.view() if self.colocation is not None else {"enabled": False},
         }
-
-
-def _sum_structs(items: Sequence[Any], total: Any) -> Any:
-    """``total`` with every numeric field set to its sum over ``items`` (other fields untouched)."""
-    for f in total.__struct_fields__:
-        values = [getattr(i, f) for i in items]
-        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            setattr(total, f, sum(values))
-    return total

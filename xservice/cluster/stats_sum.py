@@ -1,0 +1,41 @@
+"""A cluster's ``EngineStats``: every instance's counters summed into one, as ``/v1/admin/stats``
+shows them (the KV usage is the mean, co-location latencies the worst instance's)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from xengine.api.messages import ColocationStatsMsg, EngineStats, GraphStatsMsg, XTensorStatsMsg
+
+WORST_OF = ("preemption_latency_p50_ms", "preemption_latency_p99_ms", "preemption_latency_max_ms")
+
+
+def sum_engine_stats(stats: Sequence[EngineStats]) -> EngineStats:
+    """One ``EngineStats`` for the instances' (at least one)."""
+    total = sum_structs(stats, EngineStats())
+    total.kv_usage = sum(s.kv_usage for s in stats) / len(stats)
+    total.kv_layout = stats[0].kv_layout
+    total.async_scheduling = stats[0].async_scheduling
+    xts = [s.xtensor for s in stats if s.xtensor is not None]
+    total.xtensor = sum_structs(xts, XTensorStatsMsg()) if xts else None
+    graphs = [s.graph for s in stats if s.graph is not None]
+    if graphs:
+        total.graph = sum_structs(graphs, GraphStatsMsg(mode=graphs[0].mode, buckets=graphs[0].buckets))
+    cols = [s.colocation for s in stats if s.colocation is not None]
+    if cols:
+        total.colocation = sum_structs(
+            cols, ColocationStatsMsg(offline_preemption=cols[0].offline_preemption)
+        )
+        for f in WORST_OF:
+            setattr(total.colocation, f, max(getattr(c, f) for c in cols))
+    return total
+
+
+def sum_structs(items: Sequence[Any], total: Any) -> Any:
+    """``total`` with every numeric field set to its sum over ``items`` (other fields untouched)."""
+    for f in total.__struct_fields__:
+        values = [getattr(i, f) for i in items]
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            setattr(total, f, sum(values))
+    return total
