@@ -301,3 +301,24 @@ def test_from_params_all_greedy():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0)]
     meta = SamplingMetadata.from_params(params, [[], []], [[], []], {}, eos_token_ids=[], device=CPU)
     assert meta.all_greedy and not meta.all_random and meta.max_num_logprobs == 0
+
+
+def test_inverse_cdf_draws_match_the_distribution_and_never_a_zero():
+    """The draw inverts each row's CDF: frequencies follow the probabilities over a large vocabulary,
+    and tokens of probability 0 (at either end, or masked in between) are never drawn."""
+    from xengine.sampling.sampler import inverse_cdf_sample
+
+    vocab, n = 4096, 20000
+    probs = torch.zeros(vocab)
+    probs[1:9] = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.05])
+    probs[vocab - 2] = 1e-3  # unnormalised rows are fine: the draw scales by the row's sum
+    rows = probs.expand(n, -1).contiguous()
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        drawn = inverse_cdf_sample(rows, {})
+    freq = torch.bincount(drawn, minlength=vocab).float() / n
+    assert torch.allclose(freq, probs / probs.sum(), atol=0.01)
+    assert freq[probs == 0].sum() == 0
+    gen = {0: torch.Generator().manual_seed(3)}
+    again = {0: torch.Generator().manual_seed(3)}
+    assert inverse_cdf_sample(rows[:4], gen)[0] == inverse_cdf_sample(rows[:4], again)[0]
