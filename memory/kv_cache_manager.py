@@ -87,10 +87,13 @@ class KVCacheManager:
         With ``lookahead_blocks``, up to that many more blocks come along while the pool has room to
         spare; they are given back (``_reclaim_lookahead``) as soon as another request needs them."""
         table = self.block_tables.get(req_id, [])
+        need = self.blocks_needed(num_total_tokens)
+        if table and len(table) >= need + self.lookahead_blocks:  # covered (most decode steps)
+            self._needed[req_id] = need
+            return True
         new_prefix = prefix.block_ids if prefix and not table else []
         # prefix blocks that sit in the free queue are taken out of it by touch()
         num_reclaimed = sum(1 for b in new_prefix if self.pool.ref_cnt[b] == 0)
-        need = self.blocks_needed(num_total_tokens)
         num_new = need - len(table) - len(new_prefix)
         deficit = max(num_new, 0) + num_reclaimed - self.pool.num_free_blocks
         if deficit > 0 and not self._reclaim_lookahead(deficit, exclude=req_id):

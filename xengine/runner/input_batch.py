@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ops.attention import AttentionMetadata
@@ -43,28 +44,39 @@ def build_inputs(
     logits_indices: list[int] = []
     for s in plan.seqs:
         req = s.req
-        start, end = s.start, s.end
-        input_ids.extend(_tokens(req.prompt_token_ids, req.output_token_ids, start, end))
-        positions.extend(range(start, end))
+        num_new = s.num_new_tokens
+        end = s.end
+        start = end - num_new
         table = plan.block_tables[req.seq_id]
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        query_start.append(query_start[-1] + s.num_new_tokens)
+        if num_new == 1:  # a decoding sequence: one token, no ranges (the common case, per step)
+            prompt = req.prompt_token_ids
+            n = len(prompt)
+            input_ids.append(prompt[start] if start < n else req.output_token_ids[start - n])
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids.extend(_tokens(req.prompt_token_ids, req.output_token_ids, start, end))
+            positions.extend(range(start, end))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        query_start.append(query_start[-1] + num_new)
         seq_lens.append(end)
-        query_lens.append(s.num_new_tokens)
+        query_lens.append(num_new)
         tables.append(table)
         if s.sample:
             logits_indices.append(query_start[-1] - 1)
-    max_blocks = max(len(t) for t in tables)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    max_blocks = max(map(len, tables))
+    padded = np.zeros((len(tables), max_blocks), dtype=np.int32)
+    for row, table in zip(padded, tables):
+        row[: len(table)] = table
 
-    def _t(x: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype, device=device)
+    def _t(x: list, dtype: type) -> torch.Tensor:  # through numpy: a third of torch.tensor's time
+        return torch.from_numpy(np.array(x, dtype=dtype)).to(device)
 
     meta = AttentionMetadata(
-        query_start_loc=_t(query_start, torch.int32),
-        seq_lens=_t(seq_lens, torch.int32),
-        block_tables=_t(padded, torch.int32),
-        slot_mapping=_t(slots, torch.int64),
+        query_start_loc=_t(query_start, np.int32),
+        seq_lens=_t(seq_lens, np.int32),
+        block_tables=torch.from_numpy(padded).to(device),
+        slot_mapping=_t(slots, np.int64),
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
         max_query_len=max(query_lens),
@@ -73,9 +85,9 @@ def build_inputs(
         kv_slots=kv_slots,
     )
     return ModelInputs(
-        input_ids=_t(input_ids, torch.int64),
-        positions=_t(positions, torch.int64),
+        input_ids=_t(input_ids, np.int64),
+        positions=_t(positions, np.int64),
         meta=meta,
-        logits_indices=_t(logits_indices, torch.int64),
+        logits_indices=_t(logits_indices, np.int64),
         num_tokens=len(input_ids),
     )

@@ -25,6 +25,7 @@ from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
 from xengine.runner.input_batch import ModelInputs, build_inputs
 from xengine.runner.prompt_outputs import PromptOutputRows, build_prompt_rows, compute_prompt_outputs
+from xengine.runner.sampling_reuse import SamplingReuse
 from xengine.sampling.beam_search import BeamRows, beam_candidates
 from xengine.sampling.metadata import SamplingMetadata
 from xengine.sampling.sampler import Sampler, SamplerOutput
@@ -65,6 +66,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.matchers = SequenceMatchers()  # structured outputs: one grammar matcher per sequence
+        self.sampling_reuse = SamplingReuse()
         self.graph = create_graph_runner(graph_mode, platform.name, self._forward_tokens)
         # vision-language models: image embeddings per request and instance-wide (``xengine/multimodal``)
         encode = getattr(model, "encode_images", None)
@@ -207,7 +209,16 @@ class ModelRunner:
                 )
 
     def _sampling_rows(self, plan: SchedulePlan) -> SamplingRows | None:
-        """Which logits row gives which sequence its token(s), and the sampling metadata (host side)."""
+        """Which logits row gives which sequence its token(s), and the sampling metadata (host side);
+        the previous step's when it samples the same sequences (``sampling_reuse.py``)."""
+        reused = self.sampling_reuse.get(plan)
+        if reused is not None:
+            return reused
+        sampling = self._build_sampling_rows(plan)
+        self.sampling_reuse.keep(plan, sampling)
+        return sampling
+
+    def _build_sampling_rows(self, plan: SchedulePlan) -> SamplingRows | None:
         sampling = SamplingRows()
         for i, s in enumerate(x for x in plan.seqs if x.sample):
             if s.num_beam_candidates:
@@ -270,7 +281,9 @@ class ModelRunner:
         grammar = sampling.grammar
         if grammar.rows:  # the matchers already saw the previous step's tokens (accepted below)
             meta.grammar_bitmask, meta.grammar_rows = grammar.fill_bitmask(), grammar.rows
+        t0 = time.perf_counter()
         result = self.sampler(logits, meta)
+        out.sample_s = time.perf_counter() - t0
         out.sampled_rows = result.sampled_token_ids
         if grammar.rows:
             grammar.accept(result.sampled_token_ids.tolist())
@@ -298,6 +311,15 @@ class ModelRunner:
         top_ids = result.top_logprob_token_ids.tolist() if result.top_logprob_token_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         picked = result.token_id_logprobs.tolist() if result.token_id_logprobs is not None else None
+        sampled = out.sampled
+        if logprobs is None:  # the common case: a token per row and nothing else
+            for (req, _), token_id in zip(rows, token_ids):
+                tokens = sampled.get(req.seq_id)
+                if tokens is None:
+                    sampled[req.seq_id] = [SampledToken(token_id)]
+                else:
+                    tokens.append(SampledToken(token_id))
+            return
         for row, (req, _) in enumerate(rows):
             sample = SampledToken(token_ids[row])
             k = req.params.logprobs

@@ -161,7 +161,9 @@ class Scheduler(BeamScheduling):
         for req in list(self.running):
             if self._budget <= 0:
                 return
-            if req.rank[0] != cls or req.status != RequestStatus.RUNNING or req.seq_id in self._scheduled:
+            if PRIORITY_RANK[req.priority] != cls or req.status != RequestStatus.RUNNING:
+                continue
+            if req.seq_id in self._scheduled:
                 continue
             if req.seq_id in self.held:  # in a paused step (``hold``)
                 continue

@@ -119,3 +119,4 @@ def _merge(out: StepOutput, part: StepOutput) -> None:
     out.prompt_logprobs.update(part.prompt_logprobs)
     out.embeddings.update(part.embeddings)
     out.forward_s += part.forward_s
+    out.sample_s += part.sample_s

@@ -54,7 +54,7 @@ class NormalLoop:
             return StepResult(SchedulePlan())
         counts = plan.token_counts()  # before update moves num_computed_tokens
         self.scheduler.update(plan, out)
-        return StepResult(plan, executed=True, forward_s=out.forward_s, counts=counts)
+        return StepResult(plan, executed=True, forward_s=out.forward_s, counts=counts, sample_s=out.sample_s)
 
     def _carry_on(self, paused: PausedStep) -> tuple[SchedulePlan, StepOutput]:
         """A paused step from where it stopped; if that fails, the step again from its start."""

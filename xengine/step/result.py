@@ -25,6 +25,8 @@ class StepTiming:
     # ``total_s``; overlap: the step that was in flight, and a sync plan's own, ``step_s`` measured
     # from the previous completion while busy: ``OverlapLoop._result``)
     completed: list[StepSample] = field(default_factory=list)
+    # the sampler's part of the step (normal loop): device work, counted apart from the host's
+    sample_s: float = 0.0
 
 
 @dataclass
@@ -37,6 +39,7 @@ class StepResult:
     counts: tuple[int, int] = (0, 0)  # ``plan.token_counts()``, taken before ``update``
     host_s: float | None = None  # overlap: engine-thread time, waiting excluded
     completed: list[StepSample] | None = None  # steps applied; None: ``plan``, timed by the whole call
+    sample_s: float = 0.0  # the sampler's time of the steps applied in this call
 
     def timing(self, total_s: float) -> StepTiming:
         """The ``StepTiming`` of a call that took ``total_s``."""
@@ -45,5 +48,5 @@ class StepResult:
             completed = [StepSample(len(plan.seqs), *self.counts, total_s)] if plan.seqs else []
         return StepTiming(
             total_s, self.forward_s, len(plan.seqs), plan.num_batched_tokens, self.host_s,
-            *self.counts, completed,
+            *self.counts, completed, self.sample_s,
         )  # fmt: skip
