@@ -32,10 +32,14 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = sorted(_module_name(p) for p in BENCHMARKS.rglob("*.py"))
+# the project's files: not the peers' own venvs (benchmarks/peers/.venv-*), installed beside them
+SOURCES = [
+    p for p in BENCHMARKS.rglob("*.py") if not any(x.startswith(".") for x in p.relative_to(BENCHMARKS).parts)
+]
+MODULES = sorted(_module_name(p) for p in SOURCES)
 PROGRAMS = sorted(
     _module_name(p).removeprefix("benchmarks.")
-    for p in BENCHMARKS.rglob("*.py")
+    for p in SOURCES
     if 'if __name__ == "__main__":' in p.read_text()
 )
 SMOKE_PROGRAMS = [name for name in PROGRAMS if name not in NO_SMOKE]

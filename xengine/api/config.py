@@ -157,8 +157,11 @@ class DeviceConfig:
     device: str | None = _f(None, "cpu | cuda | npu (default: XLLM_DEVICE, then detection).")
     num_threads: int | None = _f(
         None,
-        "CPU intra-op threads for the engine (default: all cores but one in an engine process that "
-        "serves HTTP, torch's choice in the offline API).",
+        "CPU threads of the model forward (torch intra-op / OpenMP) in the engine. The engine's host "
+        "work (scheduling, inputs, sampling bookkeeping, sockets) runs between forwards on its main "
+        "thread and the service's HTTP work in its own process, so cores busy in all = these threads "
+        "+ the service's share. Default: all cores but one in an engine process that serves HTTP (the "
+        "service, and a client on the same box, keep a core), torch's choice in the offline API.",
     )
 
 

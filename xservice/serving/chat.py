@@ -31,6 +31,7 @@ from xservice.serving.prompt_logprobs import check_prompt_logprobs, prompt_logpr
 from xservice.serving.prompts import chat_prompt
 from xservice.serving.reasoning.tokens import count_reasoning_tokens
 from xservice.serving.slo import request_slo
+from xservice.serving.sse_chunks import ChatChunks
 from xservice.serving.streaming import (
     ClientDisconnected,
     disconnected_response,
@@ -188,7 +189,7 @@ def _response(
 
 async def _stream(
     ctx: ServingContext, body: ChatCompletionRequest, gen: Generation, output: ChatOutput
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[dict[str, Any] | str]:
     """Chunk dicts: a role chunk per choice (and the echoed text), then content and tool-call deltas,
     then (optionally) usage."""
 
@@ -210,6 +211,8 @@ async def _stream(
 
     token_text = TokenText(ctx.tokenizer, body.return_tokens_as_token_ids)
     num_top = None if body.logprob_token_ids else (body.top_logprobs or 0)
+    # token chunks without ids or usage on them come encoded already (``sse_chunks.py``)
+    plain = None if body.return_token_ids or body.continuous_usage else ChatChunks(gen.req_id, ctx.model_name)
     for i in range(body.n):
         prompt_ids = gen.prompt_ids if body.return_token_ids and i == 0 else None  # on the first chunk
         yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))], i, prompt_ids)
@@ -234,6 +237,9 @@ async def _stream(
             and logprobs is None
             and not shows_tokens
         ):
+            continue
+        if plain is not None and calls is None and reasoning is None and logprobs is None:
+            yield plain.event(delta.index, content, finish_reason, delta.stop_reason)
             continue
         choice = ChatChunkChoice(
             index=delta.index,

@@ -36,6 +36,7 @@ from xservice.serving.prompt_logprobs import (
 )
 from xservice.serving.prompts import completion_prompts
 from xservice.serving.slo import request_slo
+from xservice.serving.sse_chunks import CompletionChunks
 from xservice.serving.streaming import (
     ClientDisconnected,
     disconnected_response,
@@ -303,10 +304,12 @@ class _StreamTokenIds:
 
 async def _stream(
     ctx: ServingContext, body: CompletionRequest, req_id: str, gens: list[Generation], prompt_texts: list[str]
-) -> AsyncIterator[dict[str, Any]]:
-    """Chunk dicts of a streamed completion (the SSE framing is added by ``sse_response``)."""
+) -> AsyncIterator[dict[str, Any] | str]:
+    """Chunk dicts of a streamed completion (the SSE framing is added by ``sse_response``); plain
+    token chunks come encoded already (``sse_chunks.py``: the per-token work stays small)."""
 
     ids = _StreamTokenIds(body, gens)
+    plain = None if ids.wanted else CompletionChunks(req_id, ctx.model_name)  # no ids or usage per chunk
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> dict[str, Any]:
         return ids.strip(
@@ -338,6 +341,9 @@ async def _stream(
         ids.count(index, delta.token_ids)
         shows_tokens = (logprobs is not None and logprobs.tokens) or (delta.token_ids and ids.wanted)
         if not delta.text and delta.finish_reason is None and not shows_tokens:
+            continue
+        if plain is not None and logprobs is None:
+            yield plain.event(index, delta.text, delta.finish_reason, delta.stop_reason)
             continue
         choice = CompletionChoice(
             index=index,

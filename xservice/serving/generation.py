@@ -85,7 +85,9 @@ class Generation:
                     raise self._engine_error(self.state.error)
                 if out is not None:
                     yield out
-                if self.state.needs_abort:
+                # only a stop string stops a sequence here before the engine does: without stop
+                # strings the per-token scan of the sequences is skipped
+                if self.params.stop and self.state.needs_abort:
                     await ctx.engine_client.abort([self.req_id])
                 if self.state.finished:
                     break

@@ -34,8 +34,11 @@ def _error_event(exc: APIError, named: bool) -> str:
     return sse({"type": "error", **body["error"]}, "error") if named else sse(body)
 
 
+Event = dict[str, Any] | str  # a payload to encode, or an SSE event already encoded (``sse_chunks.py``)
+
+
 async def _sse_events(
-    events: AsyncIterator[dict[str, Any]], metrics: ServiceMetrics, named: bool = False
+    events: AsyncIterator[Event], metrics: ServiceMetrics, named: bool = False
 ) -> AsyncIterator[str]:
     """Events, then ``[DONE]``; an error mid-stream becomes one ``{"error": ...}`` event first.
 
@@ -44,7 +47,10 @@ async def _sse_events(
     """
     try:
         async for event in events:
-            yield sse(event, event.get("type") if named else None)
+            if isinstance(event, str):
+                yield event
+            else:
+                yield sse(event, event.get("type") if named else None)
     except APIError as exc:
         metrics.record_error(status_of(exc)[0])
         yield _error_event(exc, named)
@@ -57,9 +63,10 @@ async def _sse_events(
 
 
 def sse_response(
-    events: AsyncIterator[dict[str, Any]], ticket: Ticket, metrics: ServiceMetrics, *, named: bool = False
+    events: AsyncIterator[Event], ticket: Ticket, metrics: ServiceMetrics, *, named: bool = False
 ) -> StreamingResponse:
-    """A ``text/event-stream`` response; ``ticket`` is released when the stream ends, however it ends.
+    """A ``text/event-stream`` response of ``events`` (payload dicts, or events already encoded as
+    ``sse()`` would); ``ticket`` is released when the stream ends, however it ends.
 
     On client disconnect Starlette cancels the iteration (ASGI spec < 2.4) and the cancellation
     reaches ``Generation.stream``, which aborts the engine request.
