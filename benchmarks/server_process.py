@@ -58,17 +58,22 @@ def run_server(
     env: dict[str, str] | None = None,
     timeout_s: float = 600.0,
     name: str = "server",
+    log: Path | None = None,
+    inherit_env: bool = True,
 ) -> Iterator[str]:
-    """Run ``cmd`` (which must listen on 127.0.0.1:``port``) and yield its ``/v1`` base URL."""
+    """Run ``cmd`` (which must listen on 127.0.0.1:``port``) and yield its ``/v1`` base URL.
+
+    ``env`` is added to this process's environment (``inherit_env``) or is the whole of it; the
+    server's output goes to ``log`` (default: a new temporary file)."""
     base_url = f"http://127.0.0.1:{port}/v1"
-    log = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
+    log = log or Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
     print(f"starting {name}: {' '.join(cmd)} (log: {log})", file=sys.stderr)
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {})} if inherit_env else dict(env or {}),
             start_new_session=True,
         )
         try:

