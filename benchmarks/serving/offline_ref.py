@@ -2,7 +2,7 @@
 
 ``benchmarks.offline_throughput``'s xllm section in a fresh process (its own thread count, no torch
 state of ours): one ``generate`` of ``batch`` prompts of ``prompt_tokens`` random ids, ``output_tokens``
-each, greedy, EOS ignored, in the dtype ``xllm serve`` runs by default (``auto``).
+each, greedy, EOS ignored, in the dtype the served xllm ran (``auto`` unless given).
 """
 
 from __future__ import annotations
@@ -18,23 +18,23 @@ TIMEOUT_S = 1800
 
 
 def offline_cmd(
-    model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, num_threads: int
+    model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, num_threads: int, dtype: str = "auto"
 ) -> list[str]:
     """The ``offline_throughput`` command line of the reference run."""
     return [
         *(sys.executable, "-m", "benchmarks.offline_throughput", "--model", model_dir),
         *("--num-prompts", str(batch), "--max-num-seqs", str(batch)),
         *("--input-len", str(prompt_tokens), "--output-len", str(output_tokens)),
-        *("--num-threads", str(num_threads), "--dtype", "auto"),
+        *("--num-threads", str(num_threads), "--dtype", dtype),
         *("--no-hf", "--no-vllm", "--no-eta", "--no-prefix"),
     ]
 
 
 def offline_reference(
-    model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, num_threads: int
+    model_dir: str, batch: int, prompt_tokens: int, output_tokens: int, num_threads: int, dtype: str = "auto"
 ) -> dict:
     """``{"output_tok_s", "batch", "num_threads", "command", ...}``, or ``{"error": ...}``."""
-    cmd = offline_cmd(model_dir, batch, prompt_tokens, output_tokens, num_threads)
+    cmd = offline_cmd(model_dir, batch, prompt_tokens, output_tokens, num_threads, dtype)
     print(f"offline reference: {' '.join(cmd)}", file=sys.stderr)
     env = {
         **os.environ,

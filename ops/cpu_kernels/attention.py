@@ -4,7 +4,9 @@ The kernel reads each sequence's K/V where they are: the blocks of its block tab
 its virtually contiguous slot (xTensor layout, one base address per sequence), with no gather into a
 padded buffer and no mask. In a step that also carries prefill chunks, those run the torch reference
 (one SDPA per chunk) and the decodes still run the kernel, so a decode's result does not depend on
-what shares its step. Other dtypes and head shapes the kernel does not take run the reference.
+what shares its step. float32 and bfloat16 take the kernel (q and cache of one dtype; bfloat16: K/V
+widened to float32 as read, softmax and sums in float32, the output rounded once, as the reference's
+float32 SDPA then cast); other dtypes and head shapes the kernel does not take run the reference.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ reference_attention = ref.attention
 reference_contiguous = ref_contiguous.attention_contiguous
 
 _SCRATCH_KEY = "cpu_kernels.decode_attention"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _fn(name: str, dtype: torch.dtype):  # noqa: ANN202 - a ctypes function
+    """Kernel ``name`` for float32 tensors, ``name``_bf16 for bfloat16 ones."""
+    lib = kernel_library("decode_attention")
+    return getattr(lib, name if dtype == torch.float32 else f"{name}_bf16")
 
 
 class _Rows:
@@ -68,7 +77,7 @@ def _usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> bo
 
 
 def _check_usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-    if q.dtype != torch.float32 or cache.dtype != torch.float32 or q.device.type != "cpu":
+    if q.dtype not in _KERNEL_DTYPES or cache.dtype != q.dtype or q.device.type != "cpu":
         return False
     if meta.seq_lens.dtype != torch.int32 or meta.block_tables.dtype != torch.int32 or q.dim() != 3:
         return False  # the kernel reads int32 lengths and tables
@@ -98,7 +107,7 @@ def decode_attention(
     v_base = k_base + kv_cache.stride(0) * kv_cache.element_size()
 
     def kernel(qd: torch.Tensor, res: torch.Tensor) -> None:
-        kernel_library("decode_attention").xllm_decode_attention_paged(
+        _fn("xllm_decode_attention_paged", qd.dtype)(
             qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim,
             k_base, v_base, block_size * num_kv_heads * head_dim,
             num_kv_heads * head_dim, block_size, rows.tables.data_ptr(), rows.tables.shape[1],
@@ -140,7 +149,7 @@ def decode_attention_contiguous(
     slots = meta.kv_slots
 
     def kernel(qd: torch.Tensor, res: torch.Tensor) -> None:
-        kernel_library("decode_attention").xllm_decode_attention_slots(
+        _fn("xllm_decode_attention_slots", qd.dtype)(
             qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim,
             k_chunks.data_ptr(), v_chunks.data_ptr(), chunk.data_ptr(), offset.data_ptr(),
             view.stride(1), rows.seq_lens.data_ptr(), sliding_window or 0, scale, torch.get_num_threads(),
@@ -154,11 +163,13 @@ def decode_attention_contiguous(
 
 
 def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``store_kv`` with one C call (``xllm_store_kv``) where the rows are float32 ``[T, Hkv, D]``
-    with contiguous heads and the cache ``[2, ..., Hkv, D]`` is contiguous."""
+    """``store_kv`` with one C call (``xllm_store_kv``) where the rows are float32 or bfloat16
+    ``[T, Hkv, D]`` (the cache's dtype) with contiguous heads and the cache ``[2, ..., Hkv, D]`` is
+    contiguous."""
     row = kv_cache.shape[-2] * kv_cache.shape[-1]
     if not (
-        k.dtype == v.dtype == kv_cache.dtype == torch.float32
+        k.dtype == v.dtype == kv_cache.dtype
+        and kv_cache.dtype in _KERNEL_DTYPES
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
         and slot_mapping.numel() == k.shape[0] == v.shape[0]
@@ -170,7 +181,7 @@ def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_map
     kernel_library("decode_attention").xllm_store_kv(
         k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kv_cache.data_ptr(),
         kv_cache.data_ptr() + kv_cache.stride(0) * kv_cache.element_size(), slot_mapping.data_ptr(),
-        slot_mapping.numel(), row,
+        slot_mapping.numel(), row, kv_cache.element_size(),
     )  # fmt: skip
 
 

@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 # "auto" (where the CPU has AVX-512) | "off" | kernels to turn off, e.g. "-elementwise,-panel_gemm"
 ENV_KERNELS = CPU_KERNELS.name
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-Wall"]
+# kernel -> (extra compiler flags, the ``CpuFeatures`` field its instructions need)
+EXTRA: dict[str, tuple[list[str], str]] = {
+    "panel_gemm_bf16": (["-mavx512bf16", "-mavx512bw", "-mavx512vl"], "avx512_bf16"),
+}
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 # kernel -> {function: argtypes}
@@ -30,22 +34,40 @@ SIGNATURES: dict[str, dict[str, list]] = {
         "xllm_panel_pack": [_ptr, _i64, _i64, _i64, _i64, _ptr],
         "xllm_panel_gemm": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32],
     },
+    "panel_gemm_bf16": {
+        "xllm_panel_pack_bf16": [_ptr, _i32, _i64, _i64, _i64, _i64, _ptr],
+        "xllm_panel_gemm_bf16": [_ptr, _i32, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32, _i32],
+    },
     "row_argmax": {"xllm_row_argmax": [_ptr, _i64, _i64, _i64, _ptr, _i32]},
     "elementwise": {
         "xllm_rms_norm": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _f32, _i32],
+        "xllm_rms_norm_bf16": [
+            _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _f32, _i32,
+        ],
         "xllm_silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
+        "xllm_silu_and_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32],
         "xllm_rope_neox": [
+            _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32,
+        ],
+        "xllm_rope_neox_bf16": [
             _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32,
         ],
     },
     "decode_attention": {
         "xllm_decode_attention_supported": [_i64, _i64, _i64],
-        "xllm_store_kv": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+        "xllm_store_kv": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
         "xllm_decode_attention_paged": [
             _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
             _i64, _f32, _i32,
         ],
+        "xllm_decode_attention_paged_bf16": [
+            _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
+            _i64, _f32, _i32,
+        ],
         "xllm_decode_attention_slots": [
+            _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _f32, _i32,
+        ],
+        "xllm_decode_attention_slots_bf16": [
             _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _f32, _i32,
         ],
     },
@@ -72,6 +94,12 @@ def kernels_disabled_reason(name: str | None = None) -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX512", "AMX"):
         return f"the CPU lacks AVX-512 (torch reports {capability})"
+    if name in EXTRA:
+        from ops.platforms.cpu_features import cpu_features
+
+        feature = EXTRA[name][1]
+        if not getattr(cpu_features(), feature):
+            return f"the CPU lacks {feature}"
     return None
 
 
@@ -85,8 +113,9 @@ def kernel_library(name: str) -> ctypes.CDLL | None:
         source = Path(__file__).with_name(f"{name}.c")
         try:
             headers = sorted(source.parent.glob("*.h"))  # shared includes: an edit rebuilds
+            flags = FLAGS + EXTRA.get(name, ([], ""))[0]
             path = build_shared_library(
-                source, FLAGS, f"the CPU kernel {source}", libs=["-lm"], depends=headers
+                source, flags, f"the CPU kernel {source}", libs=["-lm"], depends=headers
             )
             lib = ctypes.CDLL(str(path))
             for fn, argtypes in SIGNATURES[name].items():

@@ -9,8 +9,10 @@
  * chunk's base address and its offset there, the xTensor layout). No gather, no padding, no mask: a sequence reads
  * positions [max(0, L - window), L) of its own length L.
  *
- * float32 q, cache and output; head_dim a multiple of 16; AVX-512F. Threads: OpenMP over sequences
- * (and KV-head ranges when sequences are fewer than threads; the process's libgomp, torch's).
+ * float32 q, cache and output, or (the *_bf16 functions) bfloat16 ones: K/V rows widened to float32
+ * as they are read, q widened and the output rounded once per task, scores, softmax and sums float32.
+ * head_dim a multiple of 16; AVX-512F. Threads: OpenMP over sequences (and KV-head ranges when
+ * sequences are fewer than threads; the process's libgomp, torch's).
  */
 #include <float.h>
 #include <immintrin.h>
@@ -28,15 +30,20 @@
 #define TILE 64              /* tokens per run piece: all KV heads of a piece stay in L1/L2 */
 
 typedef struct {
-    const float *k, *v; /* first token of the run, KV head 0 */
-    int64_t n;          /* tokens, at most TILE */
+    const void *k, *v; /* first token of the run, KV head 0 (float32 or bfloat16 elements) */
+    int64_t n;         /* tokens, at most TILE */
 } run_t;
 
-/* Query heads [h0 * G, h1 * G) of one sequence over its runs (q, out: at query head h0 * G).
- * G (query heads per KV head) and CH (head_dim / 16) are constants in the specialised copies, so
- * the query rows and the accumulators of one KV head live in registers. */
+/* 16 K/V elements at element i of row p, as float32 (BF16: a constant in each copy). */
+static inline __attribute__((always_inline)) __m512 load_kv(const int BF16, const void *p, int64_t i) {
+    return BF16 ? bf16_loadu((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* Query heads [h0 * G, h1 * G) of one sequence over its runs (q, out: float32, at query head h0 * G).
+ * G (query heads per KV head), CH (head_dim / 16) and BF16 (the cache's dtype) are constants in the
+ * specialised copies, so the query rows and the accumulators of one KV head live in registers. */
 static inline __attribute__((always_inline)) void attend_body(
-    const int G, const int CH, const float *q, float *out, int64_t h0, int64_t h1, const run_t *runs,
+    const int BF16, const int G, const int CH, const float *q, float *out, int64_t h0, int64_t h1, const run_t *runs,
     int64_t num_runs, int64_t stride, float scale, float *scores, int64_t total, float *acc_buf) {
     const int64_t dim = CH * 16, heads = (h1 - h0) * G;
     float mx[MAX_HEAD_FLOATS / 16];
@@ -50,11 +57,11 @@ static inline __attribute__((always_inline)) void attend_body(
             for (int g = 0; g < G; g++)
                 for (int c = 0; c < CH; c++) qv[g][c] = _mm512_loadu_ps(qh + g * dim + c * 16);
             for (int64_t i = 0; i < runs[r].n; i++) {
-                const float *kr = runs[r].k + i * stride + h * dim;
+                const int64_t kr = i * stride + h * dim; /* elements from runs[r].k */
                 __m512 acc[MAX_GROUP];
                 for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
                 for (int c = 0; c < CH; c++) {
-                    const __m512 kv = _mm512_loadu_ps(kr + c * 16);
+                    const __m512 kv = load_kv(BF16, runs[r].k, kr + c * 16);
                     for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(qv[g][c], kv, acc[g]);
                 }
                 for (int g = 0; g < G; g++) {
@@ -89,11 +96,11 @@ static inline __attribute__((always_inline)) void attend_body(
             for (int g = 0; g < G; g++)
                 for (int c = 0; c < CH; c++) acc[g][c] = _mm512_loadu_ps(ab + g * dim + c * 16);
             for (int64_t i = 0; i < runs[r].n; i++) {
-                const float *vr = runs[r].v + i * stride + h * dim;
+                const int64_t vr = i * stride + h * dim; /* elements from runs[r].v */
                 __m512 pv[MAX_GROUP];
                 for (int g = 0; g < G; g++) pv[g] = _mm512_set1_ps(scores[(row0 + g) * total + t0 + i]);
                 for (int c = 0; c < CH; c++) {
-                    const __m512 vv = _mm512_loadu_ps(vr + c * 16);
+                    const __m512 vv = load_kv(BF16, runs[r].v, vr + c * 16);
                     for (int g = 0; g < G; g++) acc[g][c] = _mm512_fmadd_ps(pv[g], vv, acc[g][c]);
                 }
             }
@@ -108,23 +115,31 @@ static inline __attribute__((always_inline)) void attend_body(
     }
 }
 
-static void attend(int g_rows, int64_t dim, const float *q, float *out, int64_t h0, int64_t h1,
+static void attend(int bf16, int g_rows, int64_t dim, const float *q, float *out, int64_t h0, int64_t h1,
                    const run_t *runs, int64_t num_runs, int64_t stride, float scale, float *scores,
                    int64_t total, float *acc_buf) {
 #define ARGS q, out, h0, h1, runs, num_runs, stride, scale, scores, total, acc_buf
-    switch (g_rows * 1000 + dim) {
-#define SPECIAL(G, D) case G * 1000 + D: attend_body(G, D / 16, ARGS); return;
-        SPECIAL(1, 32) SPECIAL(2, 32) SPECIAL(4, 32) SPECIAL(8, 32)
-        SPECIAL(1, 64) SPECIAL(2, 64) SPECIAL(4, 64) SPECIAL(8, 64)
-        SPECIAL(1, 128) SPECIAL(2, 128) SPECIAL(4, 128) SPECIAL(8, 128)
+    switch (bf16 * 1000000 + g_rows * 1000 + dim) {
+#define SPECIAL(B, G, D) case B * 1000000 + G * 1000 + D: attend_body(B, G, D / 16, ARGS); return;
+#define SHAPES(B)                                                               \
+        SPECIAL(B, 1, 32) SPECIAL(B, 2, 32) SPECIAL(B, 4, 32) SPECIAL(B, 8, 32)     \
+        SPECIAL(B, 1, 64) SPECIAL(B, 2, 64) SPECIAL(B, 4, 64) SPECIAL(B, 8, 64)     \
+        SPECIAL(B, 1, 128) SPECIAL(B, 2, 128) SPECIAL(B, 4, 128) SPECIAL(B, 8, 128)
+        SHAPES(0) SHAPES(1)
+#undef SHAPES
 #undef SPECIAL
     }
-    attend_body(g_rows, (int)(dim / 16), ARGS); /* other shapes: the same code, sizes at run time */
+    /* other shapes: the same code, sizes at run time */
+    if (bf16)
+        attend_body(1, g_rows, (int)(dim / 16), ARGS);
+    else
+        attend_body(0, g_rows, (int)(dim / 16), ARGS);
 #undef ARGS
 }
 
-/* The context [first, len) of a virtually contiguous run of tokens as pieces of at most TILE. */
-static int64_t split_run(const float *k, const float *v, int64_t n, int64_t stride, run_t *runs) {
+/* The context [first, len) of a virtually contiguous run of tokens as pieces of at most TILE
+ * (stride in bytes). */
+static int64_t split_run(const char *k, const char *v, int64_t n, int64_t stride, run_t *runs) {
     int64_t count = 0;
     for (int64_t i = 0; i < n; i += TILE)
         runs[count++] = (run_t){k + i * stride, v + i * stride, n - i < TILE ? n - i : TILE};
@@ -145,10 +160,10 @@ int xllm_decode_attention_supported(int64_t num_heads, int64_t num_kv_heads, int
 
 /* Where a sequence's context is: the blocks of a paged cache (tables set) or one virtually
  * contiguous run per sequence: token 0 of sequence b at k_chunks[chunk[b]] + offset[b] bytes
- * (addresses as int64; likewise V). */
+ * (addresses as int64; likewise V). Elements of elem_bytes bytes (4: float32, 2: bfloat16). */
 typedef struct {
-    const float *k_cache, *v_cache;
-    int64_t block_stride, block_size, width;
+    const char *k_cache, *v_cache;
+    int64_t elem_bytes, block_stride, block_size, width;
     const int32_t *tables;
     const int64_t *k_chunks, *v_chunks, *chunk, *offset;
 } source_t;
@@ -156,26 +171,38 @@ typedef struct {
 /* Positions [first, len) of sequence b as pieces of at most TILE tokens; returns how many. */
 static int64_t context_runs(const source_t *src, int64_t b, int64_t first, int64_t len,
                             int64_t token_stride, run_t *runs) {
+    const int64_t es = src->elem_bytes;
     if (!src->tables)
         return split_run(
-            (const float *)(intptr_t)(src->k_chunks[src->chunk[b]] + src->offset[b]) + first * token_stride,
-            (const float *)(intptr_t)(src->v_chunks[src->chunk[b]] + src->offset[b]) + first * token_stride,
-            len - first, token_stride, runs);
+            (const char *)(intptr_t)(src->k_chunks[src->chunk[b]] + src->offset[b]) + first * token_stride * es,
+            (const char *)(intptr_t)(src->v_chunks[src->chunk[b]] + src->offset[b]) + first * token_stride * es,
+            len - first, token_stride * es, runs);
     int64_t num_runs = 0;
     for (int64_t pos = first; pos < len;) {
         const int64_t blk = src->tables[b * src->width + pos / src->block_size], off = pos % src->block_size;
         const int64_t n = src->block_size - off < len - pos ? src->block_size - off : len - pos;
-        const int64_t base = blk * src->block_stride + off * token_stride;
-        num_runs += split_run(src->k_cache + base, src->v_cache + base, n, token_stride, runs + num_runs);
+        const int64_t base = (blk * src->block_stride + off * token_stride) * es;
+        num_runs += split_run(src->k_cache + base, src->v_cache + base, n, token_stride * es, runs + num_runs);
         pos += n;
     }
     return num_runs;
 }
 
-static void decode_attention(const float *q, float *out, int64_t batch, int64_t num_heads,
+/* n (a multiple of 16) bfloat16 values to float32 and back (rounded to nearest even). */
+static void widen(const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(dst + j, bf16_loadu(src + j));
+}
+
+static void narrow(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t j = 0; j < n; j += 16) bf16_storeu(dst + j, _mm512_loadu_ps(src + j));
+}
+
+/* q, out: float32, or bfloat16 when src->elem_bytes is 2 (then a task widens its query rows into
+ * q_buf and rounds its float32 results from o_buf into out once). */
+static void decode_attention(const void *q, void *out, int64_t batch, int64_t num_heads,
                              int64_t num_kv_heads, int64_t dim, const source_t *src, int64_t token_stride,
                              const int32_t *seq_lens, int64_t window, float scale, int threads) {
-    const int g_rows = (int)(num_heads / num_kv_heads);
+    const int g_rows = (int)(num_heads / num_kv_heads), bf16 = src->elem_bytes == 2;
     int64_t max_len = 1;
     for (int64_t b = 0; b < batch; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     /* pieces: at most len / TILE + 1 from splitting, plus one per block (a partial first and last) */
@@ -185,6 +212,8 @@ static void decode_attention(const float *q, float *out, int64_t batch, int64_t 
     {
         float *scores = malloc(sizeof(float) * num_heads * max_len);
         float *acc_buf = malloc(sizeof(float) * num_heads * dim);
+        float *q_buf = bf16 ? malloc(sizeof(float) * num_heads * dim * 2) : 0;
+        float *o_buf = bf16 ? q_buf + num_heads * dim : 0;
         run_t *runs = malloc(sizeof(run_t) * max_runs);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
@@ -193,11 +222,19 @@ static void decode_attention(const float *q, float *out, int64_t batch, int64_t 
             const int64_t len = seq_lens[b];
             const int64_t first = window > 0 && len > window ? len - window : 0;
             const int64_t num_runs = context_runs(src, b, first, len, token_stride, runs);
-            const int64_t qo = (b * num_heads + h0 * g_rows) * dim;
-            attend(g_rows, dim, q + qo, out + qo, h0, h1, runs, num_runs, token_stride, scale, scores,
-                   len - first, acc_buf);
+            const int64_t qo = (b * num_heads + h0 * g_rows) * dim, n = (h1 - h0) * g_rows * dim;
+            if (!bf16) {
+                attend(0, g_rows, dim, (const float *)q + qo, (float *)out + qo, h0, h1, runs, num_runs,
+                       token_stride, scale, scores, len - first, acc_buf);
+                continue;
+            }
+            widen((const uint16_t *)q + qo, q_buf, n);
+            attend(1, g_rows, dim, q_buf, o_buf, h0, h1, runs, num_runs, token_stride, scale, scores, len - first,
+                   acc_buf);
+            narrow(o_buf, (uint16_t *)out + qo, n);
         }
         free(runs);
+        free(q_buf);
         free(acc_buf);
         free(scores);
     }
@@ -210,33 +247,60 @@ void xllm_decode_attention_paged(const float *q, float *out, int64_t batch, int6
                                  const float *v_cache, int64_t block_stride, int64_t token_stride,
                                  int64_t block_size, const int32_t *tables, int64_t width,
                                  const int32_t *seq_lens, int64_t window, float scale, int threads) {
-    const source_t src = {k_cache, v_cache, block_stride, block_size, width, tables, 0, 0};
+    const source_t src = {.k_cache = (const char *)k_cache, .v_cache = (const char *)v_cache, .elem_bytes = 4,
+                          .block_stride = block_stride, .block_size = block_size, .width = width, .tables = tables};
+    decode_attention(q, out, batch, num_heads, num_kv_heads, dim, &src, token_stride, seq_lens, window,
+                     scale, threads);
+}
+
+/* xllm_decode_attention_paged with bfloat16 q, cache and out (strides in elements). */
+void xllm_decode_attention_paged_bf16(const uint16_t *q, uint16_t *out, int64_t batch, int64_t num_heads,
+                                      int64_t num_kv_heads, int64_t dim, const uint16_t *k_cache,
+                                      const uint16_t *v_cache, int64_t block_stride, int64_t token_stride,
+                                      int64_t block_size, const int32_t *tables, int64_t width,
+                                      const int32_t *seq_lens, int64_t window, float scale, int threads) {
+    const source_t src = {.k_cache = (const char *)k_cache, .v_cache = (const char *)v_cache, .elem_bytes = 2,
+                          .block_stride = block_stride, .block_size = block_size, .width = width, .tables = tables};
     decode_attention(q, out, batch, num_heads, num_kv_heads, dim, &src, token_stride, seq_lens, window,
                      scale, threads);
 }
 
 /* As above with each sequence's context one virtually contiguous run (a slot of the xTensor
  * layout): token t, KV head h of sequence b at k_chunks[chunk[b]] + offset[b] bytes
- * + (t * token_stride + h * D) floats; k_chunks / v_chunks: the layer's chunk base addresses, the
+ * + (t * token_stride + h * D) elements; k_chunks / v_chunks: the layer's chunk base addresses, the
  * same for every layer's call of a step except these two. */
 void xllm_decode_attention_slots(const float *q, float *out, int64_t batch, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t dim, const int64_t *k_chunks,
                                  const int64_t *v_chunks, const int64_t *chunk, const int64_t *offset,
                                  int64_t token_stride, const int32_t *seq_lens, int64_t window,
                                  float scale, int threads) {
-    const source_t src = {0, 0, 0, 1, 0, 0, k_chunks, v_chunks, chunk, offset};
+    const source_t src = {.elem_bytes = 4, .block_size = 1, .k_chunks = k_chunks, .v_chunks = v_chunks,
+                          .chunk = chunk, .offset = offset};
     decode_attention(q, out, batch, num_heads, num_kv_heads, dim, &src, token_stride, seq_lens, window,
                      scale, threads);
 }
 
-/* The step's new K/V rows into the cache: token i's row (row_floats floats; k_new + i * k_stride)
- * to k_cache + slots[i] * row_floats, likewise V. One memcpy per row: a decode step writes a few
- * rows per layer, where a torch index_copy_ pays more in dispatch than in copying. */
-void xllm_store_kv(const float *k_new, const float *v_new, int64_t k_stride, int64_t v_stride,
-                   float *k_cache, float *v_cache, const int64_t *slots, int64_t n, int64_t row_floats) {
-    const size_t bytes = sizeof(float) * (size_t)row_floats;
+/* xllm_decode_attention_slots with bfloat16 q, cache and out. */
+void xllm_decode_attention_slots_bf16(const uint16_t *q, uint16_t *out, int64_t batch, int64_t num_heads,
+                                      int64_t num_kv_heads, int64_t dim, const int64_t *k_chunks,
+                                      const int64_t *v_chunks, const int64_t *chunk, const int64_t *offset,
+                                      int64_t token_stride, const int32_t *seq_lens, int64_t window,
+                                      float scale, int threads) {
+    const source_t src = {.elem_bytes = 2, .block_size = 1, .k_chunks = k_chunks, .v_chunks = v_chunks,
+                          .chunk = chunk, .offset = offset};
+    decode_attention(q, out, batch, num_heads, num_kv_heads, dim, &src, token_stride, seq_lens, window,
+                     scale, threads);
+}
+
+/* The step's new K/V rows into the cache: token i's row (row elements of elem_bytes bytes;
+ * k_new + i * k_stride elements) to k_cache + slots[i] * row elements, likewise V. One memcpy per
+ * row: a decode step writes a few rows per layer, where a torch index_copy_ pays more in dispatch
+ * than in copying. */
+void xllm_store_kv(const void *k_new, const void *v_new, int64_t k_stride, int64_t v_stride, void *k_cache,
+                   void *v_cache, const int64_t *slots, int64_t n, int64_t row, int64_t elem_bytes) {
+    const size_t bytes = (size_t)(elem_bytes * row);
     for (int64_t i = 0; i < n; i++) {
-        memcpy(k_cache + slots[i] * row_floats, k_new + i * k_stride, bytes);
-        memcpy(v_cache + slots[i] * row_floats, v_new + i * v_stride, bytes);
+        memcpy((char *)k_cache + slots[i] * bytes, (const char *)k_new + i * k_stride * elem_bytes, bytes);
+        memcpy((char *)v_cache + slots[i] * bytes, (const char *)v_new + i * v_stride * elem_bytes, bytes);
     }
 }

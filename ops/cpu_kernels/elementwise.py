@@ -3,8 +3,12 @@
 Eager steps run these instead of torch's op chains (six ops per norm, two per gate, six per
 rotation), which cost a prefill step of the tiny model a third of its time and a decode step one
 dispatch each. While ``torch.compile`` traces (partial graph mode) the reference runs, so inductor
-sees plain torch ops it can fuse. Anything but float32 CPU tensors with contiguous rows goes to the
-reference too.
+sees plain torch ops it can fuse.
+
+float32 and bfloat16 take the kernels (bfloat16: float32 inside, each result rounded once to nearest
+even; RoPE's cos/sin cache stays float32). Every tensor of a call must have the one dtype (the cache
+float32), else the call runs the reference: a bfloat16 activation with a float32 norm weight, say, gets
+the reference's type promotion. Other dtypes and rows that are not contiguous run the reference too.
 """
 
 from __future__ import annotations
@@ -16,13 +20,24 @@ from ops.torch_ref import activation as ref_act
 from ops.torch_ref import norm as ref_norm
 from ops.torch_ref import rope as ref_rope
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def _lib(*tensors: torch.Tensor):  # noqa: ANN202 - a ctypes.CDLL or None
+    """The kernel library where ``tensors`` are CPU tensors of one kernel dtype, else None."""
     if torch.compiler.is_compiling():
         return None
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.requires_grad for t in tensors):
+    dtype = tensors[0].dtype
+    if dtype not in _KERNEL_DTYPES:
+        return None
+    if any(t.dtype != dtype or t.device.type != "cpu" or t.requires_grad for t in tensors):
         return None
     return kernel_library("elementwise")
+
+
+def _fn(lib, name: str, dtype: torch.dtype):  # noqa: ANN001, ANN202 - ctypes
+    """Kernel ``name`` for float32 tensors, ``name``_bf16 for bfloat16 ones."""
+    return getattr(lib, name if dtype == torch.float32 else f"{name}_bf16")
 
 
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor | None:
@@ -54,8 +69,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return ref_norm.rms_norm(x, weight, eps)
     outer, inner, so, si = grid
     out = torch.empty(x.shape, dtype=x.dtype)
-    lib.xllm_rms_norm(x.data_ptr(), outer, inner, so, si, None, 0, 0, weight.data_ptr(), out.data_ptr(), n,
-                      eps, torch.get_num_threads())  # fmt: skip
+    kernel = _fn(lib, "xllm_rms_norm", x.dtype)
+    kernel(x.data_ptr(), outer, inner, so, si, None, 0, 0, weight.data_ptr(), out.data_ptr(), n, eps,
+           torch.get_num_threads())  # fmt: skip
     return out
 
 
@@ -71,8 +87,9 @@ def fused_add_rms_norm(
         return ref_norm.fused_add_rms_norm(x, residual, weight, eps)
     outer, inner, so, si = grid
     out = torch.empty(x.shape, dtype=x.dtype)
-    lib.xllm_rms_norm(x.data_ptr(), outer, inner, so, si, residual.data_ptr(), res[2], res[3],
-                      weight.data_ptr(), out.data_ptr(), n, eps, torch.get_num_threads())  # fmt: skip
+    kernel = _fn(lib, "xllm_rms_norm", x.dtype)
+    kernel(x.data_ptr(), outer, inner, so, si, residual.data_ptr(), res[2], res[3], weight.data_ptr(),
+           out.data_ptr(), n, eps, torch.get_num_threads())  # fmt: skip
     return out, x
 
 
@@ -84,8 +101,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return ref_act.silu_and_mul(x)
     n = width // 2
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
-    lib.xllm_silu_and_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), n, rows.shape[0], n,
-                          torch.get_num_threads())  # fmt: skip
+    kernel = _fn(lib, "xllm_silu_and_mul", x.dtype)
+    kernel(rows.data_ptr(), rows.stride(0), out.data_ptr(), n, rows.shape[0], n, torch.get_num_threads())
     return out.view(*x.shape[:-1], n)
 
 
@@ -96,8 +113,9 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    lib = _lib(q, k, cos_sin_cache)
-    if lib is None or not is_neox or not _rope_shapes(positions, q, k, cos_sin_cache):
+    lib = _lib(q, k)  # the cache: float32 (the model's, whatever its dtype) on the CPU
+    cache_ok = cos_sin_cache.dtype == torch.float32 and cos_sin_cache.device.type == "cpu"
+    if lib is None or not cache_ok or not is_neox or not _rope_shapes(positions, q, k, cos_sin_cache):
         return ref_rope.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
     tokens, hq, dim = q.shape
     hk = k.shape[1]
@@ -108,9 +126,10 @@ def rotary_embedding(
     )
     q_out = torch.empty(tokens, hq, dim, dtype=q.dtype)
     k_out = torch.empty(tokens, hk, dim, dtype=k.dtype)
-    lib.xllm_rope_neox(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), pos.data_ptr(),
-                       cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), q_out.data_ptr(), k_out.data_ptr(),
-                       tokens, hq, hk, dim, torch.get_num_threads())  # fmt: skip
+    kernel = _fn(lib, "xllm_rope_neox", q.dtype)
+    kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), pos.data_ptr(), cos_sin_cache.data_ptr(),
+           cos_sin_cache.stride(0), q_out.data_ptr(), k_out.data_ptr(), tokens, hq, hk, dim,
+           torch.get_num_threads())  # fmt: skip
     return q_out, k_out
 
 

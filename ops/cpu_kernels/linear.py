@@ -64,11 +64,62 @@ class PanelLinear:
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
-    """The CPU packed form of a linear layer: ``PanelLinear`` where the kernel runs, else oneDNN's."""
+class PanelLinearBF16:
+    """A bfloat16 weight packed in 32-column panels of k pairs for the CPU's bf16 dot-product unit
+    (``panel_gemm_bf16.c``: fp32 accumulation, bias in fp32); call it on ``x [..., in]``.
+
+    float32 and bfloat16 inputs run the kernel (float32 ``x`` is rounded to bf16 as it is packed);
+    the output has ``x``'s dtype, or float32 with ``float_output`` (logits: rounded once, from the
+    accumulator, instead of through bf16). Other inputs fall back to ``F.linear``."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL, float_output: bool
+    ) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.float_output = float_output
+        panels = -(-self.out_features // PANEL_COLUMNS)
+        pairs = -(-self.in_features // 2)
+        self.packed = torch.empty(panels * pairs * PANEL_COLUMNS * 2, dtype=torch.bfloat16)
+        stride_n, stride_k = self.weight.stride()
+        lib.xllm_panel_pack_bf16(
+            self.weight.data_ptr(), 1, self.out_features, self.in_features, stride_n, stride_k,
+            self.packed.data_ptr(),
+        )  # fmt: skip
+        self._gemm = lib.xllm_panel_gemm_bf16
+        self._packed_ptr = self.packed.data_ptr()
+        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows == 0 or x.dtype not in (torch.float32, torch.bfloat16):
+            out = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            return out.float() if self.float_output else out
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        out_dtype = torch.float32 if self.float_output else x.dtype
+        out = torch.empty(rows, self.out_features, dtype=out_dtype, device=x.device)
+        self._gemm(
+            flat.data_ptr(), int(x.dtype == torch.bfloat16), rows, self.in_features, self._packed_ptr,
+            self.out_features, self._bias_ptr, out.data_ptr(), int(out_dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_output: bool = False) -> Any:
+    """The CPU packed form of a linear layer: ``PanelLinear`` (float32) or ``PanelLinearBF16``
+    (bfloat16, where the CPU has bf16 units) where the kernel runs, else oneDNN's."""
     from ops.onednn import pack_linear as onednn_pack
 
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return onednn_pack(weight, bias)
+    if weight.dtype == torch.bfloat16:
+        lib = kernel_library("panel_gemm_bf16")
+        return None if lib is None else PanelLinearBF16(weight, bias, lib, float_output)
+    if weight.dtype != torch.float32:
         return onednn_pack(weight, bias)
     lib = kernel_library("panel_gemm")
     if lib is None:

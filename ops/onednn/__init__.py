@@ -25,7 +25,10 @@ class OneDNNLinear:
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> OneDNNLinear | None:
+def pack_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, float_output: bool = False
+) -> OneDNNLinear | None:
+    """oneDNN's packed form of a float32 weight (``float_output``: float32 inputs give float32 anyway)."""
     if (
         weight.dtype != torch.float32
         or weight.device.type != "cpu"

@@ -20,7 +20,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     from ops.torch_ref.rope import rotary_embedding
 
     return {
-        "pack_linear": lambda weight, bias: None,  # no packed form: layers call F.linear
+        "pack_linear": lambda weight, bias, float_output=False: None,  # no packed form: layers call F.linear
         "attention": attention,
         "attention_contiguous": attention_contiguous,
         "attention_static": attention_static,

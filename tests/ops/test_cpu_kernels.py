@@ -2,7 +2,8 @@
 
 The panel GEMM over tail shapes, biases, both weight layouts, 1 and 2 threads, and rows past its
 limit (``F.linear``); decode attention over the paged cache and xTensor slots, GQA groups, sliding
-windows and lengths that end mid-block, checked to run the kernel rather than the reference.
+windows and lengths that end mid-block, checked to run the kernel rather than the reference; the
+same in bfloat16 against the float32 reference rounded to bfloat16.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_attention import _dense
+from test_cpu_elementwise import assert_within_one_bf16_ulp
 
 from memory.kv_layout import KVCacheSpec
 from memory.xtensor import XTensorKVLayout
 from ops.attention import ContiguousKV, build_attention_metadata
 from ops.cpu_kernels import attention as kernel_attention
-from ops.cpu_kernels.build import build_all, kernel_library, unavailable_reason
+from ops.cpu_kernels.build import SIGNATURES, build_all, kernel_library, unavailable_reason
 from ops.cpu_kernels.linear import PanelLinear
 from ops.kv_store import store_kv
 from ops.platforms import resolve_platform
@@ -38,12 +40,22 @@ def threads(request):
 
 
 def test_every_kernel_builds() -> None:
-    assert build_all() == {
+    """The AVX-512F kernels build here (kernels needing more, as ``panel_gemm_bf16``, may say why not)."""
+    results = build_all()
+    assert set(results) == set(SIGNATURES)
+    assert {
+        name: results[name] for name in ("panel_gemm", "row_argmax", "decode_attention", "elementwise")
+    } == {
         "panel_gemm": "ok",
         "row_argmax": "ok",
         "decode_attention": "ok",
         "elementwise": "ok",
     }
+    from ops.platforms.cpu_features import cpu_features
+
+    has_bf16 = cpu_features().avx512_bf16
+    assert (results["panel_gemm_bf16"] == "ok") == has_bf16
+    assert has_bf16 or "avx512_bf16" in results["panel_gemm_bf16"]
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
@@ -173,6 +185,117 @@ def test_slot_decode_attention_matches_dense(kernel_only, threads, window) -> No
         layout.close()
 
 
+def _bf16_paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed):
+    """A bfloat16 paged cache (NaN where nothing was written) holding every sequence's context but its
+    last token; returns the cache, the tables, the decode step's q / new K / new V (bfloat16)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 96
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan")).bfloat16()
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
+    ks, vs, q = (
+        [t.bfloat16() for t in part] if isinstance(part, list) else part.bfloat16()
+        for part in _decode_inputs(seq_lens, num_heads, num_kv_heads, head_dim, gen)
+    )
+    ctx = build_attention_metadata([s - 1 for s in seq_lens], [s - 1 for s in seq_lens], tables, block_size)
+    store_kv(torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), cache, ctx.slot_mapping)
+    return cache, tables, q, torch.cat([k[-1:] for k in ks]), torch.cat([v[-1:] for v in vs])
+
+
+def _float32_reference(q, k, v, cache, seq_lens, tables, block_size, scale, window):
+    """The torch reference in float32 over float32 copies of the bfloat16 inputs, rounded to bfloat16;
+    and the float32 cache it wrote."""
+    from ops.torch_ref.attention import attention as torch_ref_attention
+
+    meta = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, block_size)
+    ref_cache = cache.float()
+    out = torch_ref_attention(q.float(), k.float(), v.float(), ref_cache, meta, scale, window)
+    return out.bfloat16(), ref_cache
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 64), (16, 1, 128), (4, 2, 16), (12, 4, 48)]
+)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block_size,seq_lens", [(16, [1, 16, 17, 40, 100, 3]), (128, [300, 129, 64, 1])])
+def test_bf16_paged_decode_attention_within_one_ulp(
+    kernel_only, threads, num_heads, num_kv_heads, head_dim, window, block_size, seq_lens
+):
+    """bfloat16 q and cache through the kernel (48: a head size with no specialised copy) against
+    the float32 reference rounded to bfloat16: at most one bfloat16 ulp apart, or 1e-6 where a
+    result cancels to near zero; the new K/V rows stored bit for bit."""
+    cache, tables, q, new_k, new_v = _bf16_paged_case(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed=num_heads + head_dim
+    )
+    scale = head_dim**-0.5
+    want, ref_cache = _float32_reference(q, new_k, new_v, cache, seq_lens, tables, block_size, scale, window)
+    meta = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, block_size)
+    out = kernel_attention.decode_attention(q, new_k, new_v, cache, meta, scale, window)
+    assert_within_one_bf16_ulp(out, want, atol=1e-6)
+    torch.testing.assert_close(cache.float(), ref_cache, rtol=0, atol=0, equal_nan=True)
+
+
+def test_bf16_decode_attention_does_not_depend_on_the_thread_count(kernel_only) -> None:
+    """One sequence (2 threads split its KV heads) and several (one task each): the same bits."""
+    seq_lens, block_size = [40, 100, 3, 17], 16
+    cache, tables, q, new_k, new_v = _bf16_paged_case(seq_lens, 8, 4, 64, block_size, seed=5)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for b in (slice(0, 1), slice(0, 4)):
+                meta = build_attention_metadata([1] * (b.stop - b.start), seq_lens[b], tables[b], block_size)
+                results.append(kernel_attention.decode_attention(q[b], new_k[b], new_v[b], cache, meta, 0.1))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
+    assert torch.equal(results[0], results[1][:1])  # a sequence's result does not depend on its batch
+
+
+@pytest.fixture
+def xtensor_layout():
+    """An xTensor layout closed at teardown (after pytest has reported a failure: its report may
+    read tensors in the layout's mappings)."""
+    layout = XTensorKVLayout(resolve_platform("cpu").vmm(), max_model_len=64, slots_per_chunk=2)
+    yield layout
+    layout.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("window", [None, 7])
+def test_bf16_slot_decode_attention_within_one_ulp(kernel_only, xtensor_layout, threads, window) -> None:
+    """The xTensor layout in bfloat16: each sequence's slot read in place, in a batch order that is
+    not slot order, against the float32 reference over the same blocks rounded to bfloat16."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16  # a K block: one 4 KiB page
+    gen = torch.Generator().manual_seed(6)
+    spec = KVCacheSpec(1, num_kv_heads, head_dim, block_size, torch.bfloat16)
+    paged = xtensor_layout.allocate(spec, 32, "cpu")
+    kv: ContiguousKV = xtensor_layout.attention_caches(paged)[0]
+    seq_lens = [5, 64, 17, 1, 33]
+    tables = [[b * 4 + i for i in range(-(-s // block_size))] for b, s in enumerate(seq_lens)]
+    slots = xtensor_layout.prepare([(f"s{b}", t, n) for b, (t, n) in enumerate(zip(tables, seq_lens))])
+    ks, vs, q = _decode_inputs(seq_lens, num_heads, num_kv_heads, head_dim, gen)
+    ks, vs, q = [k.bfloat16() for k in ks], [v.bfloat16() for v in vs], q.bfloat16()
+    ctx = build_attention_metadata([s - 1 for s in seq_lens], [s - 1 for s in seq_lens], tables, block_size)
+    store_kv(torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), paged[0], ctx.slot_mapping)
+    order = [4, 2, 0, 3, 1]
+    lens, order_tables = [seq_lens[b] for b in order], [tables[b] for b in order]
+    meta = build_attention_metadata([1] * 5, lens, order_tables, block_size)
+    meta.kv_slots = [slots[b] for b in order]
+    scale = head_dim**-0.5
+    new_k, new_v = torch.cat([ks[b][-1:] for b in order]), torch.cat([vs[b][-1:] for b in order])
+    want, ref_cache = _float32_reference(
+        q[order], new_k, new_v, paged[0], lens, order_tables, block_size, scale, window
+    )
+    out = kernel_attention.decode_attention_contiguous(q[order], new_k, new_v, kv, meta, scale, window)
+    assert_within_one_bf16_ulp(out, want, atol=1e-6)
+    written = torch.cat([ref_cache[:, blocks] for blocks in tables], dim=1)
+    assert torch.equal(torch.cat([paged[0][:, blocks] for blocks in tables], dim=1).float(), written)
+
+
 def test_mixed_step_decodes_run_the_kernel_beside_reference_prefills(monkeypatch) -> None:
     from ops.torch_ref.attention import attention as torch_ref_attention
 
@@ -199,9 +322,9 @@ def test_mixed_step_decodes_run_the_kernel_beside_reference_prefills(monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kv_store_writes_strided_rows_like_the_reference(dtype) -> None:
-    """K/V rows split out of one fused QKV output (strided views) land where ``store_kv`` puts them;
-    bfloat16 takes the reference path."""
+def test_kv_store_writes_strided_rows_like_the_reference(monkeypatch, dtype) -> None:
+    """K/V rows split out of one fused QKV output (strided views) land where ``store_kv`` puts them,
+    with the C call (float32 and bfloat16 alike)."""
     gen = torch.Generator().manual_seed(3)
     num_heads, num_kv_heads, head_dim = 4, 2, 32
     qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
@@ -212,24 +335,32 @@ def test_kv_store_writes_strided_rows_like_the_reference(dtype) -> None:
     slots = torch.tensor([3, 17, 40, 63, 0])
     ref = cache.clone()
     store_kv(k, v, ref, slots)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference store ran instead of xllm_store_kv")
+
+    monkeypatch.setattr(kernel_attention, "store_kv", refuse)
     kernel_attention._store_kv(k, v, cache, slots)
     assert torch.equal(cache, ref)
 
 
-def test_other_dtypes_use_the_reference() -> None:
-    """The kernel is float32 only: a bfloat16 step gets exactly the torch reference's output and cache."""
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float16), (torch.bfloat16, torch.float32)])
+def test_other_dtypes_use_the_reference(dtypes) -> None:
+    """The kernel takes float32 and bfloat16 q with a cache of the same dtype: a float16 step, or
+    bfloat16 q over a float32 cache, gets exactly the torch reference's output and cache."""
     from ops.torch_ref.attention import attention as torch_ref_attention
 
+    q_dtype, cache_dtype = dtypes
     gen = torch.Generator().manual_seed(4)
-    cache = torch.randn(2, 4, 16, 2, 64, generator=gen).bfloat16()
-    q = torch.randn(1, 4, 64, generator=gen).bfloat16()
-    k, v = (torch.randn(1, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    cache = torch.randn(2, 4, 16, 2, 64, generator=gen).to(cache_dtype)
+    q = torch.randn(1, 4, 64, generator=gen).to(q_dtype)
+    k, v = (torch.randn(1, 2, 64, generator=gen).to(q_dtype) for _ in range(2))
     ref_cache = cache.clone()
     ref = torch_ref_attention(q, k, v, ref_cache, build_attention_metadata([1], [5], [[0]], 16), 0.1)
     out = kernel_attention.decode_attention(
         q, k, v, cache, build_attention_metadata([1], [5], [[0]], 16), 0.1
     )
-    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    assert out.dtype == q_dtype and torch.equal(out, ref)
     assert torch.equal(cache, ref_cache)
 
 

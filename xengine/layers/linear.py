@@ -12,14 +12,17 @@ from ops.linear import pack_linear, packed_linear
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight the platform may pack once for a faster GEMM (``ops/linear.py``).
 
-    ``pack()`` after the weights are loaded; later changes to ``weight`` need another ``pack()``."""
+    ``pack()`` after the weights are loaded; later changes to ``weight`` need another ``pack()``.
+    ``float_output`` (set before ``pack()``, e.g. on an LM head): the caller wants float32 out, which a
+    backend may produce straight from its accumulators."""
 
     _packed: int | None = None
     _packed_owner: object = None  # keeps the backend's packed weight alive while this layer is
+    float_output: bool = False
 
     def pack(self) -> bool:
         """Pack the weight for the platform's kernel; False where the platform has none."""
-        packed = pack_linear(self.weight, self.bias)
+        packed = pack_linear(self.weight, self.bias, self.float_output)
         self._packed, self._packed_owner = (None, None) if packed is None else packed
         return self._packed is not None
 

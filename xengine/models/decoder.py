@@ -144,6 +144,7 @@ class DecoderForCausalLM(BaseCausalLM):
         self.config = cfg
         self.model = DecoderModel(cfg, self.make_mlp, self.make_attention)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.float_output = True  # logits in float32 straight from the GEMM's accumulators
         self.tie_weights()
 
     @classmethod
