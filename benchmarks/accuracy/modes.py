@@ -34,12 +34,13 @@ def hf_logits_fn(model_dir: str, dtype: torch.dtype) -> LogitsFn:
     return logits
 
 
-def xllm_logits_fn(model_dir: str, dtype: torch.dtype) -> LogitsFn:
-    """Logits of our model loaded in ``dtype`` as the engine loads it: one prefill of the whole sequence
-    over a fresh paged KV cache, logits of every position (``compute_logits``, float32)."""
+def xllm_logits_fn(model_dir: str, dtype: torch.dtype, quantization: str = "none") -> LogitsFn:
+    """Logits of our model loaded in ``dtype`` (and ``quantization``) as the engine loads it: one
+    prefill of the whole sequence over a fresh paged KV cache, logits of every position
+    (``compute_logits``, float32)."""
     from xengine.models.loader import load_model
 
-    model = load_model(model_dir, dtype, torch.device("cpu"))
+    model = load_model(model_dir, dtype, torch.device("cpu"), quantization)
     cases: dict[int, Case] = {}
 
     def logits(token_ids: torch.Tensor) -> torch.Tensor:
@@ -60,5 +61,7 @@ MODES: dict[str, Callable[[str], LogitsFn]] = {
     "hf_bfloat16": lambda d: hf_logits_fn(d, torch.bfloat16),
     "xllm_float32": lambda d: xllm_logits_fn(d, torch.float32),
     "xllm_bfloat16": lambda d: xllm_logits_fn(d, torch.bfloat16),
+    "xllm_w8a8_float32": lambda d: xllm_logits_fn(d, torch.float32, "w8a8"),
+    "xllm_w8a8_bfloat16": lambda d: xllm_logits_fn(d, torch.bfloat16, "w8a8"),
 }
 DEFAULT_MODES = [name for name in MODES if name != REFERENCE]

@@ -25,6 +25,7 @@ FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-Wall"]
 # kernel -> (extra compiler flags, the ``CpuFeatures`` field its instructions need)
 EXTRA: dict[str, tuple[list[str], str]] = {
     "panel_gemm_bf16": (["-mavx512bf16", "-mavx512bw", "-mavx512vl"], "avx512_bf16"),
+    "panel_gemm_int8": (["-mavx512vnni", "-mavx512bw", "-mavx512vl"], "avx512_vnni"),
 }
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -37,6 +38,10 @@ SIGNATURES: dict[str, dict[str, list]] = {
     "panel_gemm_bf16": {
         "xllm_panel_pack_bf16": [_ptr, _i32, _i64, _i64, _i64, _i64, _ptr],
         "xllm_panel_gemm_bf16": [_ptr, _i32, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32, _i32],
+    },
+    "panel_gemm_int8": {
+        "xllm_panel_pack_int8": [_ptr, _i32, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
+        "xllm_panel_gemm_int8": [_ptr, _i32, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32],
     },
     "row_argmax": {"xllm_row_argmax": [_ptr, _i64, _i64, _i64, _ptr, _i32]},
     "elementwise": {

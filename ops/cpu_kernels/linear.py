@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ops.cpu_kernels.build import kernel_library
+from ops.cpu_kernels.build import kernel_library, unavailable_reason
 
 PANEL_COLUMNS = 32
 
@@ -109,10 +109,16 @@ class PanelLinearBF16:
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_output: bool = False) -> Any:
+def pack_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, float_output: bool = False, quantization: str = "none"
+) -> Any:
     """The CPU packed form of a linear layer: ``PanelLinear`` (float32) or ``PanelLinearBF16``
-    (bfloat16, where the CPU has bf16 units) where the kernel runs, else oneDNN's."""
+    (bfloat16, where the CPU has bf16 units) where the kernel runs, else oneDNN's; with
+    ``quantization="w8a8"`` ``PanelLinearInt8`` (``ValueError`` where its kernel cannot run)."""
     from ops.onednn import pack_linear as onednn_pack
+
+    if quantization != "none":
+        return _quantized(weight, bias, float_output, quantization)
 
     if weight.device.type != "cpu" or weight.dim() != 2:
         return onednn_pack(weight, bias)
@@ -125,3 +131,17 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, float_output: b
     if lib is None:
         return onednn_pack(weight, bias)
     return PanelLinear(weight, bias, lib)
+
+
+def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, float_output: bool, quantization: str) -> Any:
+    from ops.cpu_kernels.linear_int8 import PanelLinearInt8
+
+    if quantization != "w8a8":
+        raise ValueError(f"unknown quantization {quantization!r} (the CPU backend has: w8a8)")
+    lib = kernel_library("panel_gemm_int8")
+    if lib is None or weight.dim() != 2:
+        raise ValueError(
+            f"quantization w8a8 needs the int8 panel kernel, unavailable here: "
+            f"{unavailable_reason('panel_gemm_int8')}; run without --quantization"
+        )
+    return PanelLinearInt8(weight, bias, lib, float_output)

@@ -20,7 +20,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     from ops.torch_ref.rope import rotary_embedding
 
     return {
-        "pack_linear": lambda weight, bias, float_output=False: None,  # no packed form: layers call F.linear
+        "pack_linear": _no_packed_form,  # layers call F.linear
         "attention": attention,
         "attention_contiguous": attention_contiguous,
         "attention_static": attention_static,
@@ -37,3 +37,13 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
         "moe_expert_swiglu": moe.expert_swiglu,
         "moe_combine": moe.combine,
     }
+
+
+def _no_packed_form(weight: Any, bias: Any, float_output: bool = False, quantization: str = "none") -> None:
+    """No packed form here: layers call ``F.linear``. Quantized layers need a backend kernel."""
+    if quantization != "none":
+        raise ValueError(
+            f"quantization {quantization} needs the CPU backend's int8 kernel, which this platform lacks; "
+            "run without --quantization"
+        )
+    return None

@@ -50,7 +50,10 @@ def test_smoke_json_scores_every_mode_and_fp32_agrees(
     assert report["num_sequences"] * report["config"]["seq_len"] >= report["config"]["positions"]
     assert set(report["modes"]) == set(DEFAULT_MODES) >= {"hf_bfloat16", "xllm_float32", "xllm_bfloat16"}
     positions = report["num_sequences"] * report["config"]["seq_len"]
-    for scores in report["modes"].values():
+    for name, scores in report["modes"].items():
+        if "skipped" in scores:  # only a mode needing an instruction set this CPU lacks
+            assert name.startswith("xllm_w8a8") and "avx512_vnni" in scores["skipped"]
+            continue
         assert scores["num_positions"] == positions
         assert 0 < scores["num_confident_positions"] <= positions
         assert 0.0 <= scores["agreement"] <= 1.0 and scores["mean_kl"] >= 0.0

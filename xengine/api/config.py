@@ -31,15 +31,25 @@ class ModelConfig:
         "most max_position_embeddings, or as far as the checkpoint's rope_scaling extends it.",
     )
     seed: int = _f(0, "Seed for unseeded sampling.")
+    quantization: str = _f(
+        "none",
+        "Quantize the linear layers at load: none, or w8a8 (int8 weights per output channel, int8 "
+        "activations per token, computed on the CPU's VNNI int8 unit; the LM head keeps --dtype).",
+    )
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"model.quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("model.max_model_len must be >= 2")
 
 
 KV_LAYOUTS = ("auto", "paged", "xtensor")
+QUANTIZATIONS = ("none", "w8a8")
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,10 @@ class Linear(nn.Linear):
     _packed_owner: object = None  # keeps the backend's packed weight alive while this layer is
     float_output: bool = False
 
-    def pack(self) -> bool:
-        """Pack the weight for the platform's kernel; False where the platform has none."""
-        packed = pack_linear(self.weight, self.bias, self.float_output)
+    def pack(self, quantization: str = "none") -> bool:
+        """Pack the weight for the platform's kernel; False where the platform has none.
+        ``quantization`` ("none" | "w8a8") quantizes it; ``ValueError`` where that cannot run."""
+        packed = pack_linear(self.weight, self.bias, self.float_output, quantization)
         self._packed, self._packed_owner = (None, None) if packed is None else packed
         return self._packed is not None
 
@@ -32,12 +33,14 @@ class Linear(nn.Linear):
         return packed_linear(x, self._packed)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every ``Linear`` of ``model`` the platform can; returns how many were packed."""
+def pack_linears(model: nn.Module, quantization: str = "none") -> int:
+    """Pack every ``Linear`` of ``model`` the platform can; returns how many were packed. With
+    ``quantization`` every one is quantized but the float-output ones (the LM head keeps the model's
+    dtype, as quantized checkpoints usually do)."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):
-            count += module.pack()
+            count += module.pack("none" if module.float_output else quantization)
     return count
 
 

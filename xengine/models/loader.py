@@ -56,9 +56,12 @@ def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> BaseCausalLM:
-    """Build the registered model for ``model_dir`` in ``dtype`` on ``device`` and load its weights.
-    Returns it in eval mode with gradients disabled."""
+def load_model(
+    model_dir: str, dtype: torch.dtype, device: torch.device, quantization: str = "none"
+) -> BaseCausalLM:
+    """Build the registered model for ``model_dir`` in ``dtype`` on ``device`` and load its weights;
+    ``quantization`` ("none" | "w8a8") quantizes its linear layers as they are packed. Returns it in
+    eval mode with gradients disabled."""
     hf_config = read_hf_config(model_dir)
     cls = get_model_class(hf_architecture(hf_config))
     files = safetensors_files(model_dir)
@@ -69,7 +72,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Base
     model.load_weights(iterate_weights(files))
     model.eval()
     model.requires_grad_(False)
-    pack_linears(model)  # the platform's faster GEMM layout, where it has one
+    pack_linears(model, quantization)  # the platform's faster GEMM layout, where it has one
     return model
 
 

@@ -42,7 +42,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     info = read_model_info(config.model.model)
     dtype = resolve_dtype(platform, config.model.dtype, info.torch_dtype)
     device = platform.torch_device()
-    model = load_model(config.model.model, dtype, device)
+    model = load_model(config.model.model, dtype, device, config.model.quantization)
     setup = receive(ep.control_group, device)
     if setup.kind != KIND_SETUP:  # the engine failed to start after loading its model
         return 0 if setup.kind == KIND_STOP else 1

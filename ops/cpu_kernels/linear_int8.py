@@ -1,0 +1,92 @@
+"""W8A8 int8 linear layers on the int8 panel GEMM (``panel_gemm_int8.c``, AVX512_VNNI).
+
+The weight is rounded once, per output channel, to int8 (symmetric: scale ``max |w| / 127``); each
+input row is rounded to int8 per token inside the kernel as it is packed (dynamic, symmetric), the
+products are summed exactly in int32, and the two scales applied to the sum. ``reference_w8a8`` is the
+same arithmetic in torch (float64 sums), the oracle of the tests and of ``benchmarks/dtype_accuracy``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+PANEL_COLUMNS = 32
+QMAX = 127.0
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of ``t [rows, k]``: ``(q int8, scale float32 [rows])``, ``t ~ q * scale``
+    (nearest even; an all-zero row gets scale 1)."""
+    t = t.float()
+    amax = t.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(t / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def reference_w8a8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel computes, in float64: per-token int8 ``x`` times per-channel int8 ``weight``."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    xq, sx = quantize_rows(flat)
+    wq, sw = quantize_rows(weight)
+    out = (xq.double() @ wq.double().T) * sx.double()[:, None] * sw.double()[None, :]
+    if bias is not None:
+        out = out + bias.double()
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class PanelLinearInt8:
+    """A weight quantized to int8 per output channel and packed in 32-column panels of k quads; call
+    it on ``x [..., in]`` (float32 or bfloat16: the output has its dtype, or float32 with
+    ``float_output``). Other input dtypes run ``F.linear`` on the dequantized weight."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL, float_output: bool
+    ) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.float_output = float_output
+        panels = -(-self.out_features // PANEL_COLUMNS)
+        quads = -(-self.in_features // 4)
+        self.packed = torch.empty(panels * quads * PANEL_COLUMNS * 4, dtype=torch.int8)
+        self.scales = torch.empty(self.out_features, dtype=torch.float32)
+        self.comp = torch.empty(panels * PANEL_COLUMNS, dtype=torch.int32)
+        w = weight.detach()
+        if w.dtype not in (torch.float32, torch.bfloat16):
+            w = w.float()
+        stride_n, stride_k = w.stride()
+        lib.xllm_panel_pack_int8(
+            w.data_ptr(), int(w.dtype == torch.bfloat16), self.out_features, self.in_features, stride_n,
+            stride_k, self.packed.data_ptr(), self.scales.data_ptr(), self.comp.data_ptr(),
+        )  # fmt: skip
+        self._gemm = lib.xllm_panel_gemm_int8
+        self._ptrs = (self.packed.data_ptr(), self.scales.data_ptr(), self.comp.data_ptr())
+        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The int8 weight times its scales, ``[out, in]`` float32 (for the fallback and tests)."""
+        panels = -(-self.out_features // PANEL_COLUMNS)
+        quads = -(-self.in_features // 4)
+        q = self.packed.view(panels, quads, PANEL_COLUMNS, 4).permute(0, 2, 1, 3)
+        q = q.reshape(panels * PANEL_COLUMNS, quads * 4)[: self.out_features, : self.in_features]
+        return q.float() * self.scales[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows == 0 or x.dtype not in (torch.float32, torch.bfloat16):
+            out = F.linear(x.float(), self.dequantized_weight(), self.bias)
+            return out if self.float_output else out.to(x.dtype)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        out_dtype = torch.float32 if self.float_output else x.dtype
+        out = torch.empty(rows, self.out_features, dtype=out_dtype, device=x.device)
+        self._gemm(
+            flat.data_ptr(), int(x.dtype == torch.bfloat16), rows, self.in_features, *self._ptrs,
+            self.out_features, self._bias_ptr, out.data_ptr(), int(out_dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
