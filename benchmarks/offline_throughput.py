@@ -9,7 +9,12 @@ output length (EOS ignored, greedy). Sections:
   on a CPU with bf16) and its compiled mode, on the same prompts and thread binding;
 - ``eta``: engine step time / bare forward time over steady decode steps at each batch size, and
   host overhead per request per step in µs;
-- ``prefix_cache``: TTFT of a prompt sharing 90% of its tokens with the previous one, caching on/off.
+- ``prefix_cache``: TTFT of a prompt sharing 90% of its tokens with the previous one, caching on/off;
+- ``--bf16`` / ``--w8a8``: our engine again in bfloat16 / W8A8 (``xllm_bfloat16``, ``xllm_w8a8``,
+  ``xllm_w8a8_bfloat16`` and their ``eta_*``), and HF in bfloat16 (``hf_bfloat16``);
+- ``ratios``: output tok/s ratios between the sections that ran;
+- ``roofline``: the floor of the workload at each precision our engine ran, at that precision's GEMM
+  peak and bytes (``benchmarks/offline/dtype_roofline.py``), and how close the run came to it.
 
     python -m benchmarks.offline_throughput --size tiny --num-prompts 32 --input-len 128 --output-len 64
 """
@@ -27,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
+from benchmarks.offline.dtype_roofline import dtype_rooflines
 from benchmarks.offline.hf_generate import hf_throughput
 from benchmarks.offline.prefix_ttft import prefix_ttft
 from benchmarks.offline.prompts import prompt_id_pool, random_token_prompts
@@ -251,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         else run_vllm(model_dir, prompts, args, default_mode=True)
     )
     report["ratios"] = throughput_ratios(report)
+    if not args.no_xllm:
+        report["roofline"] = guarded("roofline", lambda: dtype_rooflines(model_dir, args, report))
     print(json.dumps(report, indent=2))
     return 0
 

@@ -35,31 +35,42 @@ def read_gb_s(num_bytes: int, threads: int, reps: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def _phases(model_dir: str, batch: int, context: int) -> tuple[tuple[float, int], tuple[float, int]]:
-    """((FLOPs, bytes) of the linear layers, (FLOPs, bytes) of attention) of one decode step in float32:
-    every weight (LM head included) read once; each sequence's K and V over ``context`` tokens."""
+def _phases(
+    model_dir: str, batch: int, context: int, bytes_per_param: tuple[float, float, float] = (4, 4, 4)
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((FLOPs, bytes) of the linear layers, (FLOPs, bytes) of attention) of one decode step: every
+    weight (LM head included) read once; each sequence's K and V over ``context`` tokens.
+    ``bytes_per_param``: (body weights, LM head, KV cache) bytes per value (float32: 4, 4, 4)."""
     d = model_dims(model_dir)
-    linear = (2.0 * batch * (d.body + d.head), 4 * (d.body + d.head))
+    body, head, kv = bytes_per_param
+    linear = (2.0 * batch * (d.body + d.head), body * d.body + head * d.head)
     attention = (
         4.0 * batch * d.layers * context * d.q_width,
-        4 * batch * context * 2 * d.layers * d.kv_width,
+        kv * batch * context * 2 * d.layers * d.kv_width,
     )
     return linear, attention
 
 
 def offline_floor(
-    model_dir: str, num_prompts: int, input_len: int, output_len: int, peak_gflop_s: float, threads: int
+    model_dir: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    peak_gflop_s: float,
+    threads: int,
+    bytes_per_param: tuple[float, float, float] = (4, 4, 4),
 ) -> dict:
     """The floor of ``num_prompts`` prompts of ``input_len`` tokens, then ``output_len - 1`` decode steps
-    of the whole batch (the ``offline_throughput`` workload), at ``threads`` threads."""
+    of the whole batch (the ``offline_throughput`` workload), at ``threads`` threads; a reduced
+    precision is its GEMM peak (``peak_gflop_s``) and its bytes per weight and KV value."""
     peak = peak_gflop_s * 1e9
     mid = input_len + output_len // 2
-    linear, attention = _phases(model_dir, num_prompts, mid)
+    linear, attention = _phases(model_dir, num_prompts, mid, bytes_per_param)
     step_bytes = linear[1] + attention[1]
     bandwidth = read_gb_s(step_bytes, threads) * 1e9
 
     def step_floor_s(context: int) -> tuple[float, float, bool]:
-        phases = _phases(model_dir, num_prompts, context)
+        phases = _phases(model_dir, num_prompts, context, bytes_per_param)
         times = [(flops / peak, num_bytes / bandwidth) for flops, num_bytes in phases]
         return sum(max(t) for t in times), sum(f for f, _ in phases), any(m > c for c, m in times)
 
