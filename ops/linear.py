@@ -25,13 +25,19 @@ _NEXT_HANDLE = itertools.count()
 
 
 def pack_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, float_output: bool = False, quantization: str = "none"
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    float_output: bool = False,
+    quantization: str = "none",
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[int, Any] | None:
     """``(handle, packed)`` for ``packed_linear``, or None (use ``F.linear``). Keep ``packed`` alive
     as long as the handle is used. ``float_output``: the caller wants float32 out whatever the input
     (logits); a backend may produce it straight from its accumulators, else the caller converts.
-    ``quantization`` ("none" | "w8a8"): a backend that cannot run it raises ``ValueError``."""
-    packed = get_op("pack_linear")(weight, bias, float_output, quantization)
+    ``quantization`` ("none" | "w8a8"): a backend that cannot run it raises ``ValueError``;
+    ``weight_scale`` (per output channel): ``weight`` holds int8 values quantized already (a quantized
+    checkpoint), packed as they are."""
+    packed = get_op("pack_linear")(weight, bias, float_output, quantization, weight_scale)
     if packed is None:
         return None
     handle = next(_NEXT_HANDLE)

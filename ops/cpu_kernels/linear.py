@@ -110,7 +110,11 @@ class PanelLinearBF16:
 
 
 def pack_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, float_output: bool = False, quantization: str = "none"
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    float_output: bool = False,
+    quantization: str = "none",
+    weight_scale: torch.Tensor | None = None,
 ) -> Any:
     """The CPU packed form of a linear layer: ``PanelLinear`` (float32) or ``PanelLinearBF16``
     (bfloat16, where the CPU has bf16 units) where the kernel runs, else oneDNN's; with
@@ -118,7 +122,7 @@ def pack_linear(
     from ops.onednn import pack_linear as onednn_pack
 
     if quantization != "none":
-        return _quantized(weight, bias, float_output, quantization)
+        return _quantized(weight, bias, float_output, quantization, weight_scale)
 
     if weight.device.type != "cpu" or weight.dim() != 2:
         return onednn_pack(weight, bias)
@@ -133,7 +137,13 @@ def pack_linear(
     return PanelLinear(weight, bias, lib)
 
 
-def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, float_output: bool, quantization: str) -> Any:
+def _quantized(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    float_output: bool,
+    quantization: str,
+    weight_scale: torch.Tensor | None,
+) -> Any:
     from ops.cpu_kernels.linear_int8 import PanelLinearInt8
 
     if quantization != "w8a8":
@@ -144,4 +154,4 @@ def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, float_output: bo
             f"quantization w8a8 needs the int8 panel kernel, unavailable here: "
             f"{unavailable_reason('panel_gemm_int8')}; run without --quantization"
         )
-    return PanelLinearInt8(weight, bias, lib, float_output)
+    return PanelLinearInt8(weight, bias, lib, float_output, weight_scale)

@@ -38,30 +38,61 @@ def reference_w8a8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def pack_quantized(wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 ``wq [n, k]`` in the kernel's panels ``[ceil(n / 32)][ceil(k / 4)][32][4]`` (zero padded),
+    and 128 x its column sums ``[ceil(n / 32) * 32]`` int32: what ``xllm_panel_pack_int8`` writes."""
+    n, k = wq.shape
+    panels, quads = -(-n // PANEL_COLUMNS), -(-k // 4)
+    padded = torch.zeros(panels * PANEL_COLUMNS, quads * 4, dtype=torch.int8)
+    padded[:n, :k] = wq
+    packed = padded.view(panels, PANEL_COLUMNS, quads, 4).permute(0, 2, 1, 3).contiguous().view(-1)
+    return packed, padded.sum(dim=1, dtype=torch.int32) * 128
+
+
+def checked_int8(weight: torch.Tensor) -> torch.Tensor:
+    """A quantized checkpoint's weight (int8 values, in whatever dtype it was loaded into) as int8;
+    ``ValueError`` if any value is not an integer in [-127, 127]."""
+    w = weight.detach().float()
+    if not torch.equal(w, w.round()) or w.abs().max().item() > QMAX:
+        raise ValueError("a quantized checkpoint's weight holds values that are not int8 in [-127, 127]")
+    return w.to(torch.int8)
+
+
 class PanelLinearInt8:
     """A weight quantized to int8 per output channel and packed in 32-column panels of k quads; call
     it on ``x [..., in]`` (float32 or bfloat16: the output has its dtype, or float32 with
-    ``float_output``). Other input dtypes run ``F.linear`` on the dequantized weight."""
+    ``float_output``). Other input dtypes run ``F.linear`` on the dequantized weight. With
+    ``weight_scale [out]``, ``weight`` holds int8 values quantized already (a quantized checkpoint):
+    they are packed as they are, with those scales."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL, float_output: bool
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lib: ctypes.CDLL,
+        float_output: bool,
+        weight_scale: torch.Tensor | None = None,
     ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.float_output = float_output
         panels = -(-self.out_features // PANEL_COLUMNS)
         quads = -(-self.in_features // 4)
-        self.packed = torch.empty(panels * quads * PANEL_COLUMNS * 4, dtype=torch.int8)
-        self.scales = torch.empty(self.out_features, dtype=torch.float32)
-        self.comp = torch.empty(panels * PANEL_COLUMNS, dtype=torch.int32)
-        w = weight.detach()
-        if w.dtype not in (torch.float32, torch.bfloat16):
-            w = w.float()
-        stride_n, stride_k = w.stride()
-        lib.xllm_panel_pack_int8(
-            w.data_ptr(), int(w.dtype == torch.bfloat16), self.out_features, self.in_features, stride_n,
-            stride_k, self.packed.data_ptr(), self.scales.data_ptr(), self.comp.data_ptr(),
-        )  # fmt: skip
+        if weight_scale is not None:
+            self.packed, self.comp = pack_quantized(checked_int8(weight))
+            self.scales = weight_scale.detach().float().reshape(-1).contiguous()
+        else:
+            self.packed = torch.empty(panels * quads * PANEL_COLUMNS * 4, dtype=torch.int8)
+            self.scales = torch.empty(self.out_features, dtype=torch.float32)
+            self.comp = torch.empty(panels * PANEL_COLUMNS, dtype=torch.int32)
+            w = weight.detach()
+            if w.dtype not in (torch.float32, torch.bfloat16):
+                w = w.float()
+            stride_n, stride_k = w.stride()
+            lib.xllm_panel_pack_int8(
+                w.data_ptr(), int(w.dtype == torch.bfloat16), self.out_features, self.in_features,
+                stride_n, stride_k, self.packed.data_ptr(), self.scales.data_ptr(), self.comp.data_ptr(),
+            )  # fmt: skip
         self._gemm = lib.xllm_panel_gemm_int8
         self._ptrs = (self.packed.data_ptr(), self.scales.data_ptr(), self.comp.data_ptr())
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()

@@ -39,7 +39,9 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     }
 
 
-def _no_packed_form(weight: Any, bias: Any, float_output: bool = False, quantization: str = "none") -> None:
+def _no_packed_form(
+    weight: Any, bias: Any, float_output: bool = False, quantization: str = "none", weight_scale: Any = None
+) -> None:
     """No packed form here: layers call ``F.linear``. Quantized layers need a backend kernel."""
     if quantization != "none":
         raise ValueError(

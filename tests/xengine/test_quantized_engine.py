@@ -27,9 +27,7 @@ MODES = {
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_w8a8_tokens_do_not_depend_on_the_batch(make_model_dir, mode: str, dtype: str) -> None:
-    llm = LLM(
-        str(make_model_dir("qwen3")), quantization="w8a8", dtype=dtype, max_num_seqs=8, **MODES[mode]
-    )
+    llm = LLM(str(make_model_dir("qwen3")), quantization="w8a8", dtype=dtype, max_num_seqs=8, **MODES[mode])
     prompts = random_prompts([3, 40, 17, 90, 8, 61], seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

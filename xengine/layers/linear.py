@@ -23,7 +23,8 @@ class Linear(nn.Linear):
     def pack(self, quantization: str = "none") -> bool:
         """Pack the weight for the platform's kernel; False where the platform has none.
         ``quantization`` ("none" | "w8a8") quantizes it; ``ValueError`` where that cannot run."""
-        packed = pack_linear(self.weight, self.bias, self.float_output, quantization)
+        scale = getattr(self, "weight_scale", None)  # a quantized checkpoint's own int8 values and scales
+        packed = pack_linear(self.weight, self.bias, self.float_output, quantization, scale)
         self._packed, self._packed_owner = (None, None) if packed is None else packed
         return self._packed is not None
 

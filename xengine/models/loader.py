@@ -17,6 +17,8 @@ from ops.platforms import Platform
 from xengine.layers.linear import pack_linears
 from xengine.models.base import BaseCausalLM
 from xengine.models.info import hf_architecture, load_json, read_hf_config
+from xengine.models.quantization import checkpoint_quantization, resolve_quantization
+from xengine.models.quantized_weights import attach_weight_scales, scales_as_vectors
 from xengine.models.registry import get_model_class
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,16 +62,22 @@ def load_model(
     model_dir: str, dtype: torch.dtype, device: torch.device, quantization: str = "none"
 ) -> BaseCausalLM:
     """Build the registered model for ``model_dir`` in ``dtype`` on ``device`` and load its weights;
-    ``quantization`` ("none" | "w8a8") quantizes its linear layers as they are packed. Returns it in
-    eval mode with gradients disabled."""
+    ``quantization`` ("none" | "w8a8") quantizes its linear layers as they are packed. A checkpoint
+    quantized already (``quantization_config``: ``xengine/models/quantization.py``) is packed from its
+    own int8 weights and scales. Returns it in eval mode with gradients disabled."""
     hf_config = read_hf_config(model_dir)
     cls = get_model_class(hf_architecture(hf_config))
     files = safetensors_files(model_dir)
+    stored = checkpoint_quantization(hf_config)
+    quantization = resolve_quantization(quantization, stored)
     # Build on the meta device (no random init, no memory), then allocate directly on the target.
     with torch.device("meta"):
         model = cls.from_hf_config(hf_config)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.load_weights(iterate_weights(files))
+    weights = iterate_weights(files)
+    if stored is not None and attach_weight_scales(model, stored):
+        weights = scales_as_vectors(weights)
+    model.load_weights(weights)
     model.eval()
     model.requires_grad_(False)
     pack_linears(model, quantization)  # the platform's faster GEMM layout, where it has one

@@ -1,5 +1,6 @@
-"""``xllm model make-tiny``: seeded small checkpoints of real architectures (run in a child process,
-since building weights needs torch and the service never imports it)."""
+"""``xllm model make-tiny`` (seeded small checkpoints of real architectures) and ``xllm model quantize``
+(a W8A8 int8 checkpoint of a dense one); each runs in a child process, since they need torch and the
+service never imports it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from xservice.commands.common import EXIT_USAGE
 
 
 def register_model(subparsers: Any) -> None:
-    p = subparsers.add_parser("model", help="model tools (make-tiny)", description="Model tools.")
+    p = subparsers.add_parser("model", help="model tools (make-tiny, quantize)", description="Model tools.")
     tools = p.add_subparsers(title="model commands", metavar="COMMAND")
     tiny = tools.add_parser(
         "make-tiny",
@@ -26,6 +27,17 @@ def register_model(subparsers: Any) -> None:
     tiny.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokenizer corpus")
     tiny.add_argument("--quiet", action="store_true", help="no progress output")
     tiny.set_defaults(run=run_make_tiny)
+    quant = tools.add_parser(
+        "quantize",
+        help="write a W8A8 int8 checkpoint (compressed-tensors) of a dense one",
+        description="Round every linear layer but the LM head to int8 per output channel (RTN) and "
+        "write a compressed-tensors W8A8 checkpoint that `xllm serve` (and vLLM) loads as it is.",
+    )
+    quant.add_argument("--model", required=True, help="dense Hugging Face model folder")
+    quant.add_argument("--out", required=True, help="output folder")
+    quant.add_argument("--scheme", choices=["w8a8"], default="w8a8", help="quantization scheme")
+    quant.add_argument("--quiet", action="store_true", help="no progress output")
+    quant.set_defaults(run=run_quantize)
     p.set_defaults(run=lambda _args: (p.print_help(sys.stderr), EXIT_USAGE)[1])
 
 
@@ -33,3 +45,16 @@ def run_make_tiny(args: argparse.Namespace) -> int:
     argv = ["--arch", args.arch, "--size", args.size, "--out", args.out, "--seed", str(args.seed)]
     cmd = [sys.executable, "-m", "xengine.tools.make_tiny", *argv, *(["--quiet"] if args.quiet else [])]
     return subprocess.run(cmd).returncode
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    argv = [
+        "--model",
+        args.model,
+        "--out",
+        args.out,
+        "--scheme",
+        args.scheme,
+        *(["--quiet"] if args.quiet else []),
+    ]
+    return subprocess.run([sys.executable, "-m", "xengine.tools.quantize", *argv]).returncode
