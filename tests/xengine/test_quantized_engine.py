@@ -39,3 +39,17 @@ def test_w8a8_tokens_do_not_depend_on_the_batch(make_model_dir, mode: str, dtype
 def test_unknown_quantization_is_refused(make_model_dir) -> None:
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(make_model_dir("qwen3")), quantization="int3")
+
+
+@pytest.mark.skipif(kernel_library("panel_gemm_int8") is None, reason="int8 panel GEMM unavailable here")
+def test_w8a8_partial_graphs_give_the_eager_tokens(make_model_dir) -> None:
+    """The packed int8 layers are opaque ops inside the captured graph: in float32 the graph replays
+    give the eager tokens."""
+    prompts = random_prompts([3, 40, 17, 90, 8, 61], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    model = str(make_model_dir("qwen3"))
+    eager = LLM(model, quantization="w8a8", graph_mode="eager")
+    graphs = LLM(model, quantization="w8a8", graph_mode="partial", graph_batch_sizes="8", max_num_seqs=8)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in graphs.generate(prompts, params, use_tqdm=False)] == expected
+    assert graphs.engine.get_stats().graph.num_replays > 0
