@@ -112,6 +112,13 @@ class SchedulerConfig:
     max_num_seqs: int = _f(64, "Most sequences in one step.")
     max_num_batched_tokens: int = _f(2048, "Token budget of one step (prefill chunks + decodes).")
     enable_chunked_prefill: bool = _f(True, "Split long prompts across steps under the token budget.")
+    mixed_prefill_tokens: int = _f(
+        512,
+        "Most prompt tokens in a step that also carries decodes (0: up to max_num_batched_tokens; needs "
+        "chunked prefill). Its first prompt chunk may take all of them, further prompts join only "
+        "whole: prompts that arrive together get their first tokens in successive short steps instead "
+        "of all after one long step, and the running decodes keep a short inter-token time.",
+    )
     max_waiting: int = _f(1024, "Bounded waiting queue; the service answers 429 beyond it.")
     max_beam_width: int = _f(
         128, "Largest beam_width a beam-search request may ask for (each beam is one running sequence)."
@@ -158,6 +165,8 @@ class SchedulerConfig:
             raise ValueError("scheduler.max_beam_width must be in [1, 1024]")
         if self.max_num_batched_tokens < 1:
             raise ValueError("scheduler.max_num_batched_tokens must be >= 1")
+        if self.mixed_prefill_tokens < 0:
+            raise ValueError("scheduler.mixed_prefill_tokens must be >= 0 (0: max_num_batched_tokens)")
         if self.offline_max_batched_tokens < 0:
             raise ValueError("scheduler.offline_max_batched_tokens must be >= 0 (0: max_num_batched_tokens)")
 

@@ -127,6 +127,8 @@ class Scheduler(BeamScheduling):
         self._budget = self.config.max_num_batched_tokens
         self._scheduled: set[str] = set()
         self._online_prefill = False
+        self._prefill_cap = self._mixed_prefill_cap()
+        self._prefill_tokens = 0
         self.running.sort(key=lambda r: r.rank)
         for cls in sorted(PRIORITY_RANK.values()):
             if cls > ONLINE and self._online_prefill and self.config.isolate_online_prefill:
@@ -151,11 +153,25 @@ class Scheduler(BeamScheduling):
             advance(plan)
         return plan
 
+    def _mixed_prefill_cap(self) -> int:
+        """``mixed_prefill_tokens`` while some running sequence decodes (0: no cap this step)."""
+        cap = self.config.mixed_prefill_tokens
+        if not cap or not self.config.enable_chunked_prefill:
+            return 0
+        decoding = any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        return cap if decoding else 0
+
     def _num_new_tokens(self, req: Request, num_computed: int) -> int:
         num_new = req.num_tokens - num_computed
         if num_new > self._budget and not self.config.enable_chunked_prefill:
             return 0
-        return min(num_new, self._budget)
+        num_new = min(num_new, self._budget)
+        if self._prefill_cap and (num_new > 1 or num_computed < req.num_prompt_tokens):
+            if self._prefill_tokens == 0:  # the step's first prompt chunk: up to the cap
+                return min(num_new, self._prefill_cap)
+            if num_new > self._prefill_cap - self._prefill_tokens:  # further prompts only whole
+                return 0
+        return num_new
 
     def _schedule_running(self, cls: int, plan: SchedulePlan) -> None:
         for req in list(self.running):
@@ -238,6 +254,8 @@ class Scheduler(BeamScheduling):
         plan.seqs.append(seq)
         self._scheduled.add(req.seq_id)
         self._budget -= num_new
+        if _is_prefill(req, num_new):
+            self._prefill_tokens += num_new
 
     # ------------------------------------------------------------------ preemption
     def _pick_victim(self, exclude: str | None, max_rank: int | None) -> Request | None:

@@ -11,7 +11,7 @@ EOS = 0
 
 
 def make_scheduler(
-    num_blocks=64, block_size=4, budget=16, max_seqs=8, chunked=True, prefix=True, offline_budget=0
+    num_blocks=64, block_size=4, budget=16, max_seqs=8, chunked=True, prefix=True, offline_budget=0, mixed=0
 ):
     kv = KVCacheManager(num_blocks, block_size, prefix)
     cfg = SchedulerConfig(
@@ -19,6 +19,7 @@ def make_scheduler(
         max_num_batched_tokens=budget,
         enable_chunked_prefill=chunked,
         offline_max_batched_tokens=offline_budget,
+        mixed_prefill_tokens=mixed,
     )
     # like the engine: one request never outgrows the whole pool
     return Scheduler(cfg, kv, max_model_len=min(256, num_blocks * block_size), eos_token_ids=[EOS])
@@ -144,3 +145,25 @@ def test_decode_builds_the_prefix_cache_token_list_only_when_a_block_fills():
     # the computed length 6, 7, ..., 25 fills a block at 8, 12, 16, 20 and 24 (the prompt's first at once)
     assert cached == [n // 4 * 4 for n in computed]
     assert cached[-1] == 24  # all 6 blocks
+
+
+def test_prompts_beside_decodes_start_one_cap_at_a_time():
+    """mixed_prefill_tokens: with no decode running, prompts fill the whole budget; beside decodes a
+    step takes one prompt chunk up to the cap and further prompts only whole, so prompts arriving
+    together get their first tokens in successive steps."""
+    s = make_scheduler(num_blocks=128, budget=64, mixed=12)
+    s.add(make_req("a", 10, max_tokens=20))
+    s.add(make_req("b", 10, max_tokens=20, t=0.1, first=50))
+    plan = run_step(s)  # nothing decodes yet: both prompts whole in one step
+    assert [(x.req.seq_id, x.num_new_tokens) for x in plan.seqs] == [("a", 10), ("b", 10)]
+    for i, first in enumerate((100, 200, 300)):
+        s.add(make_req(f"w{i}", 8, t=1.0 + i, first=first))
+    plan = run_step(s)  # decodes of a, b; w0 whole (8 <= 12); w1 would pass the cap
+    assert [(x.req.seq_id, x.num_new_tokens) for x in plan.seqs] == [("a", 1), ("b", 1), ("w0", 8)]
+    plan = run_step(s)
+    assert [x.req.seq_id for x in plan.seqs if x.num_new_tokens > 1] == ["w1"]
+    s.add(make_req("long", 30, t=9.0, first=400))
+    plan = run_step(s)  # w2 whole, then the long prompt would pass the cap: it waits
+    assert [(x.req.seq_id, x.num_new_tokens) for x in plan.seqs if x.num_new_tokens > 1] == [("w2", 8)]
+    plan = run_step(s)  # the step's first prompt chunk takes up to the cap
+    assert [(x.req.seq_id, x.num_new_tokens) for x in plan.seqs if x.num_new_tokens > 1] == [("long", 12)]
