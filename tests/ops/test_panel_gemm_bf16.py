@@ -8,6 +8,7 @@ import torch
 
 from ops.cpu_kernels.build import kernel_library, unavailable_reason
 from ops.cpu_kernels.linear import PanelLinearBF16
+from tests.ops.panel_helpers import assert_rows_independent
 from xengine.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(
@@ -52,18 +53,7 @@ def test_matches_the_same_arithmetic_in_float64(
 def test_rows_do_not_depend_on_their_batch_or_the_threads() -> None:
     torch.manual_seed(3)
     w, x = torch.randn(300, 640).bfloat16(), torch.randn(40, 640).bfloat16()
-    layer = PanelLinearBF16(w, None, kernel_library("panel_gemm_bf16"), True)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        whole = layer(x)
-        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-        torch.set_num_threads(2)
-        two = layer(x)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(whole, alone)
-    assert torch.equal(whole, two)
+    assert_rows_independent(PanelLinearBF16(w, None, kernel_library("panel_gemm_bf16"), True), x)
 
 
 def test_a_bf16_layer_packs_on_the_kernel_and_keeps_its_shape() -> None:

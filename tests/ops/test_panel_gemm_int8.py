@@ -9,6 +9,7 @@ import torch
 
 from ops.cpu_kernels.build import kernel_library, unavailable_reason
 from ops.cpu_kernels.linear_int8 import PanelLinearInt8, quantize_rows, reference_w8a8
+from tests.ops.panel_helpers import assert_rows_independent
 from xengine.layers.linear import Linear, pack_linears
 
 pytestmark = pytest.mark.skipif(
@@ -62,18 +63,7 @@ def test_weights_round_per_channel_and_dequantize() -> None:
 def test_rows_do_not_depend_on_their_batch_or_the_threads() -> None:
     torch.manual_seed(3)
     w, x = torch.randn(300, 640), torch.randn(40, 640)
-    layer = PanelLinearInt8(w, None, _lib(), True)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        whole = layer(x)
-        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-        torch.set_num_threads(2)
-        two = layer(x)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(whole, alone)
-    assert torch.equal(whole, two)
+    assert_rows_independent(PanelLinearInt8(w, None, _lib(), True), x)
 
 
 def test_a_w8a8_model_keeps_its_lm_head() -> None:
