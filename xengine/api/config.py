@@ -34,7 +34,8 @@ class ModelConfig:
     quantization: str = _f(
         "none",
         "Quantize the linear layers at load: none, or w8a8 (int8 weights per output channel, int8 "
-        "activations per token, computed on the CPU's VNNI int8 unit; the LM head keeps --dtype).",
+        "activations per token, computed on the CPU's VNNI int8 unit; the LM head keeps --dtype). A "
+        "checkpoint quantized already (compressed-tensors W8A8, `xllm model quantize`) runs as it is.",
     )
 
     def validate(self) -> None:

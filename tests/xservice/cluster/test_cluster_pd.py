@@ -37,7 +37,7 @@ BATCH = [f"Prompt {i}: " + SENTENCE * (i % 4 + 1) for i in range(6)] + [
 ]
 SHARED = "You are a careful assistant who answers briefly. " * 7
 STREAMS = [f"Stream {i}: once upon a time in a land far away there lived a" for i in range(4)]
-BATCH_TOKENS, STREAM_TOKENS = 24, 160  # streams long enough to be mid-flight when an instance is killed
+BATCH_TOKENS, STREAM_TOKENS = 24, 224  # streams mid-flight when an instance is killed (max_model_len 256)
 KV_PORTS = (23400, 23499)  # cache.kv_transfer_port_range
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
