@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ops.cpu_kernels.build import kernel_library, unavailable_reason
+from ops.cpu_kernels.mixed_gemm import mixed_gemm
 
 PANEL_COLUMNS = 32
 
@@ -96,17 +97,13 @@ class PanelLinearBF16:
         if rows == 0 or x.dtype not in (torch.float32, torch.bfloat16):
             out = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
             return out.float() if self.float_output else out
-        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        out_dtype = torch.float32 if self.float_output else x.dtype
-        out = torch.empty(rows, self.out_features, dtype=out_dtype, device=x.device)
-        self._gemm(
-            flat.data_ptr(), int(x.dtype == torch.bfloat16), rows, self.in_features, self._packed_ptr,
-            self.out_features, self._bias_ptr, out.data_ptr(), int(out_dtype == torch.bfloat16),
-            torch.get_num_threads(),
+        return mixed_gemm(
+            x, self.out_features, self.float_output,
+            lambda flat, rows, x16, out, o16: self._gemm(
+                flat, x16, rows, self.in_features, self._packed_ptr, self.out_features, self._bias_ptr, out,
+                o16, torch.get_num_threads(),
+            ),
         )  # fmt: skip
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 def pack_linear(
