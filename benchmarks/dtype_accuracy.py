@@ -7,9 +7,11 @@ over the positions where HF float32's top-1 leads its top-2 by more than ``--mar
 random checkpoint flip on any rounding), and mean / max KL(HF fp32 || mode). Modes
 (``benchmarks/accuracy/modes.py``): ``hf_bfloat16`` (HF's own bf16 model, the bar our bf16 must reach),
 ``xllm_float32`` (our model as the engine loads it: agreement 1 and KL 0 are the sanity check),
-``xllm_bfloat16``, ``xllm_w8a8_float32`` and ``xllm_w8a8_bfloat16`` (``--quantization w8a8`` over each dtype).
+``xllm_bfloat16``, ``xllm_w8a8_float32`` and ``xllm_w8a8_bfloat16`` (``--quantization w8a8`` over each dtype);
+with ``--weight-only`` also ``xllm_int8_*`` and ``xllm_int4_*`` (weight-only ``--quantization int8`` / ``int4``
+over each dtype; any mode can be named in ``--modes``).
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.dtype_accuracy --size small --num-threads 1
+    PYTHONPATH=. .venv/bin/python -m benchmarks.dtype_accuracy --size small --num-threads 1 --weight-only
 """
 
 from __future__ import annotations
@@ -19,17 +21,25 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from benchmarks.accuracy.metrics import ModeScore
-from benchmarks.accuracy.modes import DEFAULT_MODES, MODES, REFERENCE, LogitsFn
+from benchmarks.accuracy.modes import DEFAULT_MODES, MODES, REFERENCE, LogitsFn, xllm_logits_fn
 from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
 from benchmarks.machine import describe
 from benchmarks.smoke import add_smoke_flag, parse_args
 
 SMOKE = dict(positions=64, seq_len=32)
+# --weight-only: our model with weight-only int8 / int4 linear layers, over float32 and bfloat16
+WEIGHT_ONLY_MODES: dict[str, Callable[[str], LogitsFn]] = {
+    f"xllm_{scheme}_{name}": lambda d, dtype=dtype, scheme=scheme: xllm_logits_fn(d, dtype, scheme)
+    for scheme in ("int8", "int4")
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+}
+ALL_MODES = MODES | WEIGHT_ONLY_MODES
 
 
 def token_sequences(vocab_size: int, positions: int, seq_len: int, seed: int) -> list[torch.Tensor]:
@@ -44,11 +54,11 @@ def score_modes(
 ) -> dict[str, Any]:
     """Run the reference and every mode over ``sequences``; the ``reference`` and ``modes`` sections.
     A mode this machine cannot run (say w8a8 without VNNI) is reported as ``{"skipped": why}``."""
-    fns: dict[str, LogitsFn] = {REFERENCE: MODES[REFERENCE](model_dir)}
+    fns: dict[str, LogitsFn] = {REFERENCE: ALL_MODES[REFERENCE](model_dir)}
     skipped: dict[str, dict[str, str]] = {}
     for name in modes:
         try:
-            fns[name] = MODES[name](model_dir)
+            fns[name] = ALL_MODES[name](model_dir)
         except ValueError as e:
             skipped[name] = {"skipped": str(e)}
     modes = [name for name in modes if name in fns]
@@ -86,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_args(p)
     p.add_argument("--positions", type=int, default=4096, help="scored positions in all (rounded up)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens of each teacher-forced sequence")
-    p.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=DEFAULT_MODES)
+    p.add_argument(
+        "--modes", nargs="+", default=DEFAULT_MODES, choices=[m for m in ALL_MODES if m != REFERENCE]
+    )
+    p.add_argument(
+        "--weight-only", action="store_true", help=f"also the modes {', '.join(WEIGHT_ONLY_MODES)}"
+    )
     p.add_argument(
         "--margin",
         type=float,
@@ -112,13 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     max_len = int(hf_config.get("max_position_embeddings", args.seq_len))
     if args.seq_len > max_len:
         parser.error(f"--seq-len {args.seq_len} is past the model's {max_len} positions")
+    modes = list(args.modes) + [m for m in WEIGHT_ONLY_MODES if args.weight_only and m not in args.modes]
     sequences = token_sequences(int(hf_config["vocab_size"]), args.positions, args.seq_len, args.seed)
     report: dict[str, Any] = {
         "model": model_dir,
         "config": {k: v for k, v in vars(args).items() if k != "model"},
         "machine": describe(torch.get_num_threads()),
         "num_sequences": len(sequences),
-        **score_modes(model_dir, args.modes, sequences, args.margin),
+        **score_modes(model_dir, modes, sequences, args.margin),
     }
     print(json.dumps(report, indent=2))
     return 0

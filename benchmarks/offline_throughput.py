@@ -12,6 +12,8 @@ output length (EOS ignored, greedy). Sections:
 - ``prefix_cache``: TTFT of a prompt sharing 90% of its tokens with the previous one, caching on/off;
 - ``--bf16`` / ``--w8a8``: our engine again in bfloat16 / W8A8 (``xllm_bfloat16``, ``xllm_w8a8``,
   ``xllm_w8a8_bfloat16`` and their ``eta_*``), and HF in bfloat16 (``hf_bfloat16``);
+- ``--int8`` / ``--int4``: our engine again with weight-only int8 / int4 linear layers over float32 and
+  bfloat16 (``xllm_int8``, ``xllm_int8_bfloat16``, ``xllm_int4``, ``xllm_int4_bfloat16`` and their ``eta_*``);
 - ``ratios``: output tok/s ratios between the sections that ran;
 - ``roofline``: the floor of the workload at each precision our engine ran, at that precision's GEMM
   peak and bytes (``benchmarks/offline/dtype_roofline.py``), and how close the run came to it.
@@ -95,17 +97,19 @@ def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: ar
     return out
 
 
-# --bf16 / --w8a8: our engine again in these (dtype, quantization), as section xllm_<name> (+ eta_<name>)
+# --bf16 / --w8a8 / --int8 / --int4: our engine again in these (dtype, quantization), as section xllm_<name> (+ eta_<name>)
 VARIANTS = {
     "bf16": [("bfloat16", "bfloat16", "none")],
     "w8a8": [("w8a8", "float32", "w8a8"), ("w8a8_bfloat16", "bfloat16", "w8a8")],
+    "int8": [("int8", "float32", "int8"), ("int8_bfloat16", "bfloat16", "int8")],
+    "int4": [("int4", "float32", "int4"), ("int4_bfloat16", "bfloat16", "int4")],
 }
 
 
 def variant_sections(
     model_dir: str, prompts: list[list[int]], pool: list[int], args: argparse.Namespace, hf_batch: int
 ) -> dict:
-    """``--bf16`` and ``--w8a8``: our engine (throughput and eta) in each variant of ``VARIANTS``, and
+    """``--bf16``, ``--w8a8``, ``--int8`` and ``--int4``: our engine (throughput and eta) in each variant of ``VARIANTS``, and
     with ``--bf16`` HF ``generate`` in bfloat16 (``hf_bfloat16``)."""
     out: dict = {}
     for flag, variants in VARIANTS.items():
@@ -213,8 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="also xllm with --quantization w8a8 over float32 and bfloat16 (sections xllm_w8a8, "
         "xllm_w8a8_bfloat16 and their eta)",
     )
+    for scheme in ("int8", "int4"):
+        p.add_argument(
+            f"--{scheme}",
+            action="store_true",
+            help=f"also xllm with weight-only --quantization {scheme} over float32 and bfloat16 (sections "
+            f"xllm_{scheme}, xllm_{scheme}_bfloat16 and their eta)",
+        )
     p.add_argument(
-        "--quantization", default="none", choices=["none", "w8a8"], help="xllm's model.quantization"
+        "--quantization",
+        default="none",
+        choices=["none", "w8a8", "int8", "int4"],
+        help="xllm's model.quantization",
     )
     p.add_argument("--seed", type=int, default=0)
     for name in ("xllm", "hf", "vllm", "eta", "prefix"):
@@ -273,6 +287,11 @@ RATIOS = {  # name -> (numerator section, denominator section), output tok/s
     "xllm_w8a8_over_xllm": ("xllm_w8a8", "xllm"),
     "xllm_w8a8_bf16_over_xllm": ("xllm_w8a8_bfloat16", "xllm"),
     "xllm_w8a8_bf16_over_vllm_default": ("xllm_w8a8_bfloat16", "vllm_cpu_default"),
+    "xllm_int8_over_xllm": ("xllm_int8", "xllm"),
+    "xllm_int8_bf16_over_xllm": ("xllm_int8_bfloat16", "xllm"),
+    "xllm_int4_over_xllm": ("xllm_int4", "xllm"),
+    "xllm_int4_bf16_over_xllm": ("xllm_int4_bfloat16", "xllm"),
+    "xllm_int8_bf16_over_w8a8_bf16": ("xllm_int8_bfloat16", "xllm_w8a8_bfloat16"),
 }
 
 

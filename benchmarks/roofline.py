@@ -25,7 +25,7 @@ from benchmarks.model_flops import model_dims, prefill_flops
 def read_gb_s(num_bytes: int, threads: int, reps: int = 5) -> float:
     """GB/s of a streaming sum over a ``num_bytes`` float32 buffer at ``threads`` threads (best of ``reps``)."""
     torch.set_num_threads(threads)
-    x = torch.ones(max(num_bytes // 4, 1 << 16))
+    x = torch.ones(max(int(num_bytes) // 4, 1 << 16))
     x.sum()
     best = float("inf")
     for _ in range(reps):

@@ -1,7 +1,8 @@
 """KV transfer between engine instances over the Mooncake transfer engine (PD disaggregation).
 
 ``KVTransferAgent`` registers every layer's KV tensor (``PagedKVLayout``'s: one contiguous
-``[2, num_blocks, block_size, heads, head_dim]`` tensor a layer) with a Mooncake ``TransferEngine``
+``[2, num_blocks, block_size, heads, row]`` tensor a layer; an 8-bit cache's rows carry their scales, so
+its blocks move as they are) with a Mooncake ``TransferEngine``
 once, then pulls whole blocks from a peer (its session, ``host:rpc_port``; ``P2PHANDSHAKE`` mode, no
 metadata server) with batched one-sided reads, runs of consecutive blocks coalesced into one range.
 TCP on CPU; RDMA / HCCS use the same calls. Mooncake authenticates no peer and binds its listeners to

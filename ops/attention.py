@@ -6,7 +6,9 @@ by sequence in batch order. Sequence ``b`` contributes ``query_lens[b]`` new tok
 of its own context, whose K/V live in the paged KV cache at ``block_tables[b]``.
 
 KV cache of one layer: tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V).
-Slot ``s`` of the flat cache is block ``s // block_size``, offset ``s % block_size``.
+Slot ``s`` of the flat cache is block ``s // block_size``, offset ``s % block_size``. An 8-bit cache
+(``cache.kv_cache_dtype`` int8 / fp8) has rows of ``head_dim + 4`` bytes: the values and their scale
+(``ops/kv_quant.py``); every backend quantizes what it stores and dequantizes what it reads.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from ops.attention_metadata import AttentionMetadata, ContiguousKV, build_attention_metadata
-from ops.registry import get_op
+from ops.kv_quant import kv_format
+from ops.registry import REFERENCE, get_op
 
 
 def attention(
@@ -32,7 +35,18 @@ def attention(
     ``kv_cache`` is the paged tensor (reads go through ``meta.block_tables``) or, with the xTensor
     layout, a ``ContiguousKV`` (reads go straight to each sequence's slot, ``meta.kv_slots``)."""
     if meta.static:  # a full device graph's decode step: everything read from device tensors
-        return get_op("attention_static")(q, k, v, kv_cache, meta, scale, sliding_window)
+        op = get_op("attention_static")
+        if (
+            isinstance(kv_cache, torch.Tensor)
+            and kv_format(kv_cache)
+            and op is not get_op("attention_static", REFERENCE)
+        ):
+            raise ValueError(
+                f"cache.kv_cache_dtype {kv_format(kv_cache)} does not run under full device graphs: this "
+                "platform's graph decode kernel reads 16/32-bit caches; use execution.graph_mode eager or "
+                "partial, or cache.kv_cache_dtype auto"
+            )
+        return op(q, k, v, kv_cache, meta, scale, sliding_window)
     name = "attention_contiguous" if isinstance(kv_cache, ContiguousKV) else "attention"
     return get_op(name)(q, k, v, kv_cache, meta, scale, sliding_window)
 

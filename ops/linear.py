@@ -4,7 +4,8 @@
 layout on CPU: about twice the fp32 GEMM throughput of plain ``F.linear`` on this project's CPUs);
 ``None`` means the backend has none for this dtype, and the layer keeps calling ``F.linear``. A packed
 weight gets a handle; ``packed_linear(x, handle)`` runs it. Inside a compiled graph it is one opaque
-custom op (``xllm::packed_linear``), since packed tensors cannot be traced.
+custom op (``xllm::packed_linear``), since packed tensors cannot be traced. Backends receive the
+arguments as one ``LinearWeights`` (``ops/quant/weights.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from ops.opaque_op import opaque_op
+from ops.quant.weights import LinearWeights
 from ops.registry import get_op
 
 # handle -> the backend's packed weight (callable on x, with out_features). Weak: the layer that packed
@@ -30,14 +32,21 @@ def pack_linear(
     float_output: bool = False,
     quantization: str = "none",
     weight_scale: torch.Tensor | None = None,
+    weight_zero: torch.Tensor | None = None,
 ) -> tuple[int, Any] | None:
     """``(handle, packed)`` for ``packed_linear``, or None (use ``F.linear``). Keep ``packed`` alive
     as long as the handle is used. ``float_output``: the caller wants float32 out whatever the input
     (logits); a backend may produce it straight from its accumulators, else the caller converts.
-    ``quantization`` ("none" | "w8a8"): a backend that cannot run it raises ``ValueError``;
-    ``weight_scale`` (per output channel): ``weight`` holds int8 values quantized already (a quantized
-    checkpoint), packed as they are."""
-    packed = get_op("pack_linear")(weight, bias, float_output, quantization, weight_scale)
+
+    ``quantization``: "none", "w8a8", "int8", "int4" or "fp8"; a backend that cannot run it raises
+    ``ValueError``. With ``weight_scale`` None the weight is quantized here (``ops/quant/``); otherwise
+    ``weight`` holds a quantized checkpoint's values (in a float tensor), packed as they are:
+    - "w8a8" / "int8": int8 values ``[out, in]``, ``weight_scale`` float32 ``[out]``;
+    - "int4": codes in [0, 15] ``[out, in]``, ``weight_scale`` and ``weight_zero`` (integers in
+      [0, 15]) float32 ``[out, in / group]``: ``w = (q - zero) * scale``, group ``in / groups``;
+    - "fp8": e4m3 values, ``weight_scale`` ``[out]``."""
+    weights = LinearWeights(weight, bias, float_output, quantization, weight_scale, weight_zero)
+    packed = get_op("pack_linear")(weights)
     if packed is None:
         return None
     handle = next(_NEXT_HANDLE)

@@ -30,8 +30,9 @@ def _load_torch_ref() -> None:
 def register_backend(platform_name: str, factory: Callable[[], None]) -> None:
     """Add a lazy factory that registers ops for ``platform_name`` on first lookup there.
 
-    Backends add themselves here: the C kernels for "cpu", the Triton kernels for "cuda" (only the
-    ops full device graphs need; the rest of CUDA runs the reference ops).
+    Backends add themselves here: the C kernels for "cpu"; for "cuda" the quantized linear layers
+    (``ops/cuda_kernels``) and the Triton kernels (only the ops full device graphs need; the rest of
+    CUDA runs the reference ops); for "npu" the W8A8 linear layers (``ops/npu_kernels``).
     """
     _factories.setdefault(platform_name, []).append(factory)
     _loaded.discard(platform_name)
@@ -70,12 +71,23 @@ def get_op(name: str, platform_name: str | None = None) -> Callable[..., Any]:
 
 
 def _load_cuda() -> None:
+    from ops.cuda_kernels import cuda_kernel_ops  # torch's own GEMMs: quantized linear layers
+
+    for name, fn in cuda_kernel_ops().items():
+        register_op(name, "cuda", fn)
     try:  # Triton ships with torch's CUDA builds; without it CUDA runs the reference ops
         from ops.triton_kernels import triton_ops
     except ImportError:
         return
     for name, fn in triton_ops().items():
         register_op(name, "cuda", fn)
+
+
+def _load_npu() -> None:
+    from ops.npu_kernels import npu_kernel_ops  # torch_npu is imported by the ops themselves, lazily
+
+    for name, fn in npu_kernel_ops().items():
+        register_op(name, "npu", fn)
 
 
 def _load_cpu() -> None:
@@ -88,3 +100,4 @@ def _load_cpu() -> None:
 register_backend(REFERENCE, _load_torch_ref)
 register_backend("cpu", _load_cpu)
 register_backend("cuda", _load_cuda)
+register_backend("npu", _load_npu)

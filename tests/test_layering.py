@@ -159,7 +159,14 @@ FOLDER_RULES: tuple[tuple[tuple[str, ...], tuple[str, ...], str], ...] = (
         "serving code talks to an EngineBackend, never to the cluster",
     ),
     (
-        ("ops.torch_ref", "ops.cpu_kernels", "ops.triton_kernels", "ops.onednn"),
+        (
+            "ops.torch_ref",
+            "ops.cpu_kernels",
+            "ops.triton_kernels",
+            "ops.onednn",
+            "ops.cuda_kernels",
+            "ops.npu_kernels",
+        ),
         (
             "ops.registry",
             "ops.attention",

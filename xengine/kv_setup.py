@@ -3,7 +3,9 @@
 ``build_kv`` turns the cache and scheduler config into a ready ``KVSetup``: the paged layout, or
 xTensor where the platform maps pages (``cache.kv_layout``; ``auto`` asks the platform). With xTensor
 and no explicit ``block_size``, the smallest power of two from 16 up whose page fits the device's
-page and whose mappings fit the process's budget is taken.
+page and whose mappings fit the process's budget is taken. ``cache.kv_cache_dtype`` int8 / fp8 makes
+the pool hold 8-bit rows with their scales (``ops/kv_quant.py``): the same ``kv_cache_memory_gb`` buys
+about twice bf16's tokens.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from xengine.models.info import ModelInfo
 
 DEFAULT_BLOCK_SIZE = 16
 # xTensor pages are one block of one layer's K (or V): on CPU a 4 KiB OS page takes 16-128 tokens; a
-# CUDA / NPU device page is 2 MiB, i.e. ~1024 tokens of a 2 KiB-per-token layer
-XTENSOR_BLOCK_SIZES = tuple(16 << i for i in range(9))  # 16 .. 4096
+# CUDA / NPU device page is 2 MiB, i.e. ~1024 tokens of a 2 KiB-per-token layer and 8192 of a small
+# model's 256 bytes per token (memory is mapped per page as sequences grow, so big blocks cost no more)
+XTENSOR_BLOCK_SIZES = tuple(16 << i for i in range(13))  # 16 .. 65536
 XTENSOR_LOOKAHEAD_BLOCKS = 1  # pages a sequence will need next are mapped while the current step runs
 
 
@@ -72,7 +75,9 @@ def build_kv(
     else:
         sizes = XTENSOR_BLOCK_SIZES if name == "xtensor" else (DEFAULT_BLOCK_SIZE,)
     for i, block_size in enumerate(sizes):
-        spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, block_size, dtype)
+        spec = KVCacheSpec(
+            info.num_layers, info.num_kv_heads, info.head_dim, block_size, dtype, cache.kv_cache_dtype
+        )
         num_blocks = _num_blocks(cache, scheduler, spec, max_len)
         max_model_len, limit = _max_model_len(scheduler, spec, num_blocks, max_len)
         layout: BaseKVLayout = PagedKVLayout()
@@ -85,11 +90,17 @@ def build_kv(
             )
         try:
             kv_caches = layout.allocate(spec, num_blocks, platform.torch_device())
-        except ValueError:
+        except ValueError as e:
             layout.close()
-            if i + 1 == len(sizes):
-                raise
-            continue
+            if i + 1 < len(sizes):
+                continue
+            if spec.kv_cache_dtype != "auto" and cache.block_size is None:
+                raise ValueError(
+                    f"cache.kv_cache_dtype {spec.kv_cache_dtype}: no xTensor block size up to {block_size} "
+                    f"tokens fills whole pages of this device ({e}); 8-bit rows carry a 4-byte scale, so on "
+                    "2 MiB device pages use cache.kv_layout paged"
+                ) from e
+            raise
         xt = name == "xtensor"
         manager = KVCacheManager(
             num_blocks,

@@ -45,13 +45,13 @@ class XTensorKVLayout(PagedKVLayout):
 
     def allocate(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
         self.spec, self.num_blocks = spec, num_blocks
-        elem = torch.empty((), dtype=spec.dtype).element_size()
-        self.token_bytes = spec.num_kv_heads * spec.head_dim * elem
+        self.token_bytes = spec.token_bytes
         self.page_bytes = spec.block_size * self.token_bytes
         if self.page_bytes % self.vmm.granularity:
             raise ValueError(
                 f"xTensor pages must be multiples of the device page ({self.vmm.granularity} bytes), but one block "
-                f"of one layer's K is {self.page_bytes} bytes; raise cache.block_size"
+                f"of one layer's K is {self.page_bytes} bytes; raise cache.block_size or leave it unset "
+                "(xTensor then picks one that fits)"
             )
         self.num_streams = 2 * spec.num_layers  # (layer, K/V) pairs
         self.positions = -(-self.max_model_len // spec.block_size)  # block positions of one slot
@@ -60,9 +60,9 @@ class XTensorKVLayout(PagedKVLayout):
         self.pages: PhysicalPages = self.vmm.create_pages(self.num_streams * num_blocks, self.page_bytes)
         self._flat = self.vmm.reserve(self.num_streams * num_blocks * self.page_bytes)
         self.vmm.map(self._flat, 0, self.pages, 0, self.num_streams * num_blocks)
-        flat = self.vmm.tensor(self._flat, spec.dtype)
+        flat = self.vmm.tensor(self._flat, spec.storage_dtype)
         per_layer = flat.numel() // spec.num_layers
-        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
         kv_caches = [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(spec.num_layers)]
         self.caches = [ContiguousKV(c, [], [], self.slots_per_chunk) for c in kv_caches]
         self.slots = SlotTable(self.slots_per_chunk, self.positions, self.defer_slot_reuse)
@@ -90,9 +90,14 @@ class XTensorKVLayout(PagedKVLayout):
         per_chunk = self.slots_per_chunk
         vrange = self.vmm.reserve(self.num_streams * per_chunk * self.slot_bytes)
         self._chunks.append(vrange)
-        chunk = self.vmm.tensor(vrange, self.spec.dtype)
+        chunk = self.vmm.tensor(vrange, self.spec.storage_dtype)
         stream_elems = chunk.numel() // self.num_streams
-        shape = (per_chunk, self.positions * self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (
+            per_chunk,
+            self.positions * self.spec.block_size,
+            self.spec.num_kv_heads,
+            self.spec.row_width,
+        )
         for layer, cache in enumerate(self.caches):
             k, v = (
                 chunk[(2 * layer + i) * stream_elems : (2 * layer + i + 1) * stream_elems] for i in (0, 1)

@@ -6,7 +6,9 @@ padded buffer and no mask. In a step that also carries prefill chunks, those run
 (one SDPA per chunk) and the decodes still run the kernel, so a decode's result does not depend on
 what shares its step. float32 and bfloat16 take the kernel (q and cache of one dtype; bfloat16: K/V
 widened to float32 as read, softmax and sums in float32, the output rounded once, as the reference's
-float32 SDPA then cast); other dtypes and head shapes the kernel does not take run the reference.
+float32 SDPA then cast); so does an 8-bit cache (``ops/kv_quant.py``) under float32 or bfloat16 q, its
+rows widened and scaled in registers (the ``_q8`` kernels), and its new rows quantized by one C call;
+other dtypes and head shapes the kernel does not take run the reference.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from ops.attention_metadata import AttentionMetadata, ContiguousKV
 from ops.cpu_kernels.build import kernel_library
+from ops.kv_quant import SCALE_BYTES, kv_format
 from ops.torch_ref import attention as ref
 from ops.torch_ref import attention_contiguous as ref_contiguous
 from ops.torch_ref.kv_store import store_kv
@@ -28,10 +31,16 @@ _SCRATCH_KEY = "cpu_kernels.decode_attention"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _fn(name: str, dtype: torch.dtype):  # noqa: ANN202 - a ctypes function
-    """Kernel ``name`` for float32 tensors, ``name``_bf16 for bfloat16 ones."""
+def _call(name: str, q: torch.Tensor, cache: torch.Tensor, q_ptr: int, out_ptr: int, *args: object) -> None:
+    """Kernel ``name`` for ``q``'s dtype and the cache's: ``name`` for float32, ``name``_bf16 for
+    bfloat16, ``name``_q8 (told q's dtype and the 8-bit format) for an 8-bit cache."""
     lib = kernel_library("decode_attention")
-    return getattr(lib, name if dtype == torch.float32 else f"{name}_bf16")
+    fmt = kv_format(cache)
+    if fmt is None:
+        getattr(lib, name if q.dtype == torch.float32 else f"{name}_bf16")(q_ptr, out_ptr, *args)
+        return
+    q_bf16, fp8 = int(q.dtype == torch.bfloat16), int(fmt == "fp8")
+    getattr(lib, f"{name}_q8")(q_ptr, out_ptr, q_bf16, fp8, *args)
 
 
 class _Rows:
@@ -77,7 +86,10 @@ def _usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> bo
 
 
 def _check_usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-    if q.dtype not in _KERNEL_DTYPES or cache.dtype != q.dtype or q.device.type != "cpu":
+    quantized = kv_format(cache) is not None
+    if q.dtype not in _KERNEL_DTYPES or not (quantized or cache.dtype == q.dtype) or q.device.type != "cpu":
+        return False
+    if q.dim() == 3 and cache.shape[-1] != q.shape[-1] + (SCALE_BYTES if quantized else 0):
         return False
     if meta.seq_lens.dtype != torch.int32 or meta.block_tables.dtype != torch.int32 or q.dim() != 3:
         return False  # the kernel reads int32 lengths and tables
@@ -102,15 +114,16 @@ def decode_attention(
         return reference_attention(q, k, v, kv_cache, meta, scale, sliding_window)
     _store_kv(k, v, kv_cache, meta.slot_mapping)
     rows = _rows(meta)
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, num_kv_heads, width = kv_cache.shape  # width: head_dim (+ the scale when 8-bit)
+    head_dim = q.shape[-1]
     k_base = kv_cache.data_ptr()  # K and V planes (no per-call views)
     v_base = k_base + kv_cache.stride(0) * kv_cache.element_size()
 
     def kernel(qd: torch.Tensor, res: torch.Tensor) -> None:
-        _fn("xllm_decode_attention_paged", qd.dtype)(
-            qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim,
-            k_base, v_base, block_size * num_kv_heads * head_dim,
-            num_kv_heads * head_dim, block_size, rows.tables.data_ptr(), rows.tables.shape[1],
+        _call(
+            "xllm_decode_attention_paged", qd, kv_cache, qd.data_ptr(), res.data_ptr(), qd.shape[0],
+            qd.shape[1], num_kv_heads, head_dim, k_base, v_base, block_size * num_kv_heads * width,
+            num_kv_heads * width, block_size, rows.tables.data_ptr(), rows.tables.shape[1],
             rows.seq_lens.data_ptr(), sliding_window or 0, scale, torch.get_num_threads(),
         )  # fmt: skip
 
@@ -145,14 +158,15 @@ def decode_attention_contiguous(
     chunk, offset = _slot_index(kv, meta, rows)
     k_chunks = torch.tensor([c.data_ptr() for c in kv.k_chunks], dtype=torch.int64)
     v_chunks = torch.tensor([c.data_ptr() for c in kv.v_chunks], dtype=torch.int64)
-    _, _, num_kv_heads, head_dim = view.shape
+    num_kv_heads, head_dim = view.shape[2], q.shape[-1]
     slots = meta.kv_slots
 
     def kernel(qd: torch.Tensor, res: torch.Tensor) -> None:
-        _fn("xllm_decode_attention_slots", qd.dtype)(
-            qd.data_ptr(), res.data_ptr(), qd.shape[0], qd.shape[1], num_kv_heads, head_dim,
-            k_chunks.data_ptr(), v_chunks.data_ptr(), chunk.data_ptr(), offset.data_ptr(),
-            view.stride(1), rows.seq_lens.data_ptr(), sliding_window or 0, scale, torch.get_num_threads(),
+        _call(
+            "xllm_decode_attention_slots", qd, kv.paged, qd.data_ptr(), res.data_ptr(), qd.shape[0],
+            qd.shape[1], num_kv_heads, head_dim, k_chunks.data_ptr(), v_chunks.data_ptr(),
+            chunk.data_ptr(), offset.data_ptr(), view.stride(1), rows.seq_lens.data_ptr(),
+            sliding_window or 0, scale, torch.get_num_threads(),
         )  # fmt: skip
 
     def prefill(b: int, s: int, e: int) -> torch.Tensor:
@@ -165,7 +179,9 @@ def decode_attention_contiguous(
 def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """``store_kv`` with one C call (``xllm_store_kv``) where the rows are float32 or bfloat16
     ``[T, Hkv, D]`` (the cache's dtype) with contiguous heads and the cache ``[2, ..., Hkv, D]`` is
-    contiguous."""
+    contiguous; an 8-bit cache's rows are quantized on the way (``_store_kv_q8``)."""
+    if kv_format(kv_cache) is not None:
+        return _store_kv_q8(k, v, kv_cache, slot_mapping)
     row = kv_cache.shape[-2] * kv_cache.shape[-1]
     if not (
         k.dtype == v.dtype == kv_cache.dtype
@@ -182,6 +198,33 @@ def _store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_map
         k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kv_cache.data_ptr(),
         kv_cache.data_ptr() + kv_cache.stride(0) * kv_cache.element_size(), slot_mapping.data_ptr(),
         slot_mapping.numel(), row, kv_cache.element_size(),
+    )  # fmt: skip
+
+
+def _store_kv_q8(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``store_kv`` into an 8-bit cache with one C call (``xllm_store_kv_q8``, the reference's bytes)
+    where the rows are float32 or bfloat16 ``[T, Hkv, D]`` with contiguous heads and D a multiple of 16."""
+    num_kv_heads, width = kv_cache.shape[-2:]
+    head_dim = width - SCALE_BYTES
+    if not (
+        k.dtype == v.dtype
+        and k.dtype in _KERNEL_DTYPES
+        and head_dim % 16 == 0
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and slot_mapping.numel() == k.shape[0] == v.shape[0]
+        and kv_cache.is_contiguous()
+        and k.shape[1:] == v.shape[1:] == (num_kv_heads, head_dim)
+        and k.stride()[1:] == v.stride()[1:] == (head_dim, 1)
+    ):
+        return store_kv(k, v, kv_cache, slot_mapping)
+    kernel_library("decode_attention").xllm_store_kv_q8(
+        k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kv_cache.data_ptr(),
+        kv_cache.data_ptr() + kv_cache.stride(0), slot_mapping.data_ptr(), slot_mapping.numel(),
+        num_kv_heads, head_dim, int(k.dtype == torch.bfloat16), int(kv_format(kv_cache) == "fp8"),
+        torch.get_num_threads(),
     )  # fmt: skip
 
 

@@ -26,9 +26,13 @@ FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-Wall"]
 EXTRA: dict[str, tuple[list[str], str]] = {
     "panel_gemm_bf16": (["-mavx512bf16", "-mavx512bw", "-mavx512vl"], "avx512_bf16"),
     "panel_gemm_int8": (["-mavx512vnni", "-mavx512bw", "-mavx512vl"], "avx512_vnni"),
+    "panel_gemm_wonly_bf16": (["-mavx512bf16", "-mavx512bw", "-mavx512vl"], "avx512_bf16"),
 }
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+# weight-only int8 / int4 GEMM (panel_gemm_wonly.h): x, x_bf16, m, k, packed, bits, scales, zeros, group,
+# groups, n, bias, out, out_bf16, threads
+_WONLY = [_ptr, _i32, _i64, _i64, _ptr, _i32, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i32, _i32]
 # kernel -> {function: argtypes}
 SIGNATURES: dict[str, dict[str, list]] = {
     "panel_gemm": {
@@ -43,6 +47,8 @@ SIGNATURES: dict[str, dict[str, list]] = {
         "xllm_panel_pack_int8": [_ptr, _i32, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
         "xllm_panel_gemm_int8": [_ptr, _i32, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32],
     },
+    "panel_gemm_wonly": {"xllm_wonly_gemm_f32": _WONLY},
+    "panel_gemm_wonly_bf16": {"xllm_wonly_gemm_bf16": _WONLY},
     "row_argmax": {"xllm_row_argmax": [_ptr, _i64, _i64, _i64, _ptr, _i32]},
     "elementwise": {
         "xllm_rms_norm": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _f32, _i32],
@@ -75,6 +81,15 @@ SIGNATURES: dict[str, dict[str, list]] = {
         "xllm_decode_attention_slots_bf16": [
             _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _f32, _i32,
         ],
+        "xllm_decode_attention_paged_q8": [
+            _ptr, _ptr, _i32, _i32, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64,
+            _ptr, _i64, _f32, _i32,
+        ],
+        "xllm_decode_attention_slots_q8": [
+            _ptr, _ptr, _i32, _i32, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64,
+            _f32, _i32,
+        ],
+        "xllm_store_kv_q8": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32, _i32],
     },
 }  # fmt: skip
 

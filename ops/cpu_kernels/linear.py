@@ -14,6 +14,7 @@ would not. The panels replace oneDNN's packed copy, so memory is unchanged.
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import Any
 
 import torch
@@ -21,8 +22,11 @@ import torch.nn.functional as F
 
 from ops.cpu_kernels.build import kernel_library, unavailable_reason
 from ops.cpu_kernels.mixed_gemm import mixed_gemm
+from ops.quant.weights import LinearWeights
 
 PANEL_COLUMNS = 32
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # schemes whose fallback to the reference was logged
 
 
 class PanelLinear:
@@ -106,26 +110,22 @@ class PanelLinearBF16:
         )  # fmt: skip
 
 
-def pack_linear(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    float_output: bool = False,
-    quantization: str = "none",
-    weight_scale: torch.Tensor | None = None,
-) -> Any:
+def pack_linear(weights: LinearWeights) -> Any:
     """The CPU packed form of a linear layer: ``PanelLinear`` (float32) or ``PanelLinearBF16``
-    (bfloat16, where the CPU has bf16 units) where the kernel runs, else oneDNN's; with
-    ``quantization="w8a8"`` ``PanelLinearInt8`` (``ValueError`` where its kernel cannot run)."""
+    (bfloat16, where the CPU has bf16 units) where the kernel runs, else oneDNN's. Quantized
+    (``ops/linear.py`` has the schemes and layouts): "w8a8" ``PanelLinearInt8`` (``ValueError`` where
+    its kernel cannot run), "int8" / "int4" ``PanelLinearWeightOnly`` (the torch reference where the CPU
+    lacks AVX-512), "fp8" the torch reference."""
     from ops.onednn import pack_linear as onednn_pack
 
-    if quantization != "none":
-        return _quantized(weight, bias, float_output, quantization, weight_scale)
-
+    if weights.quantization != "none":
+        return _quantized(weights)
+    weight, bias = weights.weight, weights.bias
     if weight.device.type != "cpu" or weight.dim() != 2:
         return onednn_pack(weight, bias)
     if weight.dtype == torch.bfloat16:
         lib = kernel_library("panel_gemm_bf16")
-        return None if lib is None else PanelLinearBF16(weight, bias, lib, float_output)
+        return None if lib is None else PanelLinearBF16(weight, bias, lib, weights.float_output)
     if weight.dtype != torch.float32:
         return onednn_pack(weight, bias)
     lib = kernel_library("panel_gemm")
@@ -134,21 +134,42 @@ def pack_linear(
     return PanelLinear(weight, bias, lib)
 
 
-def _quantized(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    float_output: bool,
-    quantization: str,
-    weight_scale: torch.Tensor | None,
-) -> Any:
+def _quantized(w: LinearWeights) -> Any:
+    from ops.quant import SCHEMES, reference_linear
+
+    if w.quantization not in SCHEMES:
+        raise ValueError(
+            f"unknown quantization {w.quantization!r} (the CPU backend has: {', '.join(SCHEMES)})"
+        )
+    if w.quantization in ("int8", "int4"):
+        return _weight_only(w)
+    if w.quantization == "fp8" or w.zero is not None:  # (a zero point: the reference refuses it)
+        return reference_linear(w)
     from ops.cpu_kernels.linear_int8 import PanelLinearInt8
 
-    if quantization != "w8a8":
-        raise ValueError(f"unknown quantization {quantization!r} (the CPU backend has: w8a8)")
     lib = kernel_library("panel_gemm_int8")
-    if lib is None or weight.dim() != 2:
+    if lib is None or w.weight.dim() != 2:
         raise ValueError(
             f"quantization w8a8 needs the int8 panel kernel, unavailable here: "
             f"{unavailable_reason('panel_gemm_int8')}; run without --quantization"
         )
-    return PanelLinearInt8(weight, bias, lib, float_output, weight_scale)
+    return PanelLinearInt8(w, lib)
+
+
+def _weight_only(w: LinearWeights) -> Any:
+    """int8 / int4 weight-only: the panel kernel (float32 FMAs; bf16 inputs on the bf16 unit where the
+    CPU has one), else the torch reference, with a warning."""
+    from ops.cpu_kernels.linear_wonly import PanelLinearWeightOnly
+    from ops.quant import reference_linear
+
+    w.check_symmetric()
+    lib = kernel_library("panel_gemm_wonly")
+    if lib is None or w.weight.dim() != 2 or w.weight.device.type != "cpu":
+        if w.quantization not in _WARNED:
+            _WARNED.add(w.quantization)
+            logger.warning(
+                "--quantization %s runs the torch reference (slow): the weight-only kernel is unavailable "
+                "here: %s", w.quantization, unavailable_reason("panel_gemm_wonly"),
+            )  # fmt: skip
+        return reference_linear(w)
+    return PanelLinearWeightOnly(w, (lib, kernel_library("panel_gemm_wonly_bf16")))

@@ -11,22 +11,16 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
 from ops.cpu_kernels.mixed_gemm import mixed_gemm
+from ops.quant.int8 import QMAX, checked_int8
+from ops.quant.int8 import quantize_int8 as quantize_rows  # the one int8 rounding (xllm model quantize too)
+from ops.quant.layer import QuantizedLinear
+from ops.quant.weights import LinearWeights
+
+__all__ = ["QMAX", "PanelLinearInt8", "checked_int8", "pack_quantized", "quantize_rows", "reference_w8a8"]
 
 PANEL_COLUMNS = 32
-QMAX = 127.0
-
-
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of ``t [rows, k]``: ``(q int8, scale float32 [rows])``, ``t ~ q * scale``
-    (nearest even; an all-zero row gets scale 1)."""
-    t = t.float()
-    amax = t.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    q = torch.round(t / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q, scale
 
 
 def reference_w8a8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -51,33 +45,16 @@ def pack_quantized(wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, padded.sum(dim=1, dtype=torch.int32) * 128
 
 
-def checked_int8(weight: torch.Tensor) -> torch.Tensor:
-    """A quantized checkpoint's weight (int8 values, in whatever dtype it was loaded into) as int8;
-    ``ValueError`` if any value is not an integer in [-127, 127]."""
-    w = weight.detach().float()
-    if not torch.equal(w, w.round()) or w.abs().max().item() > QMAX:
-        raise ValueError("a quantized checkpoint's weight holds values that are not int8 in [-127, 127]")
-    return w.to(torch.int8)
-
-
-class PanelLinearInt8:
+class PanelLinearInt8(QuantizedLinear):
     """A weight quantized to int8 per output channel and packed in 32-column panels of k quads; call
     it on ``x [..., in]`` (float32 or bfloat16: the output has its dtype, or float32 with
     ``float_output``). Other input dtypes run ``F.linear`` on the dequantized weight. With
-    ``weight_scale [out]``, ``weight`` holds int8 values quantized already (a quantized checkpoint):
+    ``weights.scale [out]``, ``weight`` holds int8 values quantized already (a quantized checkpoint):
     they are packed as they are, with those scales."""
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        lib: ctypes.CDLL,
-        float_output: bool,
-        weight_scale: torch.Tensor | None = None,
-    ) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.float_output = float_output
+    def __init__(self, weights: LinearWeights, lib: ctypes.CDLL) -> None:
+        super().__init__(weights)
+        weight, weight_scale = weights.weight, weights.scale
         panels = -(-self.out_features // PANEL_COLUMNS)
         quads = -(-self.in_features // 4)
         if weight_scale is not None:
@@ -110,8 +87,7 @@ class PanelLinearInt8:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows == 0 or x.dtype not in (torch.float32, torch.bfloat16):
-            out = F.linear(x.float(), self.dequantized_weight(), self.bias)
-            return out if self.float_output else out.to(x.dtype)
+            return self.dequantized_linear(x)
         return mixed_gemm(
             x, self.out_features, self.float_output,
             lambda flat, rows, x16, out, o16: self._gemm(

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ops.quant.weights import LinearWeights
 
 
 def reference_ops() -> dict[str, Callable[..., Any]]:
@@ -20,7 +23,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     from ops.torch_ref.rope import rotary_embedding
 
     return {
-        "pack_linear": _no_packed_form,  # layers call F.linear
+        "pack_linear": pack_linear,  # None (layers call F.linear) unless quantized
         "attention": attention,
         "attention_contiguous": attention_contiguous,
         "attention_static": attention_static,
@@ -39,13 +42,11 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     }
 
 
-def _no_packed_form(
-    weight: Any, bias: Any, float_output: bool = False, quantization: str = "none", weight_scale: Any = None
-) -> None:
-    """No packed form here: layers call ``F.linear``. Quantized layers need a backend kernel."""
-    if quantization != "none":
-        raise ValueError(
-            f"quantization {quantization} needs the CPU backend's int8 kernel, which this platform lacks; "
-            "run without --quantization"
-        )
-    return None
+def pack_linear(weights: LinearWeights) -> Any:
+    """No packed form for plain weights (layers call ``F.linear``); a quantized layer gets the torch
+    reference of its scheme (``ops/quant``: dequantize and compute), slow but exact to the scheme."""
+    if weights.quantization == "none":
+        return None
+    from ops.quant import reference_linear
+
+    return reference_linear(weights)

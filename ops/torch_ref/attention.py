@@ -6,7 +6,9 @@ call so the gathered K/V are still in cache when SDPA reads them; the query head
 as its query rows, so each K/V row is read once. The gather index, the masks and the buffer depend
 only on the step: the first layer builds them into ``meta.scratch`` and the others reuse them.
 Prefill chunks run one SDPA call per sequence with a causal mask offset by the cached context.
-Scores and softmax are computed in float32 whatever the cache dtype.
+Scores and softmax are computed in float32 whatever the cache dtype. An 8-bit cache
+(``ops/kv_quant.py``) is dequantized to float32 as it is gathered, and a fresh prompt attends over its
+K/V as the cache holds them (quantized and back), so a prefix-cache hit computes what a miss does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from ops.attention_mask import context_start, decode_mask, is_fresh_prefill, prefill_mask
 from ops.attention_metadata import AttentionMetadata
+from ops.kv_quant import dequantize, kv_format, roundtrip
 from ops.torch_ref.kv_store import store_kv
 
 _SCRATCH_KEY = "torch_ref.attention"
@@ -48,7 +51,8 @@ def attention(
     for b0, b1 in _prefill_runs(meta, sliding_window):
         s, e = step.starts[b0], step.starts[b1]
         if b1 - b0 > 1:
-            out[s:e] = _fresh_prefills(q[s:e], k[s:e], v[s:e], b1 - b0, scale)
+            fmt = kv_format(kv_cache)
+            out[s:e] = _fresh_prefills(q[s:e], roundtrip(k[s:e], fmt), roundtrip(v[s:e], fmt), b1 - b0, scale)
         else:
             out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta, b0, scale, sliding_window)
     return out
@@ -110,13 +114,17 @@ def _context_slots(
 def _gather_context(
     kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions ``0 .. length - 1`` of each sequence: two ``[B, length, Hkv, D]`` tensors."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    """K and V of positions ``0 .. length - 1`` of each sequence: two ``[B, length, Hkv, D]`` tensors
+    (float32 from an 8-bit cache)."""
+    _, num_blocks, block_size, num_kv_heads, width = kv_cache.shape
     slots = _context_slots(block_tables, seq_lens, length, block_size)
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    shape = (*slots.shape, num_kv_heads, head_dim)
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, width)
+    shape = (*slots.shape, num_kv_heads, width)
     index = slots.flatten()
-    return flat[0].index_select(0, index).view(shape), flat[1].index_select(0, index).view(shape)
+    k, v = flat[0].index_select(0, index).view(shape), flat[1].index_select(0, index).view(shape)
+    if kv_format(kv_cache) is not None:
+        return dequantize(k), dequantize(v)
+    return k, v
 
 
 @dataclass
@@ -130,7 +138,7 @@ class _Step:
     last: torch.Tensor | None = None  # [num_decodes, 1] position of each decode's query token
     max_len: int = 0
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
-    buffer: torch.Tensor | None = None  # [2, chunk * max_len, Hkv, D] gathered K/V, reused by every layer
+    buffer: torch.Tensor | None = None  # [2, chunk * max_len, Hkv, width] gathered K/V, reused by every layer
 
 
 def _step(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Step:
@@ -160,16 +168,19 @@ def _decode(
 ) -> torch.Tensor:
     """Attention of the decodes' query tokens (``q``: [B, Hq, D]) over their context: float32 [B, Hq, D].
 
-    Sequences go in chunks whose gathered K/V fit ``_CHUNK_BYTES``, so SDPA reads them from cache.
+    Sequences go in chunks whose gathered K/V fit ``_CHUNK_BYTES``, so SDPA reads them from cache
+    (an 8-bit cache's chunk is dequantized to float32 first).
     """
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    num_seqs, num_heads = q.shape[:2]
-    seq_bytes = 2 * step.max_len * num_kv_heads * head_dim * kv_cache.element_size()
+    _, num_blocks, block_size, num_kv_heads, width = kv_cache.shape
+    num_seqs, num_heads, head_dim = q.shape
+    quantized = kv_format(kv_cache) is not None
+    elem = 4 if quantized else kv_cache.element_size()  # of what SDPA reads
+    seq_bytes = 2 * step.max_len * num_kv_heads * head_dim * elem
     chunk = max(1, min(num_seqs, _CHUNK_BYTES // seq_bytes))
-    shape = (2, chunk * step.max_len, num_kv_heads, head_dim)
+    shape = (2, chunk * step.max_len, num_kv_heads, width)
     if step.buffer is None or step.buffer.shape != shape or step.buffer.dtype != kv_cache.dtype:
         step.buffer = torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, width)
     mask = decode_mask(step.masks, step.last, step.max_len, sliding_window, q.device)
     # The query heads sharing a KV head become that head's query rows: one pass over its K/V serves them.
     q_grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -180,7 +191,8 @@ def _decode(
         index = step.slots[s:e].flatten()
         torch.index_select(flat[0], 0, index, out=buf[0])
         torch.index_select(flat[1], 0, index, out=buf[1])
-        ctx = buf.view(2, e - s, step.max_len, num_kv_heads, head_dim).transpose(2, 3)
+        ctx = buf.view(2, e - s, step.max_len, num_kv_heads, width)
+        ctx = (dequantize(ctx) if quantized else ctx).transpose(2, 3)
         res = _sdpa(q_grouped[s:e], ctx[0], ctx[1], mask[s:e], scale, False)
         if out is None:
             return res.reshape(num_seqs, num_heads, head_dim)
@@ -204,6 +216,8 @@ def _prefill(
     qh = q.transpose(0, 1).unsqueeze(0)
     if is_fresh_prefill(first, q_len, sliding_window):
         # No cached context and no effective window: the new K/V are the whole context.
+        fmt = kv_format(kv_cache)
+        k, v = roundtrip(k, fmt), roundtrip(v, fmt)
         res = _sdpa(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None, scale, True)
         return res[0].transpose(0, 1).to(q.dtype)
     start = context_start(first, sliding_window)

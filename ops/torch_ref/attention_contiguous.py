@@ -4,7 +4,8 @@ New K/V rows are written through the paged view (``meta.slot_mapping``); the sam
 each sequence's virtually contiguous slot (``ContiguousKV``). Decodes are sorted by slot and cut into
 runs of consecutive slots inside one chunk: each run is one strided ``[r, max_len, Hkv, D]`` view that
 SDPA reads directly, under a length (and window) mask. Prefill chunks attend over
-``slot[:seq_len]`` of their own slot. Scores and softmax in float32 whatever the cache dtype.
+``slot[:seq_len]`` of their own slot. Scores and softmax in float32 whatever the cache dtype; an 8-bit
+cache's context is dequantized to float32 as read, and fresh prompts attend over their K/V as stored.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from ops.attention_mask import context_start, decode_mask, is_fresh_prefill, prefill_mask
 from ops.attention_metadata import AttentionMetadata, ContiguousKV
+from ops.kv_quant import dequantize, kv_format, roundtrip
 from ops.torch_ref.attention import _sdpa
 from ops.torch_ref.kv_store import store_kv
 
@@ -113,8 +115,8 @@ def _decode_run(
     r = run.rows.numel()
     num_heads, head_dim = q.shape[1:]
     lo, hi = run.first_row, run.first_row + r
-    k_ctx = kv.k_chunks[run.chunk][lo:hi, : run.max_len].transpose(1, 2)  # [r, Hkv, L, D], strided
-    v_ctx = kv.v_chunks[run.chunk][lo:hi, : run.max_len].transpose(1, 2)
+    k_ctx = _read(kv, kv.k_chunks[run.chunk][lo:hi, : run.max_len]).transpose(1, 2)  # [r, Hkv, L, D]
+    v_ctx = _read(kv, kv.v_chunks[run.chunk][lo:hi, : run.max_len]).transpose(1, 2)
     num_kv_heads = k_ctx.shape[1]
     # The query heads sharing a KV head become that head's query rows: one pass over its K/V serves them.
     qg = q[run.rows].reshape(r, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -138,12 +140,19 @@ def _prefill(
     first = seq_len - q_len
     qh = q.transpose(0, 1).unsqueeze(0)
     if is_fresh_prefill(first, q_len, sliding_window):
+        fmt = kv_format(kv.paged)
+        k, v = roundtrip(k, fmt), roundtrip(v, fmt)
         res = _sdpa(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None, scale, True)
         return res[0].transpose(0, 1).to(q.dtype)
     start = context_start(first, sliding_window)
     chunk, row = divmod(slot, kv.slots_per_chunk)
-    k_ctx = kv.k_chunks[chunk][row, start:seq_len].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    v_ctx = kv.v_chunks[chunk][row, start:seq_len].transpose(0, 1).unsqueeze(0)
+    k_ctx = _read(kv, kv.k_chunks[chunk][row, start:seq_len]).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    v_ctx = _read(kv, kv.v_chunks[chunk][row, start:seq_len]).transpose(0, 1).unsqueeze(0)
     mask = prefill_mask(first, seq_len, start, sliding_window, q.device)
     res = _sdpa(qh, k_ctx, v_ctx, mask, scale, False)
     return res[0].transpose(0, 1).to(q.dtype)
+
+
+def _read(kv: ContiguousKV, rows: torch.Tensor) -> torch.Tensor:
+    """A view of a slot's rows as SDPA reads them: the view itself, or float32 from an 8-bit cache."""
+    return rows if kv_format(kv.paged) is None else dequantize(rows)

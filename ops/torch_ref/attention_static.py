@@ -5,7 +5,8 @@ context after this step is ``seq_lens[b]`` tokens in the blocks of ``block_table
 ``slot_mapping[b]``. Rows with ``seq_lens`` 0 and slot -1 are bucket padding. Nothing here reads the
 host fields (they describe the capture, not the step), which is what lets a captured graph replay
 this work on new metadata. The CUDA backend (``ops/triton_kernels/decode_attention.py``) does the same in two
-Triton kernels; this is their oracle and what the CPU runs.
+Triton kernels; this is their oracle and what the CPU runs. An 8-bit cache (``ops/kv_quant.py``) is
+dequantized to float32 as its blocks are gathered (the Triton kernels take 16/32-bit caches only).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from ops.attention_mask import visible_keys
 from ops.attention_metadata import AttentionMetadata
+from ops.kv_quant import dequantize, kv_format
 from ops.torch_ref.kv_store import store_kv
 
 
@@ -39,11 +41,13 @@ def attention_static(
         raise TypeError("full device graphs run on the paged KV layout")
     store_kv_static(k, v, kv_cache, meta.slot_mapping)
     batch, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    _, _, block_size, num_kv_heads, row = kv_cache.shape
     tables = meta.block_tables.long()  # [B, W]
     width = tables.shape[1]
-    keys = kv_cache[0][tables].reshape(batch, width * block_size, num_kv_heads, head_dim)
-    values = kv_cache[1][tables].reshape(batch, width * block_size, num_kv_heads, head_dim)
+    keys = kv_cache[0][tables].reshape(batch, width * block_size, num_kv_heads, row)
+    values = kv_cache[1][tables].reshape(batch, width * block_size, num_kv_heads, row)
+    if kv_format(kv_cache) is not None:
+        keys, values = dequantize(keys), dequantize(values)
     pos = torch.arange(width * block_size, device=q.device)
     last = meta.seq_lens.long()[:, None] - 1  # each row's query position (-1: a padding row sees nothing)
     valid = visible_keys(pos[None, :], last, sliding_window or None)  # [B, L]

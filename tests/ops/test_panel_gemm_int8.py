@@ -9,6 +9,7 @@ import torch
 
 from ops.cpu_kernels.build import kernel_library, unavailable_reason
 from ops.cpu_kernels.linear_int8 import PanelLinearInt8, quantize_rows, reference_w8a8
+from ops.quant.weights import LinearWeights
 from tests.ops.panel_helpers import assert_rows_independent
 from xengine.layers.linear import Linear, pack_linears
 
@@ -40,7 +41,7 @@ def test_matches_the_same_arithmetic_in_torch(
     w = torch.randn(n, k).to(dtype)
     bias = torch.randn(n) if with_bias else None
     x = torch.randn(m, k).to(dtype)
-    layer = PanelLinearInt8(w, bias, _lib(), float_output)
+    layer = PanelLinearInt8(LinearWeights(w, bias, float_output, "w8a8"), _lib())
     out = layer(x)
     assert out.dtype == (torch.float32 if float_output else dtype)
     ref = reference_w8a8(x, w, bias)
@@ -53,7 +54,7 @@ def test_weights_round_per_channel_and_dequantize() -> None:
     torch.manual_seed(1)
     w = torch.randn(70, 515) * torch.linspace(0.01, 3.0, 70)[:, None]
     w[5] = 0.0  # an all-zero channel keeps scale 1 and quantizes to zeros
-    layer = PanelLinearInt8(w, None, _lib(), False)
+    layer = PanelLinearInt8(LinearWeights(w, None, False, "w8a8"), _lib())
     q, scale = quantize_rows(w)
     torch.testing.assert_close(layer.scales, scale)
     torch.testing.assert_close(layer.dequantized_weight(), q.float() * scale[:, None])
@@ -63,7 +64,7 @@ def test_weights_round_per_channel_and_dequantize() -> None:
 def test_rows_do_not_depend_on_their_batch_or_the_threads() -> None:
     torch.manual_seed(3)
     w, x = torch.randn(300, 640), torch.randn(40, 640)
-    assert_rows_independent(PanelLinearInt8(w, None, _lib(), True), x)
+    assert_rows_independent(PanelLinearInt8(LinearWeights(w, None, True, "w8a8"), _lib()), x)
 
 
 def test_a_w8a8_model_keeps_its_lm_head() -> None:
@@ -81,5 +82,5 @@ def test_a_w8a8_model_keeps_its_lm_head() -> None:
 
 
 def test_unknown_quantization_is_refused() -> None:
-    with pytest.raises(ValueError, match="int4"):
-        Linear(16, 16).pack("int4")
+    with pytest.raises(ValueError, match="int3"):
+        Linear(16, 16).pack("int3")

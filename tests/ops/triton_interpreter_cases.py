@@ -1,11 +1,14 @@
-"""Cases for the Triton kernels of full decode graphs (``ops/triton_kernels/decode_attention.py``).
+"""Cases for the Triton kernels of full decode graphs (``ops/triton_kernels/decode_attention.py``) and
+of the CUDA quantized linears (``ops/triton_kernels/quantize.py``).
 
 Run by ``test_triton_decode_attention.py`` in a fresh process with ``TRITON_INTERPRET=1`` (Triton
 reads it when it is imported, which torch.compile may already have done in the suite's process):
 the same kernel source CUDA compiles, executed by Triton's interpreter on CPU, checked against the
 paged reference attention and the static torch reference on random caches, GQA groups that are not
 powers of two, head sizes that need padding, several tiles per sequence, sliding windows and
-padding rows. On a CUDA machine this file runs as it is, on the device."""
+padding rows; the per-token quantize bit for bit against the references' rounding (int8 and e4m3,
+ties, the pad rows and columns, rows in one block and in several) and the W8A8 epilogue within
+float32 rounding. On a CUDA machine this file runs as it is, on the device."""
 
 from __future__ import annotations
 
@@ -19,9 +22,12 @@ import torch
 pytest.importorskip("triton")
 
 from ops.attention_metadata import build_attention_metadata  # noqa: E402
+from ops.quant.fp8 import E4M3, quantize_fp8_rows  # noqa: E402
+from ops.quant.int8 import quantize_int8  # noqa: E402
 from ops.torch_ref.attention import attention as paged_attention  # noqa: E402
 from ops.torch_ref.attention_static import attention_static as reference  # noqa: E402
 from ops.triton_kernels.decode_attention import attention_static  # noqa: E402
+from ops.triton_kernels.quantize import quantize_rows, scale_rows_cols  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -99,3 +105,75 @@ def test_half_precision_cache() -> None:
     assert got.dtype == torch.float16
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
     assert torch.equal(got_cache, want_cache)
+
+
+# ------------------------------------------------------------------ per-token quantize, W8A8 epilogue
+
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+REFERENCES = {torch.int8: quantize_int8, E4M3: quantize_fp8_rows}
+
+
+def _bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8) if q.dtype == E4M3 else q
+
+
+def _check_quantized(x: torch.Tensor, dtype: torch.dtype, k_pad: int, m_pad: int, block: int) -> None:
+    """Bit-equal q and equal scales against the reference on the CPU; pad columns and rows zero."""
+    m, k = x.shape
+    q, scale = quantize_rows(x.to(DEVICE), dtype, k_pad, m_pad, block=block)
+    q, scale = q.cpu(), scale.cpu()
+    want_q, want_scale = REFERENCES[dtype](x)
+    assert q.dtype == dtype and q.shape == (max(m, m_pad), k_pad) and scale.shape == (max(m, m_pad), 1)
+    assert torch.equal(scale[:m, 0], want_scale)
+    assert torch.equal(_bits(q[:m, :k]), _bits(want_q))
+    assert not _bits(q[:, k:]).any() and not _bits(q[m:]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, E4M3])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", [8192, 64])  # the row in one block; in 4 blocks (two passes)
+def test_quantize_rows_match_the_references(dtype: torch.dtype, x_dtype: torch.dtype, block: int) -> None:
+    g = torch.Generator().manual_seed(block + x_dtype.itemsize)
+    x = torch.randn(6, 200, generator=g) * torch.rand(6, 1, generator=g) * 8  # rows of mixed ranges
+    x[2] = 0.0  # an all-zero row: scale 1, as the references'
+    _check_quantized(x.to(x_dtype), dtype, 208, 8 if dtype == torch.int8 else 0, block)
+
+
+def test_quantize_rounds_ties_to_even() -> None:
+    """Rows whose max sets the scale to exactly 1: every x / scale is the value itself, so ties are
+    exact (.5 for int8; midpoints of e4m3's grid, normal and subnormal); -0 and tiny values too."""
+    halves = torch.cat([torch.tensor([127.0, 0.0, -0.0]), torch.arange(-127, 127) + 0.5])
+    _check_quantized(halves[None], torch.int8, 264, 32, 8192)
+    grid = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+    grid = grid[~grid.isnan()].unique()  # all finite e4m3 values, ascending, 448 the largest
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    row = torch.cat([grid, midpoints, torch.tensor([-0.0, 1e-12, -1e-12, 2.0**-11, -(2.0**-10)])])
+    _check_quantized(row[None], E4M3, _round_up16(row.numel()), 0, 8192)
+    _check_quantized(row[None], E4M3, _round_up16(row.numel()), 0, 128)
+
+
+def _round_up16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w8a8_epilogue_within_float32_rounding(out_dtype: torch.dtype, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(7)
+    acc = torch.randint(-(2**22), 2**22, (5, 1100), dtype=torch.int32, generator=g)  # 2 column blocks
+    row_scale = torch.rand(8, 1, generator=g) * 1e-3  # more rows than acc: a padded GEMM's scales
+    col_scale = torch.rand(1040, generator=g) * 1e-2
+    bias = torch.randn(1040, generator=g) if with_bias else None
+    sliced = acc[:, :1040]  # the GEMM's padded columns cut off: a strided view
+    args = [t if t is None else t.to(DEVICE) for t in (sliced, row_scale, col_scale, bias)]
+    got = scale_rows_cols(*args, out_dtype).cpu()
+    exact = sliced.double() * row_scale[:5].double() * col_scale.double()
+    size = exact.abs()
+    if bias is not None:
+        exact, size = exact + bias.double(), size + bias.double().abs()
+    assert got.dtype == out_dtype and got.shape == (5, 1040)
+    # three float32 roundings of terms no larger than ``size``, then one step of the output dtype
+    # (Triton's interpreter truncates float32 to bfloat16; the GPU rounds to nearest)
+    output_ulp = 0.0 if out_dtype == torch.float32 else 2.0**-7
+    bound = 3 * 2.0**-24 * size + output_ulp * exact.abs()
+    assert ((got.double() - exact).abs() <= bound * (1 + 1e-6)).all()

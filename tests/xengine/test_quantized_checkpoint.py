@@ -64,14 +64,14 @@ def _copy_with_config(src: Path, dst: Path, **quantization_config: object) -> Pa
 
 def test_other_schemes_are_refused_by_name(make_model_dir, tmp_path: Path) -> None:
     dense = make_model_dir("qwen3")
-    gptq = _copy_with_config(dense, tmp_path / "gptq", quant_method="gptq", bits=4)
-    with pytest.raises(ValueError, match="'gptq' is not supported"):
-        LLM(str(gptq))
+    bnb = _copy_with_config(dense, tmp_path / "bnb", quant_method="bitsandbytes", load_in_4bit=True)
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
+        LLM(str(bnb))
     quantized = _quantize(dense, tmp_path / "w8a8")
     groups = json.loads((quantized / "config.json").read_text())["quantization_config"]["config_groups"]
     groups["group_0"]["input_activations"]["dynamic"] = False  # static activation scales
     static = _copy_with_config(quantized, tmp_path / "static", config_groups=groups)
-    with pytest.raises(ValueError, match="scheme is not supported"):
+    with pytest.raises(ValueError, match="input_activations.dynamic = False is not supported"):
         LLM(str(static))
     with pytest.raises(ValueError, match="quantized already"):
         _refuse_requantize(quantized, tmp_path)

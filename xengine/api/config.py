@@ -33,9 +33,12 @@ class ModelConfig:
     seed: int = _f(0, "Seed for unseeded sampling.")
     quantization: str = _f(
         "none",
-        "Quantize the linear layers at load: none, or w8a8 (int8 weights per output channel, int8 "
-        "activations per token, computed on the CPU's VNNI int8 unit; the LM head keeps --dtype). A "
-        "checkpoint quantized already (compressed-tensors W8A8, `xllm model quantize`) runs as it is.",
+        "Quantize the linear layers at load (the LM head keeps --dtype): none; w8a8 (int8 weights per "
+        "output channel, int8 activations per token: the CPU's VNNI unit, CUDA's int8 tensor cores); "
+        "int8 (weight-only, per output channel; activations stay in --dtype); int4 (weight-only, groups of "
+        "128 along the input); fp8 (e4m3 weights per output channel and activations per token: CUDA on "
+        "sm89+). A checkpoint quantized already (compressed-tensors, GPTQ, AWQ; `xllm model quantize`) "
+        "runs as it is.",
     )
 
     def validate(self) -> None:
@@ -50,7 +53,8 @@ class ModelConfig:
 
 
 KV_LAYOUTS = ("auto", "paged", "xtensor")
-QUANTIZATIONS = ("none", "w8a8")
+QUANTIZATIONS = ("none", "w8a8", "int8", "int4", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,12 @@ class CacheConfig:
         "KV memory layout: 'paged' (block tables; attention gathers each sequence's context), 'xtensor' "
         "(each sequence's KV virtually contiguous, physical pages mapped on demand; attention reads it in "
         "place) or 'auto' (the platform's default: xtensor where it supports VMM and measured faster).",
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "KV cache element type: auto (the model's dtype), int8 or fp8 (e4m3): 8-bit K and V with one "
+        "float32 scale per token and head, stored beside the values in the same blocks; the pool holds "
+        "about twice the tokens of bf16 (four times fp32) and long-context decode reads half the bytes.",
     )
     num_blocks: int | None = _f(None, "KV blocks in the pool (default: derived from kv_cache_memory_gb).")
     kv_cache_memory_gb: float = _f(1.0, "Memory for the KV pool when num_blocks is not set, in GiB.")
@@ -83,6 +93,10 @@ class CacheConfig:
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(
                 f"cache.kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"cache.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("cache.num_blocks must be >= 1")

@@ -4,7 +4,9 @@ The prefix cache is the landing zone, so the scheduler does not change: ``export
 cached whole blocks and describes them; ``import_`` pulls the blocks its own prefix cache misses with
 one batched Mooncake read, inserts them under the prompt's tokens and pins them until the decode
 request is admitted; pins also expire (a service that died). The Mooncake agent starts on first use,
-so a single node never needs it. See ``docs/cluster.md`` (PD disaggregation).
+so a single node never needs it. See ``docs/cluster.md`` (PD disaggregation). Blocks move as bytes, an
+8-bit cache's scales with them; both instances must hold the same element type (``cache.kv_cache_dtype``),
+which ``import_`` checks before reading anything.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class KVTransferManager:
             num_layers=s.num_layers,
             num_kv_heads=s.num_kv_heads,
             head_dim=s.head_dim,
-            dtype=str(s.dtype).replace("torch.", ""),
+            dtype=s.cache_dtype_name,
             block_ids=block_ids,
         )
 
@@ -129,13 +131,13 @@ class KVTransferManager:
 
     def _check_compatible(self, source: KVExportInfo) -> None:
         s = self.spec
-        mine = (s.block_size, s.num_layers, s.num_kv_heads, s.head_dim, str(s.dtype).replace("torch.", ""))
+        mine = (s.block_size, s.num_layers, s.num_kv_heads, s.head_dim, s.cache_dtype_name)
         theirs = (source.block_size, source.num_layers, source.num_kv_heads, source.head_dim, source.dtype)
         if mine != theirs:
             raise ValueError(
                 "KV layouts of the prefill and decode instances differ "
-                f"(block_size, layers, kv heads, head_dim, dtype): {theirs} vs {mine}; "
-                "run both with the same model, dtype and cache.block_size"
+                f"(block_size, layers, kv heads, head_dim, KV dtype): {theirs} vs {mine}; "
+                "run both with the same model, dtype, cache.kv_cache_dtype and cache.block_size"
             )
 
     @staticmethod

@@ -22,9 +22,12 @@ class Linear(nn.Linear):
 
     def pack(self, quantization: str = "none") -> bool:
         """Pack the weight for the platform's kernel; False where the platform has none.
-        ``quantization`` ("none" | "w8a8") quantizes it; ``ValueError`` where that cannot run."""
-        scale = getattr(self, "weight_scale", None)  # a quantized checkpoint's own int8 values and scales
-        packed = pack_linear(self.weight, self.bias, self.float_output, quantization, scale)
+        ``quantization`` ("none", "w8a8", "int8", "int4", "fp8") quantizes it; ``ValueError`` where
+        that cannot run. A quantized checkpoint's loader sets ``weight_scale`` (and ``weight_zero``)
+        on the layer: ``weight`` then holds its quantized values, packed as they are."""
+        scale = getattr(self, "weight_scale", None)
+        zero = getattr(self, "weight_zero", None)
+        packed = pack_linear(self.weight, self.bias, self.float_output, quantization, scale, zero)
         self._packed, self._packed_owner = (None, None) if packed is None else packed
         return self._packed is not None
 

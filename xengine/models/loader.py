@@ -7,6 +7,7 @@ from our registry by ``architectures[0]``.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Iterator
 
@@ -15,11 +16,18 @@ from safetensors import safe_open
 
 from ops.platforms import Platform
 from xengine.layers.linear import pack_linears
+from xengine.layers.moe import FusedExperts
 from xengine.models.base import BaseCausalLM
 from xengine.models.info import hf_architecture, load_json, read_hf_config
 from xengine.models.quantization import checkpoint_quantization, resolve_quantization
-from xengine.models.quantized_weights import attach_weight_scales, scales_as_vectors
+from xengine.models.quantized_weights import (
+    attach_quant_params,
+    canonical_weights,
+    pack_quantized_linears,
+)
 from xengine.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -59,12 +67,18 @@ def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_dir: str, dtype: torch.dtype, device: torch.device, quantization: str = "none"
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str = "none",
+    pack: bool = True,
 ) -> BaseCausalLM:
     """Build the registered model for ``model_dir`` in ``dtype`` on ``device`` and load its weights;
-    ``quantization`` ("none" | "w8a8") quantizes its linear layers as they are packed. A checkpoint
-    quantized already (``quantization_config``: ``xengine/models/quantization.py``) is packed from its
-    own int8 weights and scales. Returns it in eval mode with gradients disabled."""
+    ``quantization`` ("none" | "w8a8" | "int8" | "int4" | "fp8") quantizes its linear layers as they
+    are packed. A checkpoint quantized already (``quantization_config``:
+    ``xengine/models/quantization.py``) is packed from its own values, scales and zero points.
+    ``pack=False`` leaves every layer unpacked (the canonical tensors as loaded). Returns it in eval
+    mode with gradients disabled."""
     hf_config = read_hf_config(model_dir)
     cls = get_model_class(hf_architecture(hf_config))
     files = safetensors_files(model_dir)
@@ -75,13 +89,33 @@ def load_model(
         model = cls.from_hf_config(hf_config)
     model = model.to(dtype=dtype).to_empty(device=device)
     weights = iterate_weights(files)
-    if stored is not None and attach_weight_scales(model, stored):
-        weights = scales_as_vectors(weights)
+    if stored is not None:
+        weights = canonical_weights(weights, stored, attach_quant_params(model, stored))
     model.load_weights(weights)
     model.eval()
     model.requires_grad_(False)
-    pack_linears(model, quantization)  # the platform's faster GEMM layout, where it has one
+    if pack and stored is not None:
+        pack_quantized_linears(model, quantization)
+    elif pack:
+        pack_linears(model, quantization)  # the platform's faster GEMM layout, where it has one
+    _warn_unquantized_experts(model, quantization)
     return model
+
+
+def _warn_unquantized_experts(model: BaseCausalLM, quantization: str) -> None:
+    """Quantization covers the linear layers; MoE experts (one fused tensor per layer) keep the
+    model's dtype. Say so, with their share of the weights, rather than let a user believe otherwise."""
+    if quantization == "none":
+        return
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, FusedExperts) for p in m.parameters())
+    if experts:
+        total = sum(p.numel() for p in model.parameters())
+        logger.warning(
+            "--quantization %s covers the linear layers only: the MoE experts (%.0f%% of the weights) stay "
+            "in the model's dtype",
+            quantization,
+            100.0 * experts / max(total, 1),
+        )
 
 
 def resolve_dtype(platform: Platform, requested: str, checkpoint: str | None) -> torch.dtype:

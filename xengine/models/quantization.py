@@ -1,83 +1,43 @@
 """Quantized checkpoints: what a ``quantization_config`` asks for, and which linear layers it covers.
 
-We load the compressed-tensors W8A8 int8 scheme (llm-compressor's ``W8A8`` preset, what
-``xllm model quantize`` writes): ``format: int-quantized``, weights int8, symmetric, per output
-channel (``<layer>.weight`` int8 and ``<layer>.weight_scale`` ``[out, 1]``), input activations int8,
-symmetric, per token, dynamic; layers matched by ``targets: ["Linear"]`` less ``ignore``. Any other
-method or scheme (GPTQ, AWQ, FP8, int4 packs, static or asymmetric activations) is refused by name,
-never loaded wrong.
+Each method's reader (``xengine/models/quant_formats/``) turns its config into a
+``CheckpointQuantization`` and its tensors into the canonical form the engine packs
+(``quant_formats/canonical.py``). Loaded: compressed-tensors W8A8 int8, W8A16 int8 (int- or
+pack-quantized), int4 pack-quantized (groups or channels, symmetric or not) and FP8 e4m3 per channel
+with dynamic per-token activations (the FP8_DYNAMIC preset); GPTQ 4-bit (v1 and v2 zero points,
+activation order only where ``g_idx`` is trivial); AWQ 4-bit GEMM. Anything else (other bits,
+block-wise FP8, static activations, KV-cache schemes, ...) is refused with the config field that
+differs, never loaded wrong.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
 from typing import Any
 
-W8A8_GROUP = {
-    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
-    "input_activations": {
-        "num_bits": 8,
-        "type": "int",
-        "symmetric": True,
-        "strategy": "token",
-        "dynamic": True,
-    },
-}
+from xengine.models.quant_formats import awq, compressed, gptq
+from xengine.models.quant_formats.checkpoint import METHODS, CheckpointQuantization
 
-
-@dataclass(frozen=True)
-class CheckpointQuantization:
-    """A checkpoint's quantization: ``scheme`` ("w8a8") and the layer names it leaves alone."""
-
-    scheme: str
-    ignore: tuple[str, ...] = field(default_factory=tuple)
-
-    def covers(self, module_name: str) -> bool:
-        """Whether the linear layer ``module_name`` (checkpoint naming) is stored quantized."""
-        for pattern in self.ignore:
-            if pattern.startswith("re:"):
-                if re.fullmatch(pattern[3:], module_name):
-                    return False
-            elif module_name == pattern or module_name.endswith("." + pattern):
-                return False
-        return True
+__all__ = ["CheckpointQuantization", "checkpoint_quantization", "quantization_config", "resolve_quantization"]
+READERS = {"compressed-tensors": compressed, "gptq": gptq, "awq": awq}
 
 
 def checkpoint_quantization(hf_config: dict[str, Any]) -> CheckpointQuantization | None:
     """The checkpoint's quantization from ``config.json`` (None: a dense checkpoint); ``ValueError``
-    naming what is not supported."""
+    naming the ``quantization_config`` field that xllm does not support."""
     qc = hf_config.get("quantization_config")
     if not qc:
         return None
+    if not isinstance(qc, dict):
+        raise ValueError("config.json quantization_config must be an object")
     method = qc.get("quant_method")
-    if method != "compressed-tensors":
+    reader = READERS.get(method)
+    if reader is None:
+        hint = " (block-wise FP8: weight_block_size)" if "weight_block_size" in qc else ""
         raise ValueError(
-            f"checkpoint quantization {method!r} is not supported; xllm loads compressed-tensors W8A8 "
-            "int8 checkpoints (or quantizes a dense checkpoint itself: --quantization w8a8)"
+            f"quantization_config.quant_method {method!r}{hint} is not supported; xllm loads "
+            f"{', '.join(METHODS)} checkpoints (or quantizes a dense checkpoint itself: --quantization)"
         )
-    groups = list((qc.get("config_groups") or {}).values())
-    if len(groups) != 1 or not _is_w8a8(groups[0], qc.get("format")):
-        raise ValueError(
-            "this compressed-tensors scheme is not supported: xllm loads one config group of int8 "
-            "weights (symmetric, per channel) with int8 dynamic per-token activations, format "
-            f"int-quantized (got format {qc.get('format')!r}, groups {groups})"
-        )
-    if qc.get("kv_cache_scheme"):
-        raise ValueError("compressed-tensors kv_cache_scheme is not supported")
-    return CheckpointQuantization("w8a8", tuple(qc.get("ignore") or ()))
-
-
-def _is_w8a8(group: dict[str, Any], top_format: str | None) -> bool:
-    if (group.get("format") or top_format) != "int-quantized" or group.get("targets") != ["Linear"]:
-        return False
-    for key, expected in W8A8_GROUP.items():
-        spec = group.get(key) or {}
-        if any(spec.get(k) != v for k, v in expected.items()):
-            return False
-        if key == "weights" and (spec.get("dynamic") or spec.get("group_size") not in (None, -1)):
-            return False
-    return True
+    return reader.parse(qc)
 
 
 def resolve_quantization(requested: str, checkpoint: CheckpointQuantization | None) -> str:
@@ -93,19 +53,6 @@ def resolve_quantization(requested: str, checkpoint: CheckpointQuantization | No
 
 
 def quantization_config(ignore: list[str]) -> dict[str, Any]:
-    """The ``quantization_config`` of a W8A8 checkpoint (what ``checkpoint_quantization`` accepts)."""
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {**W8A8_GROUP["weights"], "dynamic": False, "group_size": None},
-                "input_activations": W8A8_GROUP["input_activations"],
-                "output_activations": None,
-            }
-        },
-        "ignore": ignore,
-        "kv_cache_scheme": None,
-    }
+    """The ``quantization_config`` of a compressed-tensors W8A8 checkpoint (what
+    ``checkpoint_quantization`` accepts)."""
+    return compressed.write_config("w8a8", -1, ignore)

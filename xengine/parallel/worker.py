@@ -48,7 +48,8 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
         return 0 if setup.kind == KIND_STOP else 1
     num_blocks, block_size, max_model_len = setup.values
     model.set_max_model_len(max_model_len)
-    spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, block_size, dtype)
+    kv_dtype = config.cache.kv_cache_dtype
+    spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, block_size, dtype, kv_dtype)
     layout = PagedKVLayout()
     kv_caches = layout.allocate(spec, num_blocks, device)
     caches = layout.attention_caches(kv_caches)

@@ -312,7 +312,10 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: i
 
             engine = Engine(config)
         except Exception as e:  # noqa: BLE001 - tell the service why startup failed
-            logger.error("engine failed to start:\n%s", traceback.format_exc())
+            if isinstance(e, ValueError):  # a configuration the engine refuses: its message says why
+                logger.error("engine failed to start: %s", e)
+            else:
+                logger.error("engine failed to start:\n%s", traceback.format_exc())
             out.send(encoder.encode(EngineDead(f"engine failed to start: {type(e).__name__}: {e}")))
             return 1
         proc = EngineProc(engine, inp, out, parent_pid)

@@ -1,6 +1,6 @@
 """``xllm model make-tiny`` (seeded small checkpoints of real architectures) and ``xllm model quantize``
-(a W8A8 int8 checkpoint of a dense one); each runs in a child process, since they need torch and the
-service never imports it."""
+(a quantized checkpoint of a dense one: W8A8, int8, int4 as compressed-tensors / GPTQ / AWQ, FP8);
+each runs in a child process, since they need torch and the service never imports it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import subprocess
 import sys
 from typing import Any
 
+from xengine.api.config import QUANTIZATIONS
 from xengine.api.models import ARCHS, SIZES
 from xservice.commands.common import EXIT_USAGE
+
+SCHEMES = tuple(q for q in QUANTIZATIONS if q != "none")
+FORMATS = ("compressed-tensors", "gptq", "awq")
 
 
 def register_model(subparsers: Any) -> None:
@@ -29,13 +33,21 @@ def register_model(subparsers: Any) -> None:
     tiny.set_defaults(run=run_make_tiny)
     quant = tools.add_parser(
         "quantize",
-        help="write a W8A8 int8 checkpoint (compressed-tensors) of a dense one",
-        description="Round every linear layer but the LM head to int8 per output channel (RTN) and "
-        "write a compressed-tensors W8A8 checkpoint that `xllm serve` (and vLLM) loads as it is.",
+        help="write a quantized checkpoint (compressed-tensors, GPTQ, AWQ) of a dense one",
+        description="Round every linear layer but the LM head as --quantization SCHEME does at load (the "
+        "same values, so the same tokens) and write a checkpoint that `xllm serve` (and vLLM) loads as "
+        "it is: w8a8 (int8 weights and activations), int8 (weight-only), int4 (groups of 128, "
+        "asymmetric) or fp8 (e4m3, FP8_DYNAMIC).",
     )
     quant.add_argument("--model", required=True, help="dense Hugging Face model folder")
     quant.add_argument("--out", required=True, help="output folder")
-    quant.add_argument("--scheme", choices=["w8a8"], default="w8a8", help="quantization scheme")
+    quant.add_argument("--scheme", choices=SCHEMES, default="w8a8", help="quantization scheme")
+    quant.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="compressed-tensors",
+        help="checkpoint format: compressed-tensors (every scheme), or gptq / awq (int4 only)",
+    )
     quant.add_argument("--quiet", action="store_true", help="no progress output")
     quant.set_defaults(run=run_quantize)
     p.set_defaults(run=lambda _args: (p.print_help(sys.stderr), EXIT_USAGE)[1])
@@ -55,6 +67,8 @@ def run_quantize(args: argparse.Namespace) -> int:
         args.out,
         "--scheme",
         args.scheme,
+        "--format",
+        args.format,
         *(["--quiet"] if args.quiet else []),
     ]
     return subprocess.run([sys.executable, "-m", "xengine.tools.quantize", *argv]).returncode
