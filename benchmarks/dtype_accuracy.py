@@ -8,10 +8,11 @@ random checkpoint flip on any rounding), and mean / max KL(HF fp32 || mode). Mod
 (``benchmarks/accuracy/modes.py``): ``hf_bfloat16`` (HF's own bf16 model, the bar our bf16 must reach),
 ``xllm_float32`` (our model as the engine loads it: agreement 1 and KL 0 are the sanity check),
 ``xllm_bfloat16``, ``xllm_w8a8_float32`` and ``xllm_w8a8_bfloat16`` (``--quantization w8a8`` over each dtype);
-with ``--weight-only`` also ``xllm_int8_*`` and ``xllm_int4_*`` (weight-only ``--quantization int8`` / ``int4``
-over each dtype; any mode can be named in ``--modes``).
+with ``--more-schemes`` (alias ``--weight-only``) also ``xllm_int8_*``, ``xllm_int4_*`` (weight-only
+``--quantization int8`` / ``int4``) and ``xllm_fp8_*`` (``--quantization fp8``: on a CPU its torch reference,
+the arithmetic the CUDA kernel is tested against) over each dtype; any mode can be named in ``--modes``.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.dtype_accuracy --size small --num-threads 1 --weight-only
+    PYTHONPATH=. .venv/bin/python -m benchmarks.dtype_accuracy --size small --num-threads 1 --more-schemes
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from benchmarks.machine import describe
 from benchmarks.smoke import add_smoke_flag, parse_args
 
 SMOKE = dict(positions=64, seq_len=32)
-# --weight-only: our model with weight-only int8 / int4 linear layers, over float32 and bfloat16
+# --more-schemes: our model with weight-only int8 / int4 and with fp8 linear layers, over float32 and bfloat16
 WEIGHT_ONLY_MODES: dict[str, Callable[[str], LogitsFn]] = {
     f"xllm_{scheme}_{name}": lambda d, dtype=dtype, scheme=scheme: xllm_logits_fn(d, dtype, scheme)
-    for scheme in ("int8", "int4")
+    for scheme in ("int8", "int4", "fp8")
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
 }
 ALL_MODES = MODES | WEIGHT_ONLY_MODES
@@ -100,7 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes", nargs="+", default=DEFAULT_MODES, choices=[m for m in ALL_MODES if m != REFERENCE]
     )
     p.add_argument(
-        "--weight-only", action="store_true", help=f"also the modes {', '.join(WEIGHT_ONLY_MODES)}"
+        "--more-schemes",
+        "--weight-only",
+        dest="weight_only",
+        action="store_true",
+        help=f"also the modes {', '.join(WEIGHT_ONLY_MODES)}",
     )
     p.add_argument(
         "--margin",

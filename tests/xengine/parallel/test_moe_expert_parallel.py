@@ -216,3 +216,16 @@ def _ancestors(pid: int) -> list[int]:
         pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         out.append(pid)
     return out
+
+
+def test_ep2_with_an_8bit_kv_cache_gives_the_single_process_tokens(make_model_dir) -> None:
+    """Every rank stores its KV in the engine's ``kv_cache_dtype``: EP = 2 with an int8 cache gives the
+    tokens of one process with the same cache (a worker left on full-precision KV would not)."""
+    prompts = make_prompts(seed=40)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    kw = dict(num_threads=1, block_size=BLOCK_SIZE, max_num_seqs=16, kv_cache_dtype="int8", **MODES["eager"])
+    outputs = {}
+    for ep in (1, 2):
+        with LLM(str(make_model_dir("qwen3_moe")), expert_parallel_size=ep, **kw) as llm:
+            outputs[ep] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs[2] == outputs[1]
