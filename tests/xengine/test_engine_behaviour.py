@@ -176,11 +176,21 @@ def _collect(deltas) -> dict[str, dict[int, list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("layout", "async_scheduling"), [("paged", "off"), ("xtensor", "off"), ("paged", "on"), ("xtensor", "on")]
+    ("layout", "async_scheduling", "num_requests"),
+    [
+        ("paged", "off", 10_000),
+        ("paged", "on", 10_000),
+        ("xtensor", "off", 3_000),  # xTensor's 16-token blocks make 4x longer requests: a shorter run by
+        ("xtensor", "on", 3_000),  # default, the full 10k under -m slow
+        pytest.param("xtensor", "off", 10_000, marks=pytest.mark.slow),
+        pytest.param("xtensor", "on", 10_000, marks=pytest.mark.slow),
+    ],
 )
-def test_ten_thousand_requests_with_aborts_leak_nothing(make_model_dir, layout, async_scheduling):
-    """10k short requests, a random 20% aborted while waiting or running: the pool, the scheduler
-    and the runner (and the xTensor pages and slots) end exactly where they started. Small blocks
+def test_ten_thousand_requests_with_aborts_leak_nothing(
+    make_model_dir, layout, async_scheduling, num_requests
+):
+    """10k short requests (3k with xTensor by default), a random 20% aborted while waiting or running:
+    the pool, the scheduler and the runner (and the xTensor pages and slots) end exactly where they started. Small blocks
     (4 tokens; 16 with xTensor, whose page must fill a 4 KiB page) and a small id range make prompts
     share cached blocks, so aborts also race the prefix cache."""
     block_size = 16 if layout == "xtensor" else 4
@@ -195,7 +205,7 @@ def test_ten_thousand_requests_with_aborts_leak_nothing(make_model_dir, layout, 
     )
     free_at_start = engine.kv.num_free_blocks
     rng = random.Random(0)
-    num_requests, wave = 10_000, 1_000
+    wave = 1_000
     abort_at: dict[int, list[str]] = {}  # step -> requests to abort before it
     abort_when_running: set[str] = set()  # abort as soon as seen running
     aborted_in: Counter = Counter()
@@ -236,7 +246,7 @@ def test_ten_thousand_requests_with_aborts_leak_nothing(make_model_dir, layout, 
     reasons = Counter(finish.values())
     assert reasons["abort"] == aborted_in[RequestStatus.WAITING] + aborted_in[RequestStatus.RUNNING]
     assert aborted_in[RequestStatus.WAITING] > 100 and aborted_in[RequestStatus.RUNNING] > 100
-    assert 1_500 < sum(aborted_in.values()) < 2_500
+    assert 0.15 * num_requests < sum(aborted_in.values()) < 0.25 * num_requests
     assert engine.get_stats().prefix_cache_hits > 0
     assert_engine_idle(engine, free_at_start)
 
