@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from ops.platforms.cuda import device_capability
 from ops.quant.weights import LinearWeights
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada: the first fp8 tensor cores
@@ -40,14 +39,6 @@ def pack_linear(weights: LinearWeights) -> Any:
     check_capability("fp8", capability, name, FP8_MIN_CAPABILITY, "fp8 tensor cores")
     rowwise = capability is None or capability >= ROWWISE_MIN_CAPABILITY
     return FP8Linear(w, rowwise=rowwise)
-
-
-def device_capability(device: torch.device) -> tuple[tuple[int, int] | None, str]:
-    """``(compute capability, name)`` of the CUDA device holding a weight; ``(None, type)`` for a
-    weight elsewhere (the CPU tests of these layers: torch runs both GEMMs on the CPU too)."""
-    if device.type != "cuda":
-        return None, device.type
-    return torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
 
 
 def check_capability(

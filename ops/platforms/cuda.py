@@ -9,6 +9,14 @@ from ops.platforms.device_graph import DeviceGraphs, TorchDeviceGraphs
 from ops.platforms.vmm import BaseVMM
 
 
+def device_capability(device: torch.device) -> tuple[tuple[int, int] | None, str]:
+    """``(compute capability, name)`` of the CUDA device ``device``; ``(None, type)`` for any other
+    device (the CUDA backend's layers also run on CPU tensors in tests)."""
+    if device.type != "cuda":
+        return None, device.type
+    return torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+
+
 class CudaPlatform(Platform):
     name = "cuda"
 
