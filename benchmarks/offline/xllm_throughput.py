@@ -47,19 +47,26 @@ def greedy(max_tokens: int) -> Any:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def xllm_throughput(llm: Any, prompts: list[list[int]], output_len: int) -> dict:
-    """Output tok/s of one ``llm.generate`` over all prompts (after a short warm-up)."""
+def xllm_throughput(llm: Any, prompts: list[list[int]], output_len: int, repeats: int = 1) -> dict:
+    """Output tok/s of ``llm.generate`` over all prompts (after a short warm-up): the median of
+    ``repeats`` timed runs, each run's rate in ``output_tok_s_runs``."""
     llm.generate(prompts[:2], greedy(4), use_tqdm=False)
-    steps_before = llm.engine.num_steps
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, greedy(output_len), use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_in = sum(len(p) for p in prompts)
+    runs = []
+    for _ in range(max(1, repeats)):
+        steps_before = llm.engine.num_steps
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, greedy(output_len), use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        runs.append((elapsed, num_out, llm.engine.num_steps - steps_before))
+    elapsed, num_out, num_steps = sorted(runs)[len(runs) // 2]  # the median run
     return {
         "elapsed_s": elapsed,
         "num_output_tokens": num_out,
         "output_tok_s": num_out / elapsed,
         "total_tok_s": (num_in + num_out) / elapsed,
-        "num_steps": llm.engine.num_steps - steps_before,
+        "num_steps": num_steps,
+        "repeats": len(runs),
+        "output_tok_s_runs": [n / e for e, n, _ in runs],
     }
