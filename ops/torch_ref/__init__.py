@@ -13,7 +13,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     """Every reference op by name (``ops/registry.py`` registers them for "cpu" and as the fallback);
     ``moe_fused_experts``, composed of the MoE steps through their facade, is registered by ``ops/moe.py``."""
     from ops.torch_ref import moe
-    from ops.torch_ref.activation import silu_and_mul
+    from ops.torch_ref.activation import gelu_tanh_and_mul, silu_and_mul
     from ops.torch_ref.attention import attention
     from ops.torch_ref.attention_contiguous import attention_contiguous
     from ops.torch_ref.attention_static import attention_static
@@ -33,6 +33,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
         "fused_add_rms_norm": fused_add_rms_norm,
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
+        "gelu_tanh_and_mul": gelu_tanh_and_mul,
         "moe_route": moe.route,
         "moe_route_grouped": moe.route_grouped,
         "moe_dispatch": moe.dispatch,

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "qwen2_vl", "qwen2_5_vl")
+ARCHS = ("qwen3", "qwen2", "llama", "qwen3_moe", "deepseek_v3", "qwen2_vl", "qwen2_5_vl", "gemma3")
 VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # vision-language: a vision tower and an image processor
 SIZES = ("tiny", "small")

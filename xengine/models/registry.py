@@ -12,6 +12,7 @@ _MODELS: dict[str, str] = {
     "Qwen2ForCausalLM": "xengine.models.qwen2:Qwen2ForCausalLM",
     "LlamaForCausalLM": "xengine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "xengine.models.llama:MistralForCausalLM",
+    "Gemma3ForCausalLM": "xengine.models.gemma3:Gemma3ForCausalLM",
     "Qwen2VLForConditionalGeneration": "xengine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "xengine.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
 }

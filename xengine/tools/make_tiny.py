@@ -71,6 +71,10 @@ _MROPE_SECTION = {"tiny": [4, 6, 6], "small": [8, 12, 12]}
 # preprocessor_config.json: images resized to between 56x56 and 224x224 pixels (4 to 64 image tokens)
 IMAGE_MIN_PIXELS = 56 * 56
 IMAGE_MAX_PIXELS = 28 * 28 * 64
+# gemma3: a global (full-attention) layer every 4th (tiny) / 6th (small) layer, the rest sliding windows
+# shorter than the prompts the tests send; per-type RoPE with linear scaling on the global layers (Gemma
+# 3's 4B+ checkpoints).
+_GEMMA3 = {"tiny": dict(window=32, every=4), "small": dict(window=128, every=6)}
 _VOCAB = {"tiny": 2048, "small": 32000}
 _CORPUS_CHARS = {"tiny": 400_000, "small": 12_000_000}
 INITIALIZER_RANGE = 0.2
@@ -79,7 +83,9 @@ MAX_POSITION_EMBEDDINGS = 4096
 
 def tie_embeddings(arch: str, size: str) -> bool:
     """Whether the generated checkpoint ties ``lm_head`` to the input embeddings."""
-    return size == "tiny" and arch != "llama"
+    # gemma3 unties too: its embeddings are scaled by sqrt(hidden_size), and a tied random head then
+    # mostly echoes the input token
+    return size == "tiny" and arch not in ("llama", "gemma3")
 
 
 def build_config(arch: str, size: str, vocab_size: int | None = None, eos_token_id: int = 2) -> Any:
@@ -111,6 +117,8 @@ def build_config(arch: str, size: str, vocab_size: int | None = None, eos_token_
         kw.pop("head_dim")  # MLA: qk_nope_head_dim + qk_rope_head_dim per query head
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # as DeepSeek's configs: no GQA grouping
         config = DeepseekV3Config(**kw, **_DEEPSEEK[size], **_DEEPSEEK_COMMON)
+    elif arch == "gemma3":
+        config = _gemma3_config(size, kw)
     elif arch == "qwen2":
         kw.pop("head_dim")  # Qwen2 derives it: hidden_size / num_attention_heads
         config = Qwen2Config(**kw)
@@ -125,6 +133,22 @@ def build_config(arch: str, size: str, vocab_size: int | None = None, eos_token_
         config = LlamaConfig(**kw, rope_scaling=llama3, rope_theta=500000.0)
     config.dtype = torch.float32
     return config
+
+
+def _gemma3_config(size: str, kw: dict[str, Any]) -> Any:
+    """Gemma 3 text: sliding-window layers with one global layer in ``every``, per-type RoPE."""
+    from transformers import Gemma3TextConfig
+
+    shape = _GEMMA3[size]
+    types = [
+        "full_attention" if (i + 1) % shape["every"] == 0 else "sliding_attention"
+        for i in range(kw["num_hidden_layers"])
+    ]
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    return Gemma3TextConfig(**kw, sliding_window=shape["window"], layer_types=types, rope_parameters=rope)
 
 
 def _vl_config(arch: str, size: str, kw: dict[str, Any]) -> Any:
@@ -220,6 +244,7 @@ def make_tiny(arch: str, size: str, out: str | Path, seed: int = 0, progress: bo
     else:
         model = cls(config).to(torch.float32)
     _randomise_router_biases(model, seed)
+    randomise_gemma_norms(model, seed)
     model.generation_config = GenerationConfig(
         bos_token_id=None,
         eos_token_id=[info.im_end_id, info.endoftext_id],
@@ -274,6 +299,20 @@ def _randomise_router_biases(model: Any, seed: int) -> None:
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
+
+
+def randomise_gemma_norms(model: Any, seed: int) -> None:
+    """Gemma's RMSNorms scale by ``1 + weight`` and start at zero; seeded offsets make that scaling (and
+    each norm) matter, as in trained checkpoints."""
+    import torch
+
+    if getattr(model.config, "model_type", "") != "gemma3_text":
+        return
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
 
 
 def _save_quietly(model: Any, out: Path, quiet: bool) -> None:

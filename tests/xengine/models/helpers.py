@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ops.attention import AttentionMetadata, build_attention_metadata
+from xengine.tools.make_tiny import randomise_gemma_norms
 
 _COMMON = dict(
     vocab_size=512,
@@ -38,6 +39,22 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen2Config",
         {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
     ),
+    # a sliding-window layer then a global one, each with its own RoPE (linear scaling on the global)
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 
@@ -49,6 +66,7 @@ def build_checkpoint(name: str, out: Path) -> Path:
     cfg = getattr(transformers, cls_name)(**_COMMON, **extra)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
+    randomise_gemma_norms(model, seed=0)
     model.save_pretrained(out, safe_serialization=True)
     return out
 
