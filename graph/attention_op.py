@@ -34,11 +34,12 @@ def _attention_op(
     if not ctx.resumable_checks:  # an online arrival stops an offline step here, between layers
         check_interrupt(ctx, layer)
     sliding = window if window > 0 else None
+    meta = ctx.meta_of(layer)
     n = ctx.num_tokens
     if n == q.shape[0]:
-        return attention(q, k, v, ctx.caches[layer], ctx.meta, scale, sliding)
+        return attention(q, k, v, ctx.caches[layer], meta, scale, sliding)
     out = torch.zeros_like(q)
-    out[:n] = attention(q[:n], k[:n], v[:n], ctx.caches[layer], ctx.meta, scale, sliding)
+    out[:n] = attention(q[:n], k[:n], v[:n], ctx.caches[layer], meta, scale, sliding)
     return out
 
 

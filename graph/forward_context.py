@@ -30,6 +30,16 @@ class ForwardContext:
     # the runner's per-layer checks (``xengine/colocation/layer_checks.py``) test ``interrupt`` at
     # points a step can resume from: attention then leaves the check to them
     resumable_checks: bool = False
+    # the sliding-window layers' metadata when they keep KV in a pool of their own (their block tables
+    # and slots; ``memory/sliding_window.py``), and which layers those are
+    window_meta: AttentionMetadata | None = None
+    window_layers: frozenset[int] = frozenset()
+
+    def meta_of(self, layer: int) -> AttentionMetadata | None:
+        """The metadata attention of ``layer`` reads."""
+        if self.window_meta is not None and layer in self.window_layers:
+            return self.window_meta
+        return self.meta
 
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("xllm_forward", default=None)
@@ -46,8 +56,10 @@ def forward_context(
     num_tokens: int,
     interrupt: threading.Event | None = None,
     resumable_checks: bool = False,
+    window_meta: AttentionMetadata | None = None,
+    window_layers: frozenset[int] = frozenset(),
 ) -> Iterator[ForwardContext]:
-    ctx = ForwardContext(meta, caches, num_tokens, interrupt, resumable_checks)
+    ctx = ForwardContext(meta, caches, num_tokens, interrupt, resumable_checks, window_meta, window_layers)
     token = _current.set(ctx)
     try:
         yield ctx

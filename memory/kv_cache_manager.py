@@ -12,6 +12,7 @@ from typing import Protocol
 
 from memory.block_pool import BlockPool
 from memory.prefix_cache import BasePrefixCache, RadixPrefixCache
+from memory.sliding_window import SlidingWindowBlocks
 
 
 @dataclass
@@ -31,6 +32,10 @@ class KVPlacement(Protocol):
 
 
 class KVCacheManager:
+    # the sliding-window layers' own blocks (``memory/hybrid_kv_cache_manager.py``); None: every layer
+    # keeps full-length KV in this pool
+    window: SlidingWindowBlocks | None = None
+
     def __init__(
         self,
         num_blocks: int,
@@ -78,11 +83,20 @@ class KVCacheManager:
         match = self.prefix_cache.match(token_ids, max_blocks)
         return ComputedPrefix(match.block_ids, match.num_blocks * self.block_size)
 
+    def usable_prefix(self, prefix: ComputedPrefix) -> ComputedPrefix:
+        """The part of a (possibly shortened) prefix hit every layer can resume from: all of it here."""
+        return prefix
+
     # ------------------------------------------------------------------ updates
     def allocate_slots(
-        self, req_id: str, num_total_tokens: int, prefix: ComputedPrefix | None = None
+        self,
+        req_id: str,
+        num_total_tokens: int,
+        prefix: ComputedPrefix | None = None,
+        num_computed: int | None = None,
     ) -> bool:
         """Make the request's block table cover ``num_total_tokens`` tokens. All or nothing.
+        ``num_computed``: the tokens before this step's (what a sliding window may release behind).
 
         With ``lookahead_blocks``, up to that many more blocks come along while the pool has room to
         spare; they are given back (``_reclaim_lookahead``) as soon as another request needs them."""

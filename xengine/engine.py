@@ -110,7 +110,15 @@ class Engine:
         self.graph_mode = caps.default_graph_mode if execution.graph_mode == "auto" else execution.graph_mode
         self.async_scheduling = execution.async_enabled(caps.default_async_scheduling)
         kv = self.kv_setup = build_kv(
-            cache, config.scheduler, info, self.dtype, self.platform, max_len, self.async_scheduling
+            cache,
+            config.scheduler,
+            info,
+            self.dtype,
+            self.platform,
+            max_len,
+            self.async_scheduling,
+            sliding_windows=tuple(getattr(getattr(self.model, "config", None), "sliding_windows", ())),
+            hybrid_blocker=self._hybrid_blocker(),
         )
         self.max_model_len = kv.max_model_len
         self.model.set_max_model_len(self.max_model_len)
@@ -134,6 +142,7 @@ class Engine:
             parallel=self.parallel,
             encode_overlap=execution.encode_overlap_enabled(caps.default_encode_overlap),
             interrupt=self.interrupter.event if self.interrupter.mode == "layer" else None,
+            window_layers=kv.window_layers,
         )
         self.runner.capture_graphs(execution.buckets())
         self.scheduler = Scheduler(
@@ -153,6 +162,14 @@ class Engine:
             model_dir, info.vocab_size, list(info.eos_token_ids), config.structured_outputs
         )
         self.info = self._describe(config, info, model_dir, kv)
+
+    def _hybrid_blocker(self) -> str | None:
+        """Why sliding-window layers cannot keep a KV pool of their own here (None: they can)."""
+        if self.parallel is not None:
+            return "expert parallelism (the workers hold one pool)"
+        if self.graph_mode == "full":
+            return "full device graphs (their attention buffers hold one block table)"
+        return None
 
     def _build_step(self, config: EngineConfig, kv: KVSetup) -> None:
         """The step loop, chosen once: the normal one, or the overlap one under async scheduling."""
@@ -290,6 +307,7 @@ class Engine:
             num_kv_bytes_imported=self.kv_transfer.num_bytes_imported,
             kv_layout=self.kv_setup.layout_name,
             xtensor=self.kv_setup.xtensor_stats(),
+            window_pool=self.kv_setup.window_stats(),
             async_scheduling=self.async_scheduling,
             graph=GraphStatsMsg(**dataclasses.asdict(self.runner.graph.stats)),
             moe=self.parallel.stats() if self.parallel is not None else None,
@@ -304,10 +322,19 @@ class Engine:
         return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------------ PD KV transfer
+    def _check_transferable(self) -> None:
+        if self.kv.window is not None:
+            raise ValueError(
+                "PD KV transfer of a model with sliding-window layers in their own pool (cache.hybrid_kv) is "
+                "not supported yet; start the prefill and decode instances with cache.hybrid_kv off"
+            )
+
     def kv_export(self, export_id: str, token_ids: list[int]) -> KVExportInfo:
+        self._check_transferable()
         return self.kv_transfer.export(export_id, token_ids)
 
     def kv_import(self, source: KVExportInfo, token_ids: list[int], pin_id: str) -> KVImportResult:
+        self._check_transferable()
         if self.parallel is not None:
             raise ValueError(
                 "KV import into an expert-parallel instance is not supported yet (its workers would not "

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
+from memory.hybrid_kv_cache_manager import HybridKVCacheManager
 from memory.kv_cache_manager import KVCacheManager
 from memory.kv_layout import BaseKVLayout, KVCacheSpec, PagedKVLayout
+from memory.sliding_window import SlidingWindowBlocks
 from memory.xtensor import XTensorKVLayout
 from ops.platforms import Platform
 from xengine.api.config import CacheConfig, SchedulerConfig
-from xengine.api.messages import XTensorStatsMsg
+from xengine.api.messages import WindowPoolStatsMsg, XTensorStatsMsg
 from xengine.models.info import ModelInfo
 
 DEFAULT_BLOCK_SIZE = 16
@@ -40,12 +42,30 @@ class KVSetup:
     manager: KVCacheManager
     max_model_len: int
     len_limit: str  # what set max_model_len (for error messages)
+    # hybrid_kv: the layers whose KV is in the sliding-window pool, and that pool's geometry
+    window_layers: frozenset[int] = frozenset()
+    window_spec: KVCacheSpec | None = None
 
     def xtensor_stats(self) -> XTensorStatsMsg | None:
         """The xTensor page pool's counters (None: the paged layout)."""
         if not isinstance(self.layout, XTensorKVLayout):
             return None
         return XTensorStatsMsg(**dataclasses.asdict(self.layout.stats(self.manager.pool.ref_cnt)))
+
+    def window_stats(self) -> WindowPoolStatsMsg | None:
+        """The sliding-window pool's counters (None: no such pool)."""
+        window = self.manager.window
+        if window is None:
+            return None
+        total, free = window.num_usable_blocks, window.num_free_blocks
+        return WindowPoolStatsMsg(
+            window=window.window,
+            num_layers=len(self.window_layers),
+            num_total_blocks=total,
+            num_free_blocks=free,
+            num_cached_windows=len(window.by_full),
+            usage=1.0 - free / max(total, 1),
+        )
 
 
 def resolve_layout(requested: str, platform: Platform) -> str:
@@ -66,10 +86,23 @@ def build_kv(
     platform: Platform,
     max_len: int,
     async_scheduling: bool = False,
+    sliding_windows: tuple[int | None, ...] = (),
+    hybrid_blocker: str | None = None,
 ) -> KVSetup:
     """Allocate the KV memory for a model that needs at most ``max_len`` tokens per sequence
-    (``async_scheduling``: a step may run while the next is prepared)."""
+    (``async_scheduling``: a step may run while the next is prepared). ``sliding_windows``: each
+    layer's window (None: full attention); ``hybrid_blocker``: why this instance cannot keep them in
+    a pool of their own (``cache.hybrid_kv``), None if it can."""
     name = resolve_layout(cache.kv_layout, platform)
+    if any(sliding_windows) and cache.hybrid_kv != "off":
+        blocker = hybrid_blocker or (f"the {name} KV layout" if name != "paged" else None)
+        if blocker is None:
+            return build_hybrid_kv(cache, scheduler, info, dtype, platform, max_len, sliding_windows)
+        if cache.hybrid_kv == "on":
+            raise ValueError(
+                f"cache.hybrid_kv on: sliding-window layers cannot keep a pool of their own with {blocker}; "
+                "use cache.kv_layout paged without expert parallelism, or cache.hybrid_kv auto / off"
+            )
     if cache.block_size is not None:
         sizes: tuple[int, ...] = (cache.block_size,)
     else:
@@ -131,3 +164,97 @@ def _max_model_len(
     if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < max_model_len:
         return scheduler.max_num_batched_tokens, "max_num_batched_tokens (chunked prefill is off)"
     return max_model_len, limit
+
+
+def build_hybrid_kv(
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    info: ModelInfo,
+    dtype: torch.dtype,
+    platform: Platform,
+    max_len: int,
+    sliding_windows: tuple[int | None, ...],
+) -> KVSetup:
+    """The paged layout in two pools: full-attention layers as ``build_kv`` lays them out, the
+    sliding-window layers in a pool sized by ``window_pool_blocks`` (their largest window for all of
+    them). Budget: the window pool first, the rest of ``kv_cache_memory_gb`` (or ``num_blocks``) to the
+    full-attention pool."""
+    block_size = cache.block_size or DEFAULT_BLOCK_SIZE
+    window_layers = frozenset(i for i, w in enumerate(sliding_windows) if w)
+    window = max(w for w in sliding_windows if w)
+    full_layers = [i for i in range(len(sliding_windows)) if i not in window_layers]
+
+    def spec_of(num_layers: int) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers, info.num_kv_heads, info.head_dim, block_size, dtype, cache.kv_cache_dtype
+        )
+
+    full_spec, window_spec = spec_of(len(full_layers)), spec_of(len(window_layers))
+    least = -(-(window - 1 + scheduler.max_num_batched_tokens) // block_size) + 2
+    budget = None if cache.num_blocks is not None else int(cache.kv_cache_memory_gb * (1 << 30))
+    num_window = window_pool_blocks(cache, scheduler, window, full_spec, window_spec, max_len, budget)
+    if num_window < least:
+        raise ValueError(
+            f"the sliding-window pool ({num_window} blocks) cannot hold one sequence's window ({window} "
+            f"tokens) and a step of max_num_batched_tokens {scheduler.max_num_batched_tokens}: it needs at "
+            f"least {least} blocks; raise cache.window_pool_blocks or cache.kv_cache_memory_gb"
+        )
+    num_full = cache.num_blocks
+    if num_full is None:
+        assert budget is not None
+        worst_case = -(-max_len // block_size) * scheduler.max_num_seqs
+        left = budget - num_window * window_spec.bytes_per_block
+        if full_spec.bytes_per_block == 0:  # every layer slides: the full pool is bookkeeping only
+            num_full = worst_case
+        elif left < full_spec.bytes_per_block:
+            raise ValueError(
+                f"cache.kv_cache_memory_gb {cache.kv_cache_memory_gb} holds the sliding-window pool "
+                f"({num_window} blocks) but no full-attention block; raise it or lower cache.window_pool_blocks"
+            )
+        else:
+            num_full = max(1, min(left // full_spec.bytes_per_block, worst_case))
+    max_model_len, limit = _max_model_len(scheduler, full_spec, num_full, max_len)
+    layout = PagedKVLayout()
+    device = platform.torch_device()
+    full_caches = layout.allocate(full_spec, num_full, device)
+    window_caches = layout.allocate(window_spec, num_window, device)
+    kv_caches = [
+        window_caches.pop(0) if i in window_layers else full_caches.pop(0)
+        for i in range(len(sliding_windows))
+    ]
+    blocks = SlidingWindowBlocks(num_window, block_size, window, cache.enable_prefix_caching)
+    manager = HybridKVCacheManager(num_full, block_size, cache.enable_prefix_caching, blocks)
+    return KVSetup(
+        full_spec, "paged", layout, kv_caches, manager, max_model_len, limit, window_layers, window_spec
+    )
+
+
+def window_pool_blocks(
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    window: int,
+    full_spec: KVCacheSpec,
+    window_spec: KVCacheSpec,
+    max_len: int,
+    budget: int | None,
+) -> int:
+    """Blocks of the sliding-window pool (the null block included): ``cache.window_pool_blocks``, else
+    the smaller of two rules. By sequences: each of ``max_num_seqs`` holds its window plus two blocks
+    (a partly filled one and the next), a step adds up to ``max_num_batched_tokens``, and as much again
+    keeps released windows for prefix hits. By memory (``budget`` bytes, when the pools share one):
+    the share that lets both pools fill together when every sequence is ``max_len`` tokens long, so
+    full-length sequences are never refused for want of window blocks; shorter ones leave room in the
+    full-attention pool. At least what one sequence needs in a step."""
+    if cache.window_pool_blocks is not None:
+        return cache.window_pool_blocks
+    bs = full_spec.block_size
+    per_seq = -(-(window - 1) // bs) + 2
+    step = -(-scheduler.max_num_batched_tokens // bs)
+    blocks = 2 * (scheduler.max_num_seqs * per_seq + step)
+    if budget is not None and full_spec.bytes_per_block:
+        window_bytes = per_seq * window_spec.bytes_per_block  # one sequence's, in each pool
+        full_bytes = -(-max_len // bs) * full_spec.bytes_per_block
+        share = budget * window_bytes // (window_bytes + full_bytes)
+        blocks = min(blocks, share // window_spec.bytes_per_block)
+    least = -(-(window - 1 + scheduler.max_num_batched_tokens) // bs) + 2
+    return max(blocks, least) + 1

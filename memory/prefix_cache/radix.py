@@ -38,6 +38,9 @@ class RadixPrefixCache(BasePrefixCache):
         self.root = _Node(key=(), block_id=-1, parent=None)
         self._by_block: dict[int, _Node] = {}
         self.event_sink: KVEventSink | None = None
+        # told the block ids of every node dropped (evicted with its subtree, or reset): state kept
+        # beside cached blocks (a sliding-window pool's blocks, ``memory/sliding_window.py``) goes too
+        self.forget_sink: Callable[[list[int]], None] | None = None
         pool.on_evict = self.evict
 
     def _chunks(self, token_ids: list[int], num_blocks: int) -> list[tuple[int, ...]]:
@@ -94,17 +97,20 @@ class RadixPrefixCache(BasePrefixCache):
             return
         if node.parent is not None:
             node.parent.children.pop(node.key, None)
-        removed = [node.hash]
+        removed, blocks = [node.hash], [block_id]
         stack = list(node.children.values())
         while stack:  # descendants become unreachable: forget them too
             child = stack.pop()
             removed.append(child.hash)
+            blocks.append(child.block_id)
             self._by_block.pop(child.block_id, None)
             self.pool.evict_cached(child.block_id)
             stack.extend(child.children.values())
         self.pool.evict_cached(block_id)
         if self.event_sink is not None:
             self.event_sink([], removed)
+        if self.forget_sink is not None:
+            self.forget_sink(blocks)
 
     def reset(self) -> bool:
         """Forget every cached prefix. Refused (False) while blocks are referenced."""
@@ -114,6 +120,8 @@ class RadixPrefixCache(BasePrefixCache):
             self.pool.evict_cached(block_id)
         if self.event_sink is not None and self._by_block:
             self.event_sink([], [n.hash for n in self._by_block.values()])
+        if self.forget_sink is not None and self._by_block:
+            self.forget_sink(list(self._by_block))
         self._by_block.clear()
         self.root.children.clear()
         return True

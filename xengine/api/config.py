@@ -77,7 +77,24 @@ class CacheConfig:
         "float32 scale per token and head, stored beside the values in the same blocks; the pool holds "
         "about twice the tokens of bf16 (four times fp32) and long-context decode reads half the bytes.",
     )
-    num_blocks: int | None = _f(None, "KV blocks in the pool (default: derived from kv_cache_memory_gb).")
+    hybrid_kv: str = _f(
+        "auto",
+        "Sliding-window layers (Gemma 3, MiMo, Mistral...) keep their KV in a pool of their own, bounded by the "
+        "window: blocks wholly behind it are released as the sequence moves on, prefix hits are taken only "
+        "as far as every window is still held. auto: on for such models with the paged layout and no expert "
+        "parallelism; on: required (an error where it cannot run); off: every layer keeps full-length KV.",
+    )
+    window_pool_blocks: int | None = _f(
+        None,
+        "Blocks of the sliding-window pool (hybrid_kv). Default: twice what max_num_seqs sequences hold at "
+        "once (the window plus two blocks each) plus one step's new tokens; the rest of the budget goes to "
+        "the full-attention pool. More keeps released windows longer for prefix hits.",
+    )
+    num_blocks: int | None = _f(
+        None,
+        "KV blocks in the pool (default: derived from kv_cache_memory_gb); with hybrid_kv, of the "
+        "full-attention pool.",
+    )
     kv_cache_memory_gb: float = _f(1.0, "Memory for the KV pool when num_blocks is not set, in GiB.")
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes (radix tree).")
     kv_transfer_port_range: str = _f(
@@ -98,6 +115,10 @@ class CacheConfig:
             raise ValueError(
                 f"cache.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        if self.hybrid_kv not in ("auto", "on", "off"):
+            raise ValueError(f"cache.hybrid_kv must be one of auto, on, off, got {self.hybrid_kv!r}")
+        if self.window_pool_blocks is not None and self.window_pool_blocks < 2:
+            raise ValueError("cache.window_pool_blocks must be >= 2 (one is the null block)")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("cache.num_blocks must be >= 1")
         if self.kv_cache_memory_gb <= 0:

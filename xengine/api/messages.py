@@ -151,6 +151,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # KV memory layout; with xTensor, its pages by state (xLLM §4.3) and map/unmap calls so far
     kv_layout: str = "paged"
     xtensor: XTensorStatsMsg | None = None
+    # sliding-window layers in a pool of their own (hybrid_kv): that pool; the fields above are then
+    # the full-attention pool's
+    window_pool: WindowPoolStatsMsg | None = None
     # execution: async scheduling on/off, and the graph runner's mode and counters
     async_scheduling: bool = False
     graph: GraphStatsMsg | None = None
@@ -189,6 +192,17 @@ class GraphStatsMsg(msgspec.Struct, kw_only=True):
     decode_graph_buckets: list[int] = []  # full mode: decode batch sizes captured as whole-step graphs
     decode_graph_capture_s: dict[int, float] = {}
     num_decode_graph_replays: int = 0  # decode steps run as one whole-step graph
+
+
+class WindowPoolStatsMsg(msgspec.Struct, kw_only=True):
+    """The sliding-window layers' own KV pool (``cache.hybrid_kv``; ``memory/sliding_window.py``)."""
+
+    window: int = 0  # tokens (the largest of the sliding layers')
+    num_layers: int = 0
+    num_total_blocks: int = 0  # usable ones (the null block not counted)
+    num_free_blocks: int = 0
+    num_cached_windows: int = 0  # released blocks still findable by a window-safe prefix hit
+    usage: float = 0.0
 
 
 class XTensorStatsMsg(msgspec.Struct, kw_only=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,8 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [S]: last token of each sampling sequence
     num_tokens: int
+    # the sliding-window layers' metadata when they have a pool of their own (``window_metadata``)
+    window_meta: AttentionMetadata | None = None
 
 
 def _tokens(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
@@ -90,4 +93,25 @@ def build_inputs(
         meta=meta,
         logits_indices=_t(logits_indices, np.int64),
         num_tokens=len(input_ids),
+    )
+
+
+def window_metadata(plan: SchedulePlan, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+    """``meta`` for the sliding-window layers of a plan with ``window_block_tables``: the same batch,
+    their own block tables (released blocks read as the null block, masked out by the window) and
+    the slots of the new tokens in their pool."""
+    assert plan.window_block_tables is not None
+    tables = [plan.window_block_tables[s.req.seq_id] for s in plan.seqs]
+    slots: list[int] = []
+    for s, table in zip(plan.seqs, tables):
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(s.start, s.end))
+    padded = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+    for row, table in zip(padded, tables):
+        row[: len(table)] = table
+    device = meta.slot_mapping.device
+    return dataclasses.replace(
+        meta,
+        block_tables=torch.from_numpy(padded).to(device),
+        slot_mapping=torch.from_numpy(np.array(slots, dtype=np.int64)).to(device),
+        scratch={},
     )

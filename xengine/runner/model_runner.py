@@ -23,7 +23,7 @@ from xengine.multimodal.image_cache import ImageEmbeddingCache
 from xengine.multimodal.step_inputs import MultiModalStep, build_multimodal_step, has_images
 from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
-from xengine.runner.input_batch import ModelInputs, build_inputs
+from xengine.runner.input_batch import ModelInputs, build_inputs, window_metadata
 from xengine.runner.prompt_outputs import PromptOutputRows, build_prompt_rows, compute_prompt_outputs
 from xengine.runner.sampling_reuse import SamplingReuse
 from xengine.sampling.beam_search import BeamRows, beam_candidates
@@ -50,11 +50,16 @@ class ModelRunner:
         parallel: ExpertParallelGroup | None = None,
         encode_overlap: bool = False,
         interrupt: threading.Event | None = None,
+        window_layers: frozenset[int] = frozenset(),
     ) -> None:
         """``interrupt``: set by an online arrival, it stops an offline step between layers
-        (``xengine/colocation/``); None: steps are never stopped."""
+        (``xengine/colocation/``); None: steps are never stopped. ``window_layers``: the layers whose KV
+        lives in the sliding-window pool (``memory/sliding_window.py``; plans then carry their tables)."""
         self.model = model
         self.kv_caches = kv_caches
+        self.window_layers = window_layers
+        self._full_caches = [c for i, c in enumerate(kv_caches) if i not in window_layers]
+        self._window_caches = [c for i, c in enumerate(kv_caches) if i in window_layers]
         self.layout = layout
         self.attn_caches = layout.attention_caches(kv_caches)  # what attention reads (xTensor: slots)
         self.platform = platform
@@ -104,6 +109,8 @@ class ModelRunner:
             [(s.req.seq_id, plan.block_tables[s.req.seq_id], s.end) for s in plan.seqs]
         )
         inputs = build_inputs(plan, self.block_size, self.device, kv_slots)
+        if plan.window_block_tables is not None:
+            inputs.window_meta = window_metadata(plan, inputs.meta, self.block_size)
         mm = None
         if self.images is not None and has_images(plan):
             mm = build_multimodal_step(plan, self.device)
@@ -160,14 +167,23 @@ class ModelRunner:
         inputs = step.inputs
         assert inputs is not None
         if resume is None:  # a resumed step did these when it started
-            self.layout.copy_blocks(self.kv_caches, step.plan.block_copies)
+            self.layout.copy_blocks(self._full_caches, step.plan.block_copies)
+            self.layout.copy_blocks(self._window_caches, step.plan.window_block_copies)
             if prev_rows is not None:
                 inputs.input_ids = _resolve(inputs.input_ids, prev_rows)
             if self.parallel is not None:
                 self.parallel.publish(inputs, step.plan.block_copies)
         interrupt = self.interrupt if step.plan.interruptible else None
         resumable = interrupt is not None and prev_rows is None and self._resumable(step)
-        with forward_context(inputs.meta, self.attn_caches, inputs.num_tokens, interrupt, resumable):
+        with forward_context(
+            inputs.meta,
+            self.attn_caches,
+            inputs.num_tokens,
+            interrupt,
+            resumable,
+            inputs.window_meta,
+            self.window_layers,
+        ):
             if resume is not None:
                 assert self.layer_checks is not None
                 hidden = self.layer_checks.resume(resume, inputs.positions)

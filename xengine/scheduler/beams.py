@@ -45,7 +45,9 @@ class BeamScheduling:
         if len(beams) > self._budget:
             return
         for beam in beams:
-            while not self.kv.allocate_slots(beam.seq_id, beam.num_tokens):
+            while not self.kv.allocate_slots(
+                beam.seq_id, beam.num_tokens, num_computed=beam.num_computed_tokens
+            ):
                 victim = self._pick_victim(exclude=group.req_id, max_rank=None)
                 if victim is None:
                     self._preempt(beam, plan)

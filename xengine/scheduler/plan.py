@@ -48,6 +48,10 @@ class SchedulePlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # seq_id -> block ids
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    # the sliding-window layers' tables and copies when they have a pool of their own (None: they
+    # read ``block_tables`` like every layer)
+    window_block_tables: dict[str, list[int]] | None = None
+    window_block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_seq_ids: list[str] = field(default_factory=list)
     # async scheduling: the next step must not be scheduled before this one's outputs are applied

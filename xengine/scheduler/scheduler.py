@@ -142,6 +142,10 @@ class Scheduler(BeamScheduling):
             plan.encodes = self.encode_stage.select(self.waiting, has_prefill)
         plan.block_tables = {s.req.seq_id: self.kv.get_block_table(s.req.seq_id) for s in plan.seqs}
         plan.block_copies = self.kv.take_pending_copies()
+        window = self.kv.window
+        if window is not None:  # the sliding-window layers' own tables (``memory/sliding_window.py``)
+            plan.window_block_tables = {s.req.seq_id: window.tables[s.req.seq_id] for s in plan.seqs}
+            plan.window_block_copies = window.take_pending_copies()
         plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.seqs)
         plan.sync = any(s.num_samples > 1 or s.req.req_id in self.beam_groups for s in plan.seqs)
         plan.interruptible = (
@@ -192,7 +196,9 @@ class Scheduler(BeamScheduling):
             num_new = self._num_new_tokens(req, req.num_computed_tokens)
             if num_new <= 0:
                 continue
-            while not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens + num_new):
+            while not self.kv.allocate_slots(
+                req.seq_id, req.num_computed_tokens + num_new, num_computed=req.num_computed_tokens
+            ):
                 victim = self._pick_victim(exclude=req.req_id, max_rank=None)
                 if victim is None:
                     self._preempt(req, plan)
@@ -213,12 +219,12 @@ class Scheduler(BeamScheduling):
             prefix = ComputedPrefix([], 0)
             if req.num_computed_tokens == 0:
                 prefix = self.kv.get_computed_prefix(req.cache_token_ids)
-                prefix = limit_prefix(req, prefix, self.kv.block_size)
+                prefix = self.kv.usable_prefix(limit_prefix(req, prefix, self.kv.block_size))
             num_computed = max(req.num_computed_tokens, prefix.num_tokens)
             num_new = self._num_new_tokens(req, num_computed)
             if num_new <= 0:
                 return
-            if not self.kv.allocate_slots(req.seq_id, num_computed + num_new, prefix):
+            if not self.kv.allocate_slots(req.seq_id, num_computed + num_new, prefix, num_computed):
                 if not self._preempt_lower_class(cls, plan):
                     return
                 continue

@@ -84,14 +84,24 @@ class StepExecutor:
         by_req: dict[str, list[ScheduledSeq]] = {}
         for s in failed.seqs:
             by_req.setdefault(s.req.req_id, []).append(s)
-        ran = SchedulePlan(block_tables=failed.block_tables, preempted_seq_ids=failed.preempted_seq_ids)
+        ran = SchedulePlan(
+            block_tables=failed.block_tables,
+            window_block_tables=failed.window_block_tables,
+            preempted_seq_ids=failed.preempted_seq_ids,
+        )
         out, error = StepOutput(), ""
-        copies = failed.block_copies  # copy-on-write copies run once, with the first request
+        # copy-on-write copies run once, with the first request
+        copies, window_copies = failed.block_copies, failed.window_block_copies
         for req_id, seqs in by_req.items():
             tables = {s.req.seq_id: failed.block_tables[s.req.seq_id] for s in seqs}
             alone = SchedulePlan(seqs=seqs, block_tables=tables, block_copies=copies)
+            if failed.window_block_tables is not None:
+                alone.window_block_tables = {
+                    s.req.seq_id: failed.window_block_tables[s.req.seq_id] for s in seqs
+                }
+                alone.window_block_copies = window_copies
             alone.num_batched_tokens = sum(s.num_new_tokens for s in seqs)
-            copies = []
+            copies, window_copies = [], []
             try:
                 part = self.runner.execute(alone)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on

@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from xengine.api.messages import ColocationStatsMsg, EngineStats, GraphStatsMsg, XTensorStatsMsg
+from xengine.api.messages import (
+    ColocationStatsMsg,
+    EngineStats,
+    GraphStatsMsg,
+    WindowPoolStatsMsg,
+    XTensorStatsMsg,
+)
 
 WORST_OF = ("preemption_latency_p50_ms", "preemption_latency_p99_ms", "preemption_latency_max_ms")
 
@@ -19,6 +25,12 @@ def sum_engine_stats(stats: Sequence[EngineStats]) -> EngineStats:
     total.async_scheduling = stats[0].async_scheduling
     xts = [s.xtensor for s in stats if s.xtensor is not None]
     total.xtensor = sum_structs(xts, XTensorStatsMsg()) if xts else None
+    windows = [s.window_pool for s in stats if s.window_pool is not None]
+    if windows:
+        total.window_pool = sum_structs(windows, WindowPoolStatsMsg())
+        total.window_pool.window = windows[0].window
+        total.window_pool.num_layers = windows[0].num_layers
+        total.window_pool.usage = sum(w.usage for w in windows) / len(windows)
     graphs = [s.graph for s in stats if s.graph is not None]
     if graphs:
         total.graph = sum_structs(graphs, GraphStatsMsg(mode=graphs[0].mode, buckets=graphs[0].buckets))

@@ -104,6 +104,15 @@ class ServiceMetrics:
             "xllm_prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens.", registry=r
         )
         self.kv_free_blocks = Gauge("xllm_kv_free_blocks", "Free KV blocks.", registry=r)
+        self.kv_pool_usage = Gauge(
+            "xllm_kv_pool_usage_ratio",
+            "Fraction of each KV pool's blocks in use (full_attention; sliding_window with cache.hybrid_kv).",
+            ["pool"],
+            registry=r,
+        )
+        self.kv_pool_free_blocks = Gauge(
+            "xllm_kv_pool_free_blocks", "Free blocks of each KV pool.", ["pool"], registry=r
+        )
         self.num_preemptions = Gauge(
             "xllm_num_preemptions", "Preemptions since the engine started.", registry=r
         )
@@ -261,6 +270,11 @@ class ServiceMetrics:
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
         self.kv_free_blocks.set(stats.num_free_blocks)
+        self.kv_pool_usage.labels(pool="full_attention").set(stats.kv_usage)
+        self.kv_pool_free_blocks.labels(pool="full_attention").set(stats.num_free_blocks)
+        if stats.window_pool is not None:
+            self.kv_pool_usage.labels(pool="sliding_window").set(stats.window_pool.usage)
+            self.kv_pool_free_blocks.labels(pool="sliding_window").set(stats.window_pool.num_free_blocks)
         self.num_preemptions.set(stats.num_preemptions)
         if stats.graph is not None:
             self.graph_recompiles.set(stats.graph.num_recompiles_after_warmup)

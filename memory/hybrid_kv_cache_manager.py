@@ -1,0 +1,75 @@
+"""KV blocks of a model with sliding-window layers: full-attention blocks and window blocks side by side.
+
+The full-attention layers keep every token's KV in this manager's own pool (``KVCacheManager``); the
+sliding-window layers keep theirs in ``window`` (``memory/sliding_window.py``), bounded by the window.
+Both tables of a sequence share block positions. Every operation applies to both pools, all or
+nothing: a step is admitted only when both have room (else the scheduler preempts), a fork shares
+both, a finished or preempted sequence frees both. Prefix hits are taken only as far as the window
+pool still holds each window (``usable_prefix``). See ``docs/hybrid_memory.md``.
+"""
+
+from __future__ import annotations
+
+from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
+from memory.sliding_window import SlidingWindowBlocks
+
+
+class HybridKVCacheManager(KVCacheManager):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, window: SlidingWindowBlocks
+    ) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.window = window
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_sink = window.forget
+
+    def get_computed_prefix(self, token_ids: list[int]) -> ComputedPrefix:
+        return self.usable_prefix(super().get_computed_prefix(token_ids))
+
+    def usable_prefix(self, prefix: ComputedPrefix) -> ComputedPrefix:
+        """``prefix`` shortened to the most blocks whose window is still in the window pool."""
+        k = self.window.safe_length(prefix.block_ids)
+        if k == len(prefix.block_ids):
+            return prefix
+        return ComputedPrefix(prefix.block_ids[:k], k * self.block_size)
+
+    def allocate_slots(
+        self,
+        req_id: str,
+        num_total_tokens: int,
+        prefix: ComputedPrefix | None = None,
+        num_computed: int | None = None,
+    ) -> bool:
+        new = req_id not in self.block_tables
+        hit = prefix.block_ids if prefix is not None and prefix.block_ids and new else None
+        if num_computed is None:  # unknown: release nothing behind the window this time
+            num_computed = prefix.num_tokens if hit else 0
+        if self.window.shortfall(req_id, num_computed, num_total_tokens, hit) > 0:
+            return False
+        if not super().allocate_slots(req_id, num_total_tokens, prefix):
+            return False
+        self.window.allocate(req_id, num_computed, num_total_tokens, hit)
+        return True
+
+    def cache_blocks(self, req_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        if not self.has_blocks_to_cache(req_id, num_computed_tokens):
+            return
+        done = self._num_cached_blocks.get(req_id, 0)
+        super().cache_blocks(req_id, token_ids, num_computed_tokens)
+        assert self.prefix_cache is not None
+        num_full = num_computed_tokens // self.block_size
+        # the cached blocks at these positions (another request's, when it cached them first)
+        cached = self.prefix_cache.match(token_ids[: num_full * self.block_size], num_full).block_ids
+        self.window.record(req_id, [(j, cached[j]) for j in range(done, len(cached))])
+
+    def free(self, req_id: str) -> None:
+        super().free(req_id)
+        self.window.free(req_id)
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> bool:
+        if not self.window.can_fork(parent_id, num_tokens):
+            return False
+        if not super().fork(parent_id, child_id, num_tokens):
+            return False
+        self.window.fork(parent_id, child_id, num_tokens)
+        return True
