@@ -23,7 +23,17 @@ NULL_BLOCK = 0  # block 0 of the window pool: zeros, never handed out, stands fo
 
 
 class SlidingWindowBlocks:
-    def __init__(self, num_blocks: int, block_size: int, window: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        window: int,
+        enable_prefix_caching: bool,
+        release_lag: bool = False,
+    ) -> None:
+        """``release_lag`` (async scheduling): release behind the window of where the sequence stood
+        when it was scheduled the time before, not now. A step still in flight (or undone and run
+        again: a failed or interrupted async step) reads the blocks its own queries need."""
         if num_blocks < 2:
             raise ValueError("the sliding-window KV pool needs at least two blocks (one is the null block)")
         self.block_size = block_size
@@ -32,6 +42,8 @@ class SlidingWindowBlocks:
         assert self.pool.allocate(1) == [NULL_BLOCK]  # held for good: never freed, never written
         self.tables: dict[str, list[int]] = {}
         self._released: dict[str, int] = {}  # entries [0, n) of a table are NULL_BLOCK
+        self.release_lag = release_lag
+        self._last_computed: dict[str, int] = {}  # release_lag: num_computed at the last allocate
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) of forks
         self.caching = enable_prefix_caching
         self.by_full: dict[int, int] = {}  # cached full-attention block -> window block, same position
@@ -83,6 +95,12 @@ class SlidingWindowBlocks:
         return first, [self.by_full[b] for b in full_block_ids[first:k]]
 
     # ------------------------------------------------------------------ allocation
+    def _release_pos(self, seq_id: str, num_computed: int) -> int:
+        """The position whose window bounds what may be released now."""
+        if not self.release_lag:
+            return num_computed
+        return min(num_computed, self._last_computed.get(seq_id, 0))
+
     def release_behind(self, seq_id: str, next_pos: int) -> None:
         """Release the blocks wholly behind the window of a query at ``next_pos``."""
         table = self.tables.get(seq_id)
@@ -115,9 +133,8 @@ class SlidingWindowBlocks:
         else:
             have = len(table)
             done = self._released.get(seq_id, 0)
-            freeable = sum(
-                1 for b in table[done : min(first, have)] if b != NULL_BLOCK and self.pool.ref_cnt[b] == 1
-            )
+            upto = min(self.first_needed(self._release_pos(seq_id, num_computed)), have)
+            freeable = sum(1 for b in table[done:upto] if b != NULL_BLOCK and self.pool.ref_cnt[b] == 1)
         num_new = max(0, need - max(have, first))
         return max(0, num_new + reclaimed - self.pool.num_free_blocks - freeable)
 
@@ -134,7 +151,9 @@ class SlidingWindowBlocks:
                 table = [NULL_BLOCK] * first + window
                 self._released[seq_id] = first
             self.tables[seq_id] = table
-        self.release_behind(seq_id, num_computed)
+        self.release_behind(seq_id, self._release_pos(seq_id, num_computed))
+        if self.release_lag:
+            self._last_computed[seq_id] = num_computed
         need = -(-num_total // self.block_size)
         if len(table) >= need:
             return
@@ -149,6 +168,7 @@ class SlidingWindowBlocks:
         """Release every block of the sequence (tail first, so prefixes outlive their suffixes)."""
         table = self.tables.pop(seq_id, None)
         done = self._released.pop(seq_id, 0)
+        self._last_computed.pop(seq_id, None)
         if table:
             held = [b for b in table[done:] if b != NULL_BLOCK]
             self.pool.free(list(reversed(held)))
@@ -173,6 +193,8 @@ class SlidingWindowBlocks:
             child.append(dst)
         self.tables[child_id] = child
         self._released[child_id] = min(self._released.get(parent_id, 0), len(child))
+        if parent_id in self._last_computed:
+            self._last_computed[child_id] = min(self._last_computed[parent_id], num_tokens)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -97,7 +97,9 @@ def build_kv(
     if any(sliding_windows) and cache.hybrid_kv != "off":
         blocker = hybrid_blocker or (f"the {name} KV layout" if name != "paged" else None)
         if blocker is None:
-            return build_hybrid_kv(cache, scheduler, info, dtype, platform, max_len, sliding_windows)
+            return build_hybrid_kv(
+                cache, scheduler, info, dtype, platform, max_len, sliding_windows, async_scheduling
+            )
         if cache.hybrid_kv == "on":
             raise ValueError(
                 f"cache.hybrid_kv on: sliding-window layers cannot keep a pool of their own with {blocker}; "
@@ -174,6 +176,7 @@ def build_hybrid_kv(
     platform: Platform,
     max_len: int,
     sliding_windows: tuple[int | None, ...],
+    async_scheduling: bool = False,
 ) -> KVSetup:
     """The paged layout in two pools: full-attention layers as ``build_kv`` lays them out, the
     sliding-window layers in a pool sized by ``window_pool_blocks`` (their largest window for all of
@@ -222,7 +225,9 @@ def build_hybrid_kv(
         window_caches.pop(0) if i in window_layers else full_caches.pop(0)
         for i in range(len(sliding_windows))
     ]
-    blocks = SlidingWindowBlocks(num_window, block_size, window, cache.enable_prefix_caching)
+    blocks = SlidingWindowBlocks(
+        num_window, block_size, window, cache.enable_prefix_caching, release_lag=async_scheduling
+    )
     manager = HybridKVCacheManager(num_full, block_size, cache.enable_prefix_caching, blocks)
     return KVSetup(
         full_spec, "paged", layout, kv_caches, manager, max_model_len, limit, window_layers, window_spec
@@ -242,9 +247,10 @@ def window_pool_blocks(
     the smaller of two rules. By sequences: each of ``max_num_seqs`` holds its window plus two blocks
     (a partly filled one and the next), a step adds up to ``max_num_batched_tokens``, and as much again
     keeps released windows for prefix hits. By memory (``budget`` bytes, when the pools share one):
-    the share that lets both pools fill together when every sequence is ``max_len`` tokens long, so
-    full-length sequences are never refused for want of window blocks; shorter ones leave room in the
-    full-attention pool. At least what one sequence needs in a step."""
+    the share that lets both pools fill together when every sequence is ``max_len`` tokens long (and
+    one step's chunk is in flight), so full-length sequences are never refused for want of window
+    blocks; shorter ones leave room in the full-attention pool (set ``max_model_len`` to the longest
+    you serve). At least what one sequence needs in a step."""
     if cache.window_pool_blocks is not None:
         return cache.window_pool_blocks
     bs = full_spec.block_size
@@ -252,9 +258,10 @@ def window_pool_blocks(
     step = -(-scheduler.max_num_batched_tokens // bs)
     blocks = 2 * (scheduler.max_num_seqs * per_seq + step)
     if budget is not None and full_spec.bytes_per_block:
-        window_bytes = per_seq * window_spec.bytes_per_block  # one sequence's, in each pool
+        # n sequences of max_len: n * (per_seq window blocks + their full blocks) + one step's chunk
+        window_bytes = per_seq * window_spec.bytes_per_block
         full_bytes = -(-max_len // bs) * full_spec.bytes_per_block
-        share = budget * window_bytes // (window_bytes + full_bytes)
-        blocks = min(blocks, share // window_spec.bytes_per_block)
+        n = max(1, (budget - step * window_spec.bytes_per_block) // (window_bytes + full_bytes))
+        blocks = min(blocks, n * per_seq + step)
     least = -(-(window - 1 + scheduler.max_num_batched_tokens) // bs) + 2
     return max(blocks, least) + 1

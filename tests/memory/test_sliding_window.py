@@ -153,3 +153,17 @@ def test_reset_clears_the_window_mapping() -> None:
     assert kv.window.by_full
     assert kv.reset_prefix_cache()
     assert not kv.window.by_full
+
+
+def test_release_lags_one_schedule_under_async_scheduling() -> None:
+    """Async: the step scheduled before is still in flight (and may be undone and run again), so a
+    schedule releases only behind the window of where the sequence stood the time before."""
+    lagged = SlidingWindowBlocks(32, BS, WINDOW, True, release_lag=True)
+    kv = HybridKVCacheManager(64, BS, True, lagged)
+    assert kv.allocate_slots("a", 32, num_computed=0)  # step 1: a 32-token chunk
+    assert kv.allocate_slots("a", 33, num_computed=32)  # step 2, scheduled while step 1 runs
+    assert lagged.num_held("a") == 9  # step 1's queries (from position 0) still read every block
+    assert kv.allocate_slots("a", 34, num_computed=33)
+    first = (32 - WINDOW + 1) // BS  # behind step 2's window now: step 1 has been applied
+    assert lagged.tables["a"][:first] == [NULL_BLOCK] * first
+    assert all(b != NULL_BLOCK for b in lagged.tables["a"][first:])
