@@ -14,8 +14,12 @@ ratio and window). For each:
 - ``window_use``: one ``--long-prompt``-token prompt generating ``--long-output`` tokens: the most
   window-pool blocks the sequence held while decoding, beside the bound (window / block + 2);
 - ``decode_vs_context``: ``--decode-batch`` sequences decoding at each context length, median decode
-  step time and tok/s, with the window pool and without. The sliding layers read only the window, so
-  their share of the step stays flat past it; the global layers' grows with the context.
+  step time and tok/s, for the model and for the same weights with every layer global (the control).
+  The sliding layers read only the window, so their share of the step stays flat past it; the global
+  layers' grows with the context;
+- ``multi_turn_prefix_hits``: a multi-turn chat trace (``--chats`` conversations, ``--turns`` turns,
+  each prompt the conversation so far): the prefix-cache token hit rate with window-safe hits and
+  with every layer full-length (the full-attention model's rate), and their ratio.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.offline.hybrid_memory --num-threads 1
 """
@@ -130,6 +134,7 @@ def capacity_section(model_dir: Path, args: argparse.Namespace) -> dict[str, Any
     kw = dict(
         max_num_seqs=args.capacity_prompts,
         max_num_batched_tokens=args.capacity_chunk,
+        mixed_prefill_tokens=0,  # a whole prompt a step even beside decodes: all admitted in time
         max_model_len=args.capacity_len + args.capacity_output,
         kv_cache_memory_gb=args.budget_mib / 1024,
         enable_prefix_caching=False,
@@ -143,6 +148,13 @@ def capacity_section(model_dir: Path, args: argparse.Namespace) -> dict[str, Any
         gc.collect()
     off = out["hybrid_off"]["peak_running"]
     out["ratio"] = out["hybrid_on"]["peak_running"] / off if off else None
+    # layer-tokens one sequence holds: every layer full-length, against global layers full-length and
+    # sliding ones the window plus two blocks (the window pool also keeps one step's chunk, once)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    types, window = cfg["layer_types"], cfg["sliding_window"]
+    length = args.capacity_len + args.capacity_output
+    hybrid = types.count("full_attention") * length + types.count("sliding_attention") * (window - 1 + 32)
+    out["theory_ratio"] = len(types) * length / hybrid
     return out
 
 
@@ -180,13 +192,34 @@ def window_use_section(model_dir: Path, args: argparse.Namespace) -> dict[str, A
     }
 
 
+def all_global_copy(model_dir: Path) -> Path:
+    """The same weights with every layer global (full attention): the control of ``decode_section``."""
+    out = model_dir.with_name(model_dir.name + "-all-global")
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (tmp / f.name).symlink_to(f.resolve())
+    config = json.loads((model_dir / "config.json").read_text())
+    config["layer_types"] = ["full_attention"] * len(config["layer_types"])
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(out)
+    return out
+
+
 def decode_section(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Median decode step of ``--decode-batch`` sequences at each context, for the model (its sliding
+    layers read only the window; their KV in the window pool) and for the same weights with every
+    layer global (the control: every layer's reads grow with the context)."""
     from xengine.api.messages import AddRequest, SamplingParams
 
     out: dict[str, Any] = {"batch": args.decode_batch, "steps": args.decode_steps}
-    for mode in ("on", "off"):
+    for name, path in (("sliding", model_dir), ("all_global", all_global_copy(model_dir))):
         llm = _llm(
-            model_dir, mode, args.num_threads, max_num_batched_tokens=max(args.chunk, args.decode_batch),
+            path, "auto", args.num_threads, max_num_batched_tokens=max(args.chunk, args.decode_batch),
             max_model_len=max(args.contexts) + args.decode_steps + 4 + -(-args.decode_batch * max(args.contexts) // args.chunk),
             enable_prefix_caching=False,
         )  # fmt: skip
@@ -200,7 +233,7 @@ def decode_section(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
                 temperature=0.0, max_tokens=args.decode_steps + prefill_steps, ignore_eos=True
             )
             for i, p in enumerate(_prompts(args.decode_batch, ctx, seed=ctx)):
-                engine.add_request(AddRequest(req_id=f"d{mode}{ctx}-{i}", prompt_token_ids=p, params=params))
+                engine.add_request(AddRequest(req_id=f"d{name}{ctx}-{i}", prompt_token_ids=p, params=params))
             times = []
             while engine.has_unfinished_requests():
                 engine.step()
@@ -209,16 +242,58 @@ def decode_section(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
                     times.append(t.total_s)
             step = statistics.median(times[2:] or times)
             rows[str(ctx)] = {"step_ms": step * 1e3, "tok_s": args.decode_batch / step}
-            print(f"[decode] hybrid_kv {mode} context {ctx}: {step * 1e3:.2f} ms", file=sys.stderr)
-        out[f"hybrid_{mode}"] = rows
+            print(f"[decode] {name} context {ctx}: {step * 1e3:.2f} ms", file=sys.stderr)
+        out[name] = rows
         del llm, engine
         gc.collect()
     return out
 
 
+def multi_turn_section(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """``--chats`` conversations of ``--turns`` turns, all conversations' turn ``t`` submitted together:
+    each prompt is the conversation so far (a ``--system-len``-token start, then ``--user-len``-token
+    messages and ``--answer-len``-token answers). Prefix-cache token hit rate with the window pool
+    (window-safe hits) and without it (every layer full-length: the full-attention model's rate)."""
+    from xengine.api.messages import SamplingParams
+
+    gen = torch.Generator().manual_seed(3)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, 2000, (n,), generator=gen).tolist()
+
+    system = tokens(args.system_len)
+    users = [[tokens(args.user_len) for _ in range(args.turns)] for _ in range(args.chats)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.answer_len, ignore_eos=True)
+    out: dict[str, Any] = {"chats": args.chats, "turns": args.turns}
+    for mode in ("on", "off"):
+        llm = _llm(
+            model_dir, mode, args.num_threads, max_num_batched_tokens=args.chunk, max_num_seqs=args.chats,
+            max_model_len=args.system_len + args.turns * (args.user_len + args.answer_len) + 8,
+            kv_cache_memory_gb=args.multi_turn_budget_mib / 1024,
+        )  # fmt: skip
+        history = [list(system) for _ in range(args.chats)]
+        for turn in range(args.turns):
+            prompts = [h + users[c][turn] for c, h in enumerate(history)]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            history = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        stats = llm.engine.get_stats()
+        out[f"hybrid_{mode}"] = {
+            "queried_tokens": stats.prefix_cache_queries,
+            "hit_tokens": stats.prefix_cache_hits,
+            "hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
+        }
+        print(f"[multi-turn] hybrid_kv {mode}: {out[f'hybrid_{mode}']}", file=sys.stderr)
+        del llm
+        gc.collect()
+    off = out["hybrid_off"]["hit_rate"]
+    out["hit_rate_ratio"] = out["hybrid_on"]["hit_rate"] / off if off else None
+    return out
+
+
 SMOKE = dict(
     capacity_prompts=4, capacity_len=96, capacity_output=4, capacity_chunk=128, budget_mib=2.0, long_prompt=64, long_output=40,
-    contexts=[16, 64], decode_batch=2, decode_steps=4, chunk=64, mimo=False,
+    contexts=[16, 64], decode_batch=2, decode_steps=4, chunk=64, mimo=False, chats=2, turns=2, system_len=32,
+    user_len=8, answer_len=4,
 )  # fmt: skip
 
 
@@ -227,11 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--budget-mib", type=float, default=64.0, help="KV budget of the capacity runs")
     p.add_argument("--capacity-prompts", type=int, default=32)
-    p.add_argument("--capacity-len", type=int, default=4000, help="prompt tokens (+ output: a 4k sequence)")
+    p.add_argument("--capacity-len", type=int, default=3900, help="prompt tokens (+ output: a 4k sequence)")
     p.add_argument(
         "--capacity-output",
         type=int,
-        default=64,
+        default=128,
         help="output tokens: more than the prefill steps of all prompts, so the admitted ones are all running",
     )
     p.add_argument(
@@ -243,8 +318,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048, 3500])
     p.add_argument("--decode-batch", type=int, default=16)
     p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--chats", type=int, default=16, help="multi-turn: conversations")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--user-len", type=int, default=64)
+    p.add_argument("--answer-len", type=int, default=48)
+    p.add_argument("--multi-turn-budget-mib", type=float, default=32.0)
     p.add_argument(
         "--mimo", action=argparse.BooleanOptionalAction, default=True, help="the MiMo-shaped model too"
+    )
+    p.add_argument(
+        "--sections",
+        nargs="+",
+        default=["bytes", "capacity", "window_use", "decode", "multi_turn"],
+        choices=["bytes", "capacity", "window_use", "decode", "multi_turn"],
     )
     add_smoke_flag(p)
     return p
@@ -260,12 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": describe(args.num_threads), "config": vars(args), "models": {}}
     for name, path in models.items():
         print(f"[{name}] {path}", file=sys.stderr)
-        report["models"][name] = {
-            "kv_bytes_per_token": bytes_section(path, args.num_threads),
-            "capacity": capacity_section(path, args),
-            "window_use": window_use_section(path, args),
-            "decode_vs_context": decode_section(path, args),
+        sections = {
+            "bytes": ("kv_bytes_per_token", lambda p: bytes_section(p, args.num_threads)),
+            "capacity": ("capacity", lambda p: capacity_section(p, args)),
+            "window_use": ("window_use", lambda p: window_use_section(p, args)),
+            "decode": ("decode_vs_context", lambda p: decode_section(p, args)),
+            "multi_turn": ("multi_turn_prefix_hits", lambda p: multi_turn_section(p, args)),
         }
+        report["models"][name] = {sections[k][0]: sections[k][1](path) for k in args.sections}
     print(json.dumps(report, indent=2))
     return 0
 
