@@ -58,7 +58,12 @@ class HybridKVCacheManager(KVCacheManager):
         super().cache_blocks(req_id, token_ids, num_computed_tokens)
         assert self.prefix_cache is not None
         num_full = num_computed_tokens // self.block_size
-        # the cached blocks at these positions (another request's, when it cached them first)
+        table = self.block_tables[req_id]
+        new = range(done, num_full)
+        if all(self.pool.cached[table[j]] for j in new):  # the usual case: its own blocks went in
+            self.window.record(req_id, [(j, table[j]) for j in new])
+            return
+        # another request cached some of these positions first: map the blocks the cache holds
         cached = self.prefix_cache.match(token_ids[: num_full * self.block_size], num_full).block_ids
         self.window.record(req_id, [(j, cached[j]) for j in range(done, len(cached))])
 

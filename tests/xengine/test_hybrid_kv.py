@@ -136,3 +136,14 @@ def test_seeded_n_and_beams_are_the_same_with_and_without_the_window_pool(gemma3
         beam = llm.generate(prompts[:1], beams, use_tqdm=False)
         runs.append(([[c.token_ids for c in o.outputs] for o in out], [c.token_ids for c in beam[0].outputs]))
     assert runs[0] == runs[1]
+
+
+def test_8bit_kv_gives_the_same_tokens_with_and_without_the_window_pool(gemma3) -> None:
+    """The window pool holds int8 rows like the full one: the same arithmetic, the same tokens."""
+    prompts = random_prompts([40, 130], seed=81)
+    runs = []
+    for mode in ("on", "off"):
+        llm = LLM(gemma3, block_size=BS, max_num_batched_tokens=64, kv_cache_dtype="int8", hybrid_kv=mode)
+        assert (llm.engine.kv.window is not None) == (mode == "on")
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert runs[0] == runs[1]
