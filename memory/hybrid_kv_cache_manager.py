@@ -11,6 +11,7 @@ pool still holds each window (``usable_prefix``). See ``docs/hybrid_memory.md``.
 from __future__ import annotations
 
 from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
+from memory.prefix_cache.radix import KVEventSink
 from memory.sliding_window import SlidingWindowBlocks
 
 
@@ -21,8 +22,50 @@ class HybridKVCacheManager(KVCacheManager):
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         self.window = window
         if self.prefix_cache is not None:
-            self.prefix_cache.forget_sink = window.forget
+            self.prefix_cache.forget_sink = self._forget
+        self._published = {}
 
+    def _forget(self, full_blocks: list[int]) -> None:
+        """The full-attention cache dropped these blocks: their window mappings and events go too."""
+        self.window.forget(full_blocks)
+        if self._published:
+            self._withdraw(full_blocks)
+
+    # ------------------------------------------------------------------ KV events
+    def set_event_sink(self, sink: KVEventSink) -> None:
+        """Publish a block only while its window block is mapped too, and withdraw it when either goes.
+        The service's index matches the longest run of published blocks from the start of a prompt,
+        so every length it reports has its window: routing never chases a hit the instance would
+        shorten (it may miss one whose early windows are gone while the last ones stay)."""
+        if self.prefix_cache is None:
+            return
+        self._sink = sink
+        self._published: dict[int, int] = {}  # full block -> the hash published for it
+        self.prefix_cache.event_sink = self._full_events
+        self.window.on_mapped = self._window_mapped
+        self.window.on_unmapped = self._withdraw
+
+    def _full_events(self, stored: list[int], removed: list[int]) -> None:
+        """The full-attention cache's own events: blocks are published once their window is mapped
+        (``_window_mapped``); removals of published ones go through (``_withdraw`` via ``forget``)."""
+
+    def _window_mapped(self, full_blocks: list[int]) -> None:
+        assert self.prefix_cache is not None
+        stored = []
+        for block in full_blocks:
+            h = self.prefix_cache.hash_of(block)
+            if h is not None and block not in self._published:
+                self._published[block] = h
+                stored.append(h)
+        if stored:
+            self._sink(stored, [])
+
+    def _withdraw(self, full_blocks: list[int]) -> None:
+        removed = [h for h in (self._published.pop(b, None) for b in full_blocks) if h is not None]
+        if removed:
+            self._sink([], removed)
+
+    # ------------------------------------------------------------------ prefix hits
     def get_computed_prefix(self, token_ids: list[int]) -> ComputedPrefix:
         return self.usable_prefix(super().get_computed_prefix(token_ids))
 

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from memory.block_pool import BlockPool
 from memory.prefix_cache import BasePrefixCache, RadixPrefixCache
+from memory.prefix_cache.radix import KVEventSink
 from memory.sliding_window import SlidingWindowBlocks
 
 
@@ -196,6 +197,12 @@ class KVCacheManager:
         self._needed[child_id] = len(child)
         self._num_cached_blocks[child_id] = min(self._num_cached_blocks.get(parent_id, 0), len(shared))
         return True
+
+    def set_event_sink(self, sink: KVEventSink) -> None:
+        """Publish the prefix cache's block events (``stored``, ``removed`` chained hashes) to ``sink``:
+        a cluster agent's, for the service's global prefix index (``docs/cluster.md``)."""
+        if isinstance(self.prefix_cache, RadixPrefixCache):
+            self.prefix_cache.event_sink = sink
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -17,6 +17,8 @@ still mapped (``safe_length``); the hit is shortened until it is, never taken wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memory.block_pool import BlockPool
 
 NULL_BLOCK = 0  # block 0 of the window pool: zeros, never handed out, stands for released blocks
@@ -48,6 +50,9 @@ class SlidingWindowBlocks:
         self.caching = enable_prefix_caching
         self.by_full: dict[int, int] = {}  # cached full-attention block -> window block, same position
         self._full_of: dict[int, int] = {}  # the inverse
+        # told the full-attention blocks that gained / lost their window mapping (KV events)
+        self.on_mapped: Callable[[list[int]], None] | None = None
+        self.on_unmapped: Callable[[list[int]], None] | None = None
         if enable_prefix_caching:
             self.pool.on_evict = self._evicted
 
@@ -207,6 +212,7 @@ class SlidingWindowBlocks:
         if not self.caching:
             return
         table = self.tables.get(seq_id, [])
+        mapped = []
         for index, full in positions:
             if full in self.by_full or index >= len(table):
                 continue
@@ -216,6 +222,9 @@ class SlidingWindowBlocks:
             self.by_full[full] = block
             self._full_of[block] = full
             self.pool.cached[block] = True
+            mapped.append(full)
+        if mapped and self.on_mapped is not None:
+            self.on_mapped(mapped)
 
     def forget(self, full_block_ids: list[int]) -> None:
         """The full-attention cache dropped these blocks: their window blocks are plain blocks again."""
@@ -230,3 +239,5 @@ class SlidingWindowBlocks:
         full = self._full_of.pop(block, None)
         if full is not None:
             del self.by_full[full]
+            if self.on_unmapped is not None:
+                self.on_unmapped([full])

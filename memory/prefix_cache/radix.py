@@ -126,6 +126,11 @@ class RadixPrefixCache(BasePrefixCache):
         self.root.children.clear()
         return True
 
+    def hash_of(self, block_id: int) -> int | None:
+        """The chained hash of the node holding ``block_id`` (None: not cached, or no event sink)."""
+        node = self._by_block.get(block_id)
+        return node.hash if node is not None and self.event_sink is not None else None
+
     @property
     def num_cached_blocks(self) -> int:
         return len(self._by_block)

@@ -167,3 +167,29 @@ def test_release_lags_one_schedule_under_async_scheduling() -> None:
     first = (32 - WINDOW + 1) // BS  # behind step 2's window now: step 1 has been applied
     assert lagged.tables["a"][:first] == [NULL_BLOCK] * first
     assert all(b != NULL_BLOCK for b in lagged.tables["a"][first:])
+
+
+def test_kv_events_publish_only_blocks_whose_window_is_held() -> None:
+    """The cluster's index sees a block while both its full-attention block and its window block are
+    cached, so the longest published run from a prompt's start is always a usable hit."""
+    kv = _manager(num_window=12)  # 11 usable window blocks
+    published: set[int] = set()
+
+    def sink(stored: list[int], removed: list[int]) -> None:
+        assert not (set(stored) & published) and set(removed) <= published
+        published.update(stored)
+        published.difference_update(removed)
+
+    kv.set_event_sink(sink)
+    prompt = list(range(600, 632))  # 8 blocks
+    _run(kv, "a", prompt, chunk=32)
+    hashes = [kv.prefix_cache.hash_of(b) for b in kv.block_tables["a"]]
+    assert published == set(hashes)
+    kv.free("a")  # tail first: the last blocks' windows are the first to go after the 3 unused ones
+    assert kv.allocate_slots("b", 20, num_computed=0)  # 5 blocks: evicts the windows of blocks 7 and 6
+    assert published == set(hashes[:6])
+    # what the index would match from the prompt's start is what the instance itself can use
+    assert kv.get_computed_prefix(prompt + [1]).num_tokens == 6 * BS
+    kv.free("b")
+    assert kv.reset_prefix_cache()
+    assert not published

@@ -281,9 +281,9 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             key,
             replaces=args.replaces,
         )
-        prefix_cache = getattr(getattr(engine, "kv", None), "prefix_cache", None)
-        if prefix_cache is not None and hasattr(prefix_cache, "event_sink"):
-            prefix_cache.event_sink = agent.on_kv_events
+        set_event_sink = getattr(getattr(engine, "kv", None), "set_event_sink", None)
+        if set_event_sink is not None:  # the prefix cache's block events feed the service's index
+            set_event_sink(agent.on_kv_events)
         proc = ServedEngineProc(ObservedEngine(engine, agent, guard), inp, out, args.parent_pid)
         proc.images = tracker
         agent.fence = proc.fence
