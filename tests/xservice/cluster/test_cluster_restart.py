@@ -40,8 +40,12 @@ PREFIX = "/xllm-restart"
 BLOCK = 16
 STARTUP_TIMEOUT_S = 300.0  # guards a broken build, not a timing assertion
 SHARED = "You are a helpful assistant. Answer briefly and precisely. " * 8  # ~8 whole blocks
-LONG_MAX_TOKENS = 3500  # R: far longer than the test window, so only an abort can end it
-LEASE_TTL_S, HEARTBEAT_S = 3.0, 0.5
+# R: as long as the tiny model's 4096 positions allow, and four sequences of it (n=4) to make its steps
+# slower, so only an abort ends it: one sequence of 3500 tokens took ~5.4 s here, about the time the
+# test takes to bring the second service up
+LONG_MAX_TOKENS, LONG_N = 3500, 4
+# a short lease keeps the wait for "heartbeats spanning more than a lease" short (8 heartbeats of slack)
+LEASE_TTL_S, HEARTBEAT_S = 2.0, 0.25
 LEASE_HEARTBEATS = int(LEASE_TTL_S / HEARTBEAT_S)  # heartbeats in one lease
 
 
@@ -175,9 +179,11 @@ def wait_until(cond: Callable[[], Any], timeout_s: float = 20.0, what: str = "co
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def complete(client: openai.OpenAI, prompt: str, max_tokens: int = 4, stream: bool = False) -> Any:
+def complete(
+    client: openai.OpenAI, prompt: str, max_tokens: int = 4, stream: bool = False, n: int = 1
+) -> Any:
     return client.completions.create(
-        model="xllm-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=stream,
+        model="xllm-tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=stream, n=n,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
 
@@ -225,8 +231,11 @@ def test_restarted_service_rebuilds_its_prefix_index_from_etcd(
 
         def stream_r() -> None:
             try:
-                for chunk in complete(a.openai(), "Tell me a long story.", LONG_MAX_TOKENS, stream=True):
-                    r_chunks.append(chunk.choices[0].text)
+                for chunk in complete(
+                    a.openai(), "Tell me a long story.", LONG_MAX_TOKENS, stream=True, n=LONG_N
+                ):
+                    if chunk.choices[0].index == 0:  # one sequence's tokens
+                        r_chunks.append(chunk.choices[0].text)
             except Exception as e:  # noqa: BLE001 - the service is killed under it
                 r_result["error"] = repr(e)
 
