@@ -193,7 +193,7 @@ def build_hybrid_kv(
         )
 
     full_spec, window_spec = spec_of(len(full_layers)), spec_of(len(window_layers))
-    least = -(-(window - 1 + scheduler.max_num_batched_tokens) // block_size) + 2
+    least = least_window_blocks(window, block_size, scheduler)
     budget = None if cache.num_blocks is not None else int(cache.kv_cache_memory_gb * (1 << 30))
     num_window = window_pool_blocks(cache, scheduler, window, full_spec, window_spec, max_len, budget)
     if num_window < least:
@@ -263,5 +263,9 @@ def window_pool_blocks(
         full_bytes = -(-max_len // bs) * full_spec.bytes_per_block
         n = max(1, (budget - step * window_spec.bytes_per_block) // (window_bytes + full_bytes))
         blocks = min(blocks, n * per_seq + step)
-    least = -(-(window - 1 + scheduler.max_num_batched_tokens) // bs) + 2
-    return max(blocks, least) + 1
+    return max(blocks, least_window_blocks(window, bs, scheduler)) + 1
+
+
+def least_window_blocks(window: int, block_size: int, scheduler: SchedulerConfig) -> int:
+    """The fewest window-pool blocks that hold one sequence's window and a step's chunk."""
+    return -(-(window - 1 + scheduler.max_num_batched_tokens) // block_size) + 2
