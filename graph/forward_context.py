@@ -13,10 +13,11 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ops.attention_metadata import AttentionMetadata
+from ops.recurrent_metadata import RecurrentMetadata
 
 
 @dataclass
@@ -34,6 +35,19 @@ class ForwardContext:
     # and slots; ``memory/sliding_window.py``), and which layers those are
     window_meta: AttentionMetadata | None = None
     window_layers: frozenset[int] = frozenset()
+    # recurrent layers (``xengine/layers/recurrent.py``): the step's sequences and state slots, and per
+    # layer the state tensors (None for a layer without state)
+    recurrent: RecurrentMetadata | None = None
+    states: list[tuple[Any, ...] | None] | None = None
+    # the new states of the step's sequences, ``(tensor, slot indices, values)``: written into ``states``
+    # only once the whole forward ran (``commit_states``, on leaving ``forward_context`` normally), so a step that fails or is stopped midway
+    # leaves every sequence's state as it was and can simply run again
+    state_writes: list[tuple[Any, Any, Any]] = field(default_factory=list)
+
+    def commit_states(self) -> None:
+        for tensor, index, values in self.state_writes:
+            tensor.index_copy_(0, index, values)
+        self.state_writes.clear()
 
     def meta_of(self, layer: int) -> AttentionMetadata | None:
         """The metadata attention of ``layer`` reads."""
@@ -58,10 +72,15 @@ def forward_context(
     resumable_checks: bool = False,
     window_meta: AttentionMetadata | None = None,
     window_layers: frozenset[int] = frozenset(),
+    recurrent: RecurrentMetadata | None = None,
+    states: list[tuple[Any, ...] | None] | None = None,
 ) -> Iterator[ForwardContext]:
-    ctx = ForwardContext(meta, caches, num_tokens, interrupt, resumable_checks, window_meta, window_layers)
+    ctx = ForwardContext(
+        meta, caches, num_tokens, interrupt, resumable_checks, window_meta, window_layers, recurrent, states
+    )
     token = _current.set(ctx)
     try:
         yield ctx
+        ctx.commit_states()  # the forward ran to its end (an exception leaves every state as it was)
     finally:
         _current.reset(token)

@@ -13,6 +13,7 @@ from typing import Protocol
 from memory.block_pool import BlockPool
 from memory.prefix_cache import BasePrefixCache, RadixPrefixCache
 from memory.prefix_cache.radix import KVEventSink
+from memory.recurrent_state import RecurrentStateSlots
 from memory.sliding_window import SlidingWindowBlocks
 
 
@@ -36,6 +37,8 @@ class KVCacheManager:
     # the sliding-window layers' own blocks (``memory/hybrid_kv_cache_manager.py``); None: every layer
     # keeps full-length KV in this pool
     window: SlidingWindowBlocks | None = None
+    # the recurrent layers' state slots (``memory/stateful_kv_cache_manager.py``); None: no such layers
+    states: RecurrentStateSlots | None = None
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ from xengine.parallel.group import start_expert_parallel
 from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
+from xengine.state_setup import StateSetup, build_stateful_kv, state_shapes
 from xengine.step.deltas import collect_deltas
 from xengine.step.execute import EngineBrokenError, StepExecutor
 from xengine.step.housekeeping import BetweenSteps
@@ -109,17 +110,27 @@ class Engine:
         caps, execution = self.platform.capabilities, config.execution
         self.graph_mode = caps.default_graph_mode if execution.graph_mode == "auto" else execution.graph_mode
         self.async_scheduling = execution.async_enabled(caps.default_async_scheduling)
-        kv = self.kv_setup = build_kv(
-            cache,
-            config.scheduler,
-            info,
-            self.dtype,
-            self.platform,
-            max_len,
-            self.async_scheduling,
-            sliding_windows=tuple(getattr(getattr(self.model, "config", None), "sliding_windows", ())),
-            hybrid_blocker=self._hybrid_blocker(),
-        )
+        shapes = state_shapes(self.model)
+        self.state_setup: StateSetup | None = None
+        if shapes:  # recurrent layers: a state pool beside the attention KV (``xengine/state_setup.py``)
+            self._check_stateful(execution.graph_mode)
+            self.graph_mode = "eager"
+            kv, self.state_setup = build_stateful_kv(
+                cache, config.scheduler, info, self.dtype, self.platform, max_len, shapes
+            )
+        else:
+            kv = build_kv(
+                cache,
+                config.scheduler,
+                info,
+                self.dtype,
+                self.platform,
+                max_len,
+                self.async_scheduling,
+                sliding_windows=tuple(getattr(getattr(self.model, "config", None), "sliding_windows", ())),
+                hybrid_blocker=self._hybrid_blocker(),
+            )
+        self.kv_setup = kv
         self.max_model_len = kv.max_model_len
         self.model.set_max_model_len(self.max_model_len)
         if self.parallel is not None:  # every worker holds a KV pool of the same geometry
@@ -143,6 +154,7 @@ class Engine:
             encode_overlap=execution.encode_overlap_enabled(caps.default_encode_overlap),
             interrupt=self.interrupter.event if self.interrupter.mode == "layer" else None,
             window_layers=kv.window_layers,
+            states=self.state_setup,
         )
         self.runner.capture_graphs(execution.buckets())
         self.scheduler = Scheduler(
@@ -162,6 +174,16 @@ class Engine:
             model_dir, info.vocab_size, list(info.eos_token_ids), config.structured_outputs
         )
         self.info = self._describe(config, info, model_dir, kv)
+
+    def _check_stateful(self, graph_mode: str) -> None:
+        """A model with recurrent layers runs eagerly on one process for now: refuse what it cannot do."""
+        if self.parallel is not None:
+            raise ValueError("expert parallelism is not supported for models with recurrent layers yet")
+        if graph_mode not in ("auto", "eager"):
+            raise ValueError(
+                f"execution.graph_mode {graph_mode}: models with recurrent layers run eagerly for now; "
+                "use execution.graph_mode eager or auto"
+            )
 
     def _hybrid_blocker(self) -> str | None:
         """Why sliding-window layers cannot keep a KV pool of their own here (None: they can)."""
@@ -308,6 +330,7 @@ class Engine:
             kv_layout=self.kv_setup.layout_name,
             xtensor=self.kv_setup.xtensor_stats(),
             window_pool=self.kv_setup.window_stats(),
+            state_pool=self.state_setup.stats() if self.state_setup is not None else None,
             async_scheduling=self.async_scheduling,
             graph=GraphStatsMsg(**dataclasses.asdict(self.runner.graph.stats)),
             moe=self.parallel.stats() if self.parallel is not None else None,
@@ -323,6 +346,11 @@ class Engine:
 
     # ------------------------------------------------------------------ PD KV transfer
     def _check_transferable(self) -> None:
+        if self.state_setup is not None:
+            raise ValueError(
+                "PD KV transfer of a model with recurrent layers (their state) is not supported yet; "
+                "serve it on instances that prefill and decode"
+            )
         if self.kv.window is not None:
             raise ValueError(
                 "PD KV transfer of a model with sliding-window layers in their own pool (cache.hybrid_kv) is "

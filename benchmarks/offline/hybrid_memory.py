@@ -39,6 +39,7 @@ import torch
 
 from benchmarks.checkpoint import cache_root, generated_checkpoint
 from benchmarks.machine import describe
+from benchmarks.offline.multi_turn import run_chat_trace, trace_max_len
 from benchmarks.smoke import add_smoke_flag, parse_args
 
 MIMO_SHAPE = dict(
@@ -250,38 +251,16 @@ def decode_section(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def multi_turn_section(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """``--chats`` conversations of ``--turns`` turns, all conversations' turn ``t`` submitted together:
-    each prompt is the conversation so far (a ``--system-len``-token start, then ``--user-len``-token
-    messages and ``--answer-len``-token answers). Prefix-cache token hit rate with the window pool
-    (window-safe hits) and without it (every layer full-length: the full-attention model's rate)."""
-    from xengine.api.messages import SamplingParams
-
-    gen = torch.Generator().manual_seed(3)
-
-    def tokens(n: int) -> list[int]:
-        return torch.randint(3, 2000, (n,), generator=gen).tolist()
-
-    system = tokens(args.system_len)
-    users = [[tokens(args.user_len) for _ in range(args.turns)] for _ in range(args.chats)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.answer_len, ignore_eos=True)
+    """The chat trace of ``benchmarks/offline/multi_turn.py``: prefix-cache token hit rate with the
+    window pool (window-safe hits) and without it (every layer full-length: the full-attention
+    model's rate)."""
     out: dict[str, Any] = {"chats": args.chats, "turns": args.turns}
     for mode in ("on", "off"):
         llm = _llm(
             model_dir, mode, args.num_threads, max_num_batched_tokens=args.chunk, max_num_seqs=args.chats,
-            max_model_len=args.system_len + args.turns * (args.user_len + args.answer_len) + 8,
-            kv_cache_memory_gb=args.multi_turn_budget_mib / 1024,
+            max_model_len=trace_max_len(args), kv_cache_memory_gb=args.multi_turn_budget_mib / 1024,
         )  # fmt: skip
-        history = [list(system) for _ in range(args.chats)]
-        for turn in range(args.turns):
-            prompts = [h + users[c][turn] for c, h in enumerate(history)]
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            history = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-        stats = llm.engine.get_stats()
-        out[f"hybrid_{mode}"] = {
-            "queried_tokens": stats.prefix_cache_queries,
-            "hit_tokens": stats.prefix_cache_hits,
-            "hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
-        }
+        out[f"hybrid_{mode}"] = run_chat_trace(llm, args)
         print(f"[multi-turn] hybrid_kv {mode}: {out[f'hybrid_{mode}']}", file=sys.stderr)
         del llm
         gc.collect()

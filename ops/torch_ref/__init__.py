@@ -17,6 +17,7 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
     from ops.torch_ref.attention import attention
     from ops.torch_ref.attention_contiguous import attention_contiguous
     from ops.torch_ref.attention_static import attention_static
+    from ops.torch_ref.causal_conv1d import causal_conv1d
     from ops.torch_ref.kv_store import store_kv
     from ops.torch_ref.norm import fused_add_rms_norm, rms_norm
     from ops.torch_ref.reduce import row_argmax
@@ -34,6 +35,9 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
         "gelu_tanh_and_mul": gelu_tanh_and_mul,
+        "causal_conv1d": causal_conv1d,
+        "gated_delta_rule": _lazy("ops.torch_ref.gated_delta_rule", "gated_delta_rule"),
+        "ssd_scan": _lazy("ops.torch_ref.ssd", "ssd_scan"),
         "moe_route": moe.route,
         "moe_route_grouped": moe.route_grouped,
         "moe_dispatch": moe.dispatch,
@@ -41,6 +45,17 @@ def reference_ops() -> dict[str, Callable[..., Any]]:
         "moe_expert_swiglu": moe.expert_swiglu,
         "moe_combine": moe.combine,
     }
+
+
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """An op imported on its first call (recurrent-mixer references only their models use)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    return call
 
 
 def pack_linear(weights: LinearWeights) -> Any:

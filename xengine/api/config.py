@@ -90,6 +90,19 @@ class CacheConfig:
         "once (the window plus two blocks each) plus one step's new tokens; the rest of the budget goes to "
         "the full-attention pool. More keeps released windows longer for prefix hits.",
     )
+    state_snapshot_interval: int = _f(
+        64,
+        "Recurrent models (Qwen3-Next, Nemotron-H): prefix caching keeps a copy of every recurrent layer's "
+        "state each this many tokens of a sequence (prefill and decode), so a later prompt sharing the "
+        "prefix resumes from the last such position it shares. A multiple of block_size; smaller: longer "
+        "hits, more copies.",
+    )
+    state_snapshot_slots: int | None = _f(
+        None,
+        "Recurrent models: state snapshots kept for prefix hits (least recently used evicted). Default: "
+        "four per max_num_seqs, fewer if they would take more than a quarter of kv_cache_memory_gb. "
+        "Running sequences get a state slot each (max_num_seqs) besides these.",
+    )
     num_blocks: int | None = _f(
         None,
         "KV blocks in the pool (default: derived from kv_cache_memory_gb); with hybrid_kv, of the "
@@ -119,6 +132,10 @@ class CacheConfig:
             raise ValueError(f"cache.hybrid_kv must be one of auto, on, off, got {self.hybrid_kv!r}")
         if self.window_pool_blocks is not None and self.window_pool_blocks < 2:
             raise ValueError("cache.window_pool_blocks must be >= 2 (one is the null block)")
+        if self.state_snapshot_interval < 1:
+            raise ValueError("cache.state_snapshot_interval must be >= 1")
+        if self.state_snapshot_slots is not None and self.state_snapshot_slots < 0:
+            raise ValueError("cache.state_snapshot_slots must be >= 0")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("cache.num_blocks must be >= 1")
         if self.kv_cache_memory_gb <= 0:

@@ -154,6 +154,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # sliding-window layers in a pool of their own (hybrid_kv): that pool; the fields above are then
     # the full-attention pool's
     window_pool: WindowPoolStatsMsg | None = None
+    # recurrent layers (Mamba2, gated DeltaNet): their state slots and snapshots
+    state_pool: StatePoolStatsMsg | None = None
     # execution: async scheduling on/off, and the graph runner's mode and counters
     async_scheduling: bool = False
     graph: GraphStatsMsg | None = None
@@ -203,6 +205,20 @@ class WindowPoolStatsMsg(msgspec.Struct, kw_only=True):
     num_free_blocks: int = 0
     num_cached_windows: int = 0  # released blocks still findable by a window-safe prefix hit
     usage: float = 0.0
+
+
+class StatePoolStatsMsg(msgspec.Struct, kw_only=True):
+    """The recurrent layers' state pool (``memory/recurrent_state.py``)."""
+
+    num_layers: int = 0
+    bytes_per_slot: int = 0  # one sequence's state over every recurrent layer
+    num_seq_slots: int = 0
+    num_free_seq_slots: int = 0
+    num_snapshot_slots: int = 0
+    num_snapshots: int = 0  # snapshots keyed by a cached block (usable by a prefix hit)
+    num_snapshots_taken: int = 0
+    num_snapshot_hits: int = 0
+    usage: float = 0.0  # of the sequence slots
 
 
 class XTensorStatsMsg(msgspec.Struct, kw_only=True):

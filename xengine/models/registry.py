@@ -13,6 +13,9 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "xengine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "xengine.models.llama:MistralForCausalLM",
     "Gemma3ForCausalLM": "xengine.models.gemma3:Gemma3ForCausalLM",
+    "MiMoV2FlashForCausalLM": "xengine.models.mimo_v2_flash:MiMoV2FlashForCausalLM",
+    "Qwen3NextForCausalLM": "xengine.models.qwen3_next:Qwen3NextForCausalLM",
+    "NemotronHForCausalLM": "xengine.models.nemotron_h:NemotronHForCausalLM",
     "Qwen2VLForConditionalGeneration": "xengine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "xengine.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
 }

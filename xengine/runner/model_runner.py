@@ -16,6 +16,7 @@ from graph.forward_context import forward_context
 from graph.interrupt import ResumePoint, StepInterrupted
 from memory.kv_layout import BaseKVLayout
 from ops.platforms import Platform
+from ops.recurrent_metadata import RecurrentMetadata
 from xengine.api.messages import TokenLogprob
 from xengine.colocation.layer_checks import LayerChecks
 from xengine.multimodal.encode_runner import EncodeRunner
@@ -25,11 +26,13 @@ from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
 from xengine.runner.input_batch import ModelInputs, build_inputs, window_metadata
 from xengine.runner.prompt_outputs import PromptOutputRows, build_prompt_rows, compute_prompt_outputs
+from xengine.runner.recurrent_inputs import recurrent_metadata
 from xengine.runner.sampling_reuse import SamplingReuse
 from xengine.sampling.beam_search import BeamRows, beam_candidates
 from xengine.sampling.metadata import SamplingMetadata
 from xengine.sampling.sampler import Sampler, SamplerOutput
 from xengine.scheduler.plan import SampledToken, SchedulePlan, StepOutput
+from xengine.state_setup import StateSetup
 from xengine.structured.matcher import GrammarRows, SequenceMatchers
 
 _SEED_MASK = (1 << 63) - 1
@@ -51,14 +54,20 @@ class ModelRunner:
         encode_overlap: bool = False,
         interrupt: threading.Event | None = None,
         window_layers: frozenset[int] = frozenset(),
+        states: StateSetup | None = None,
     ) -> None:
         """``interrupt``: set by an online arrival, it stops an offline step between layers
         (``xengine/colocation/``); None: steps are never stopped. ``window_layers``: the layers whose KV
-        lives in the sliding-window pool (``memory/sliding_window.py``; plans then carry their tables)."""
+        lives in the sliding-window pool (``memory/sliding_window.py``; plans then carry their tables).
+        ``states``: the recurrent layers' state pool (``xengine/state_setup.py``; plans carry slots)."""
         self.model = model
         self.kv_caches = kv_caches
         self.window_layers = window_layers
-        self._full_caches = [c for i, c in enumerate(kv_caches) if i not in window_layers]
+        self.states = states
+        stateful = frozenset(states.pool.shapes) if states is not None else frozenset()
+        self._full_caches = [
+            c for i, c in enumerate(kv_caches) if i not in window_layers and i not in stateful
+        ]
         self._window_caches = [c for i, c in enumerate(kv_caches) if i in window_layers]
         self.layout = layout
         self.attn_caches = layout.attention_caches(kv_caches)  # what attention reads (xTensor: slots)
@@ -116,7 +125,9 @@ class ModelRunner:
             mm = build_multimodal_step(plan, self.device)
             if not mm.pieces:  # text tokens only: one M-RoPE id each, the text path runs it
                 inputs.positions = mm.positions
-        return PreparedStep(plan, inputs, self._sampling_rows(plan), build_prompt_rows(plan), mm)
+        recurrent = recurrent_metadata(plan) if plan.state_slots is not None else None
+        sampling = self._sampling_rows(plan)
+        return PreparedStep(plan, inputs, sampling, build_prompt_rows(plan), mm, recurrent)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep, prev_rows: torch.Tensor | None = None) -> StepOutput:
@@ -159,6 +170,7 @@ class ModelRunner:
             and self.parallel is None
             and (step.mm is None or not step.mm.pieces)
             and self.layer_checks is not None
+            and self.states is None  # recurrent states are committed at the end of a whole forward
         )
 
     def _run_model(
@@ -169,6 +181,8 @@ class ModelRunner:
         if resume is None:  # a resumed step did these when it started
             self.layout.copy_blocks(self._full_caches, step.plan.block_copies)
             self.layout.copy_blocks(self._window_caches, step.plan.window_block_copies)
+            if self.states is not None:
+                self.states.pool.copy(step.plan.state_copies)
             if prev_rows is not None:
                 inputs.input_ids = _resolve(inputs.input_ids, prev_rows)
             if self.parallel is not None:
@@ -183,6 +197,8 @@ class ModelRunner:
             resumable,
             inputs.window_meta,
             self.window_layers,
+            step.recurrent,
+            self.states.pool.per_layer(self.states.num_layers) if self.states is not None else None,
         ):
             if resume is not None:
                 assert self.layer_checks is not None
@@ -375,6 +391,7 @@ class PreparedStep:
     sampling: SamplingRows | None
     prompt_rows: PromptOutputRows | None = None
     mm: MultiModalStep | None = None  # requests with images in the step
+    recurrent: RecurrentMetadata | None = None  # recurrent layers: the step's state slots
 
 
 def _resolve(token_ids: torch.Tensor, prev_rows: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,12 @@ class SchedulePlan:
     # read ``block_tables`` like every layer)
     window_block_tables: dict[str, list[int]] | None = None
     window_block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # recurrent layers (``memory/recurrent_state.py``): each sequence's state slot, the snapshots to
+    # write this step (seq_id -> [(position, snapshot slot)]) and the slot copies to run before it
+    # (prefix hits, forks); None / empty for a model without recurrent layers
+    state_slots: dict[str, int] | None = None
+    state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted_seq_ids: list[str] = field(default_factory=list)
     # async scheduling: the next step must not be scheduled before this one's outputs are applied

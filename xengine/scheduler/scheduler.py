@@ -146,6 +146,10 @@ class Scheduler(BeamScheduling):
         if window is not None:  # the sliding-window layers' own tables (``memory/sliding_window.py``)
             plan.window_block_tables = {s.req.seq_id: window.tables[s.req.seq_id] for s in plan.seqs}
             plan.window_block_copies = window.take_pending_copies()
+        states = self.kv.states
+        if states is not None:  # recurrent layers' slots (``memory/recurrent_state.py``)
+            plan.state_slots = {s.req.seq_id: states.slot_of[s.req.seq_id] for s in plan.seqs}
+            plan.state_checkpoints, plan.state_copies = states.take_step()
         plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.seqs)
         plan.sync = any(s.num_samples > 1 or s.req.req_id in self.beam_groups for s in plan.seqs)
         plan.interruptible = (

@@ -88,10 +88,13 @@ class StepExecutor:
             block_tables=failed.block_tables,
             window_block_tables=failed.window_block_tables,
             preempted_seq_ids=failed.preempted_seq_ids,
+            state_slots=failed.state_slots,
+            state_checkpoints=failed.state_checkpoints,
         )
         out, error = StepOutput(), ""
         # copy-on-write copies run once, with the first request
         copies, window_copies = failed.block_copies, failed.window_block_copies
+        state_copies = failed.state_copies  # a slot copy reads a snapshot: idempotent, run once anyway
         for req_id, seqs in by_req.items():
             tables = {s.req.seq_id: failed.block_tables[s.req.seq_id] for s in seqs}
             alone = SchedulePlan(seqs=seqs, block_tables=tables, block_copies=copies)
@@ -100,8 +103,16 @@ class StepExecutor:
                     s.req.seq_id: failed.window_block_tables[s.req.seq_id] for s in seqs
                 }
                 alone.window_block_copies = window_copies
+            if failed.state_slots is not None:
+                alone.state_slots = {s.req.seq_id: failed.state_slots[s.req.seq_id] for s in seqs}
+                alone.state_checkpoints = {
+                    s.req.seq_id: failed.state_checkpoints[s.req.seq_id]
+                    for s in seqs
+                    if s.req.seq_id in failed.state_checkpoints
+                }
+                alone.state_copies = state_copies
             alone.num_batched_tokens = sum(s.num_new_tokens for s in seqs)
-            copies, window_copies = [], []
+            copies, window_copies, state_copies = [], [], []
             try:
                 part = self.runner.execute(alone)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from xengine.api.models import ARCHS, SIZES, VL_ARCHS
+from xengine.api.models import ARCHS, HYBRID_ARCHS, SIZES, VL_ARCHS
 from xengine.api.paths import default_model_dir
 
 # Shapes per size. Tiny ties embeddings for the Qwen archs (like the small real Qwens) and unties
@@ -119,6 +119,8 @@ def build_config(arch: str, size: str, vocab_size: int | None = None, eos_token_
         config = DeepseekV3Config(**kw, **_DEEPSEEK[size], **_DEEPSEEK_COMMON)
     elif arch == "gemma3":
         config = _gemma3_config(size, kw)
+    elif arch in HYBRID_ARCHS:
+        config = _hybrid_module(arch).tiny_config(size, kw)
     elif arch == "qwen2":
         kw.pop("head_dim")  # Qwen2 derives it: hidden_size / num_attention_heads
         config = Qwen2Config(**kw)
@@ -149,6 +151,13 @@ def _gemma3_config(size: str, kw: dict[str, Any]) -> Any:
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     }
     return Gemma3TextConfig(**kw, sliding_window=shape["window"], layer_types=types, rope_parameters=rope)
+
+
+def _hybrid_module(arch: str) -> Any:
+    """``xengine/tools/tiny_<arch>.py``: ``tiny_config(size, kw)`` and ``randomise(model, seed)``."""
+    import importlib
+
+    return importlib.import_module(f"xengine.tools.tiny_{arch}")
 
 
 def _vl_config(arch: str, size: str, kw: dict[str, Any]) -> Any:
@@ -245,6 +254,8 @@ def make_tiny(arch: str, size: str, out: str | Path, seed: int = 0, progress: bo
         model = cls(config).to(torch.float32)
     _randomise_router_biases(model, seed)
     randomise_gemma_norms(model, seed)
+    if arch in HYBRID_ARCHS:  # parameters HF initialises to constants (norms, decays) made random
+        _hybrid_module(arch).randomise(model, seed)
     model.generation_config = GenerationConfig(
         bos_token_id=None,
         eos_token_id=[info.im_end_id, info.endoftext_id],

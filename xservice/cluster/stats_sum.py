@@ -10,6 +10,7 @@ from xengine.api.messages import (
     ColocationStatsMsg,
     EngineStats,
     GraphStatsMsg,
+    StatePoolStatsMsg,
     WindowPoolStatsMsg,
     XTensorStatsMsg,
 )
@@ -31,6 +32,12 @@ def sum_engine_stats(stats: Sequence[EngineStats]) -> EngineStats:
         total.window_pool.window = windows[0].window
         total.window_pool.num_layers = windows[0].num_layers
         total.window_pool.usage = sum(w.usage for w in windows) / len(windows)
+    states = [s.state_pool for s in stats if s.state_pool is not None]
+    if states:
+        total.state_pool = sum_structs(states, StatePoolStatsMsg())
+        total.state_pool.num_layers = states[0].num_layers
+        total.state_pool.bytes_per_slot = states[0].bytes_per_slot
+        total.state_pool.usage = sum(w.usage for w in states) / len(states)
     graphs = [s.graph for s in stats if s.graph is not None]
     if graphs:
         total.graph = sum_structs(graphs, GraphStatsMsg(mode=graphs[0].mode, buckets=graphs[0].buckets))

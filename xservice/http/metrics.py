@@ -275,6 +275,9 @@ class ServiceMetrics:
         if stats.window_pool is not None:
             self.kv_pool_usage.labels(pool="sliding_window").set(stats.window_pool.usage)
             self.kv_pool_free_blocks.labels(pool="sliding_window").set(stats.window_pool.num_free_blocks)
+        if stats.state_pool is not None:  # recurrent layers: free state slots count as free "blocks"
+            self.kv_pool_usage.labels(pool="recurrent_state").set(stats.state_pool.usage)
+            self.kv_pool_free_blocks.labels(pool="recurrent_state").set(stats.state_pool.num_free_seq_slots)
         self.num_preemptions.set(stats.num_preemptions)
         if stats.graph is not None:
             self.graph_recompiles.set(stats.graph.num_recompiles_after_warmup)

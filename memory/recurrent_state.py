@@ -1,0 +1,173 @@
+"""Recurrent-state slots: one per running sequence, plus snapshots of states for prefix hits.
+
+A recurrent layer (Mamba2, gated DeltaNet) keeps a fixed-size state per sequence instead of KV per
+token, and the state cannot be rolled back: it is the whole past folded in. So the pool has two
+kinds of slots (ids here; the tensors are ``memory/recurrent_state_pool.py``, one tuple per recurrent layer):
+
+- a *sequence slot* for each running sequence: its state after the tokens it computed. A fork (n > 1,
+  beam search) gets a slot of its own and a copy, never a share;
+- *snapshot slots*: the state at a block-aligned position, taken every ``interval`` tokens while a
+  sequence runs (``checkpoints``). Once the step that wrote one is applied and the block ending at
+  that position is in the prefix cache, the snapshot is keyed by that block (``by_block``). A prefix
+  hit is usable only as far as the last block with a snapshot (``usable_blocks``), and taking it
+  *copies* the snapshot into the new sequence's slot. Snapshots are evicted least recently used, and
+  with their block when the prefix cache drops it.
+
+Ids and bookkeeping only (like the block pool): copies are queued for the runner (``take_copies``).
+See ``docs/hybrid_memory.md``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class RecurrentStateSlots:
+    def __init__(
+        self, num_seq_slots: int, num_snapshot_slots: int, block_size: int, interval: int, snapshots: bool
+    ) -> None:
+        """Slots ``0 .. num_seq_slots - 1`` hold running sequences, the rest snapshots (taken only when
+        ``snapshots``: prefix caching is on). ``interval``: tokens between snapshots, a multiple of
+        ``block_size``."""
+        if interval % block_size:
+            raise ValueError(
+                f"cache.state_snapshot_interval {interval} must be a multiple of the block size {block_size}"
+            )
+        self.num_seq_slots = num_seq_slots
+        self.num_snapshot_slots = num_snapshot_slots if snapshots else 0
+        self.block_size = block_size
+        self.interval = interval
+        self._free_seq = list(range(num_seq_slots - 1, -1, -1))
+        self._free_snap = list(range(num_seq_slots + self.num_snapshot_slots - 1, num_seq_slots - 1, -1))
+        self.slot_of: dict[str, int] = {}
+        self.by_block: OrderedDict[int, int] = OrderedDict()  # cached block -> snapshot slot, LRU first
+        self._block_of: dict[int, int] = {}  # snapshot slot -> its block
+        self._pending: dict[str, list[tuple[int, int]]] = {}  # written, not yet keyed: (position, slot)
+        self._step: dict[str, list[tuple[int, int]]] = {}  # this plan's checkpoints per sequence
+        self._hits: set[int] = set()  # snapshot slots a hit of this plan reads: not evicted for it
+        self._copies: list[tuple[int, int]] = []
+        self.num_snapshots_taken = 0
+        self.num_snapshot_hits = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_seq_slots(self) -> int:
+        return len(self._free_seq)
+
+    def usable_blocks(self, block_ids: list[int]) -> int:
+        """How many of a prefix hit's blocks a sequence can resume after: up to the last one that has
+        a snapshot (0: none)."""
+        for k in range(len(block_ids), 0, -1):
+            if block_ids[k - 1] in self.by_block:
+                return k
+        return 0
+
+    def protect(self, block: int) -> None:
+        """A prefix hit ending at ``block`` may be taken in this plan: keep its snapshot until then."""
+        slot = self.by_block[block]
+        self.by_block.move_to_end(block)
+        self._hits.add(slot)
+
+    # ------------------------------------------------------------------ sequences
+    def allocate(self, seq_id: str, num_computed: int, num_total: int, hit_block: int | None) -> bool:
+        """Give a new sequence its slot (and the hit's snapshot copied in), and plan this step's
+        snapshots; False when no sequence slot is free (nothing changed then)."""
+        if seq_id not in self.slot_of:
+            if not self._free_seq:
+                return False
+            slot = self.slot_of[seq_id] = self._free_seq.pop()
+            if hit_block is not None:
+                snap = self.by_block[hit_block]
+                self.by_block.move_to_end(hit_block)
+                self._copies.append((snap, slot))
+                self._hits.add(snap)
+                self.num_snapshot_hits += 1
+        if self.num_snapshot_slots:
+            self._plan_checkpoints(seq_id, num_computed, num_total)
+        return True
+
+    def _plan_checkpoints(self, seq_id: str, num_computed: int, num_total: int) -> None:
+        first = (num_computed // self.interval + 1) * self.interval
+        taken = []
+        for pos in range(first, num_total + 1, self.interval):
+            slot = self._snapshot_slot()
+            if slot is None:
+                break
+            taken.append((pos, slot))
+        for _, slot in self._step.pop(seq_id, []):  # planned again (a retried allocation): replace
+            self._free_snap.append(slot)
+        if taken:
+            self._step[seq_id] = taken
+
+    def _snapshot_slot(self) -> int | None:
+        if self._free_snap:
+            return self._free_snap.pop()
+        for block, slot in self.by_block.items():  # least recently used first
+            if slot not in self._hits:
+                del self.by_block[block]
+                del self._block_of[slot]
+                return slot
+        return None
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """The child gets a slot holding a copy of the parent's state; False: no slot free."""
+        if not self._free_seq:
+            return False
+        slot = self.slot_of[child_id] = self._free_seq.pop()
+        self._copies.append((self.slot_of[parent_id], slot))
+        return True
+
+    def free(self, seq_id: str) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self._free_seq.append(slot)
+        for _, snap in self._pending.pop(seq_id, []) + self._step.pop(seq_id, []):
+            self._free_snap.append(snap)
+
+    # ------------------------------------------------------------------ plans and snapshots
+    def take_step(self) -> tuple[dict[str, list[tuple[int, int]]], list[tuple[int, int]]]:
+        """This plan's checkpoints (per sequence: ``(position, snapshot slot)``) and slot copies
+        ``(src, dst)``, to run before its forward; the checkpoints then wait for ``record``."""
+        step, copies = self._step, self._copies
+        for seq_id, points in step.items():
+            self._pending.setdefault(seq_id, []).extend(points)
+            self.num_snapshots_taken += len(points)
+        self._step, self._copies, self._hits = {}, [], set()
+        return step, copies
+
+    def record(self, seq_id: str, num_computed: int, block_at: dict[int, int]) -> None:
+        """The sequence's steps up to ``num_computed`` ran and its blocks are cached: key each snapshot
+        written by then by the block ending at its position (``block_at``: position -> cached block)."""
+        pending = self._pending.get(seq_id)
+        if not pending:
+            return
+        left = []
+        for pos, slot in pending:
+            block = block_at.get(pos) if pos <= num_computed else None
+            if pos > num_computed:
+                left.append((pos, slot))
+            elif block is None or block in self.by_block:  # not cached, or another snapshot has it
+                self._free_snap.append(slot)
+            else:
+                self.by_block[block] = slot
+                self._block_of[slot] = block
+        if left:
+            self._pending[seq_id] = left
+        else:
+            del self._pending[seq_id]
+
+    def pending_positions(self, seq_id: str, num_computed: int) -> list[int]:
+        """Positions of the sequence's written snapshots ready to key (at most ``num_computed``)."""
+        return [pos for pos, _ in self._pending.get(seq_id, ()) if pos <= num_computed]
+
+    def forget(self, blocks: list[int]) -> None:
+        """The prefix cache dropped these blocks: their snapshots go with them."""
+        for block in blocks:
+            slot = self.by_block.pop(block, None)
+            if slot is not None:
+                del self._block_of[slot]
+                self._free_snap.append(slot)
+
+    def reset(self) -> None:
+        """Drop every keyed snapshot (the prefix cache was reset)."""
+        self.forget(list(self.by_block))
