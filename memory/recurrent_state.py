@@ -46,6 +46,8 @@ class RecurrentStateSlots:
         self._step: dict[str, list[tuple[int, int]]] = {}  # this plan's checkpoints per sequence
         self._hits: set[int] = set()  # snapshot slots a hit of this plan reads: not evicted for it
         self._copies: list[tuple[int, int]] = []
+        self._pins: dict[int, int] = {}  # snapshot slot -> pins (PD exports / imports): never evicted
+        self._orphans: set[int] = set()  # pinned slots whose key went: freed at their last unpin
         self.num_snapshots_taken = 0
         self.num_snapshot_hits = 0
 
@@ -103,7 +105,7 @@ class RecurrentStateSlots:
         if self._free_snap:
             return self._free_snap.pop()
         for block, slot in self.by_block.items():  # least recently used first
-            if slot not in self._hits:
+            if slot not in self._hits and slot not in self._pins:
                 del self.by_block[block]
                 del self._block_of[slot]
                 return slot
@@ -166,7 +168,38 @@ class RecurrentStateSlots:
             slot = self.by_block.pop(block, None)
             if slot is not None:
                 del self._block_of[slot]
-                self._free_snap.append(slot)
+                if slot in self._pins:
+                    self._orphans.add(slot)
+                else:
+                    self._free_snap.append(slot)
+
+    # ------------------------------------------------------------------ PD transfer
+    def pin(self, slot: int) -> None:
+        """Keep a snapshot (a PD export being read, an import waiting for its request) from eviction."""
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+
+    def unpin(self, slot: int) -> None:
+        left = self._pins.get(slot, 0) - 1
+        if left > 0:
+            self._pins[slot] = left
+            return
+        self._pins.pop(slot, None)
+        if slot in self._orphans:
+            self._orphans.discard(slot)
+            self._free_snap.append(slot)
+
+    def take_snapshot_slot(self) -> int | None:
+        """A snapshot slot for an imported state (a free one, else the least recently used)."""
+        return self._snapshot_slot()
+
+    def give_back(self, slot: int) -> None:
+        """Return a slot from ``take_snapshot_slot`` that was not keyed."""
+        self._free_snap.append(slot)
+
+    def key(self, block: int, slot: int) -> None:
+        """Key an imported snapshot by the importer's block at its position."""
+        self.by_block[block] = slot
+        self._block_of[slot] = block
 
     def reset(self) -> None:
         """Drop every keyed snapshot (the prefix cache was reset)."""

@@ -226,6 +226,16 @@ class SlidingWindowBlocks:
         if mapped and self.on_mapped is not None:
             self.on_mapped(mapped)
 
+    def map_cached(self, full: int, block: int) -> None:
+        """Map an imported window block (PD) to the full-attention block at its position."""
+        if not self.caching or full in self.by_full:
+            return
+        self.by_full[full] = block
+        self._full_of[block] = full
+        self.pool.cached[block] = True
+        if self.on_mapped is not None:
+            self.on_mapped([full])
+
     def forget(self, full_block_ids: list[int]) -> None:
         """The full-attention cache dropped these blocks: their window blocks are plain blocks again."""
         for full in full_block_ids:

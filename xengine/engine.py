@@ -30,6 +30,7 @@ from xengine.api.messages import (
 from xengine.beam.catalog import CatalogRegistry
 from xengine.colocation.interrupter import Interrupter, note_arrival
 from xengine.colocation.resume import StepResumer
+from xengine.disagg.hybrid_transfer import StateTransfer, WindowTransfer
 from xengine.disagg.kv_transfer import KVTransferManager
 from xengine.kv_setup import KVSetup, build_kv
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
@@ -195,9 +196,7 @@ class Engine:
 
     def _build_step(self, config: EngineConfig, kv: KVSetup) -> None:
         """The step loop, chosen once: the normal one, or the overlap one under async scheduling."""
-        self.kv_transfer = KVTransferManager(  # PD: Mooncake agent on first use
-            self.kv, kv.kv_caches, kv.spec, port_range=config.cache.transfer_ports()
-        )
+        self.kv_transfer = self._kv_transfer(config, kv)
         self.resumer = StepResumer(self.scheduler)  # interrupted offline steps carry on later
         self.executor = StepExecutor(self.runner, self.scheduler, self.interrupter, self.parallel)
         between = BetweenSteps(self.scheduler, self.kv, self.kv_transfer)
@@ -208,6 +207,22 @@ class Engine:
         )
         self.last_step_timing: StepTiming | None = None
         self.num_steps = 0
+
+    def _kv_transfer(self, config: EngineConfig, kv: KVSetup) -> KVTransferManager:
+        """PD transfer (the Mooncake agent starts on first use): the full-attention layers' blocks, and a
+        hybrid model's window blocks and state snapshot beside them (``xengine/disagg/hybrid_transfer.py``)."""
+        states = self.state_setup
+        stateful = frozenset(states.pool.shapes) if states is not None else frozenset()
+        layers = range(len(kv.kv_caches))
+        full = [kv.kv_caches[i] for i in layers if i not in kv.window_layers and i not in stateful]
+        window = state = None
+        if kv.manager.window is not None:
+            window = WindowTransfer(kv.manager.window, [kv.kv_caches[i] for i in sorted(kv.window_layers)])
+        if states is not None:
+            state = StateTransfer(states.slots, [t for ts in states.pool.layers.values() for t in ts])
+        return KVTransferManager(
+            self.kv, full, kv.spec, port_range=config.cache.transfer_ports(), window=window, states=state
+        )
 
     def _describe(self, config: EngineConfig, info: ModelInfo, model_dir: str, kv: KVSetup) -> EngineInfo:
         spec = kv.spec
@@ -346,15 +361,10 @@ class Engine:
 
     # ------------------------------------------------------------------ PD KV transfer
     def _check_transferable(self) -> None:
-        if self.state_setup is not None:
+        if not self.kv_transfer.kv_caches:
             raise ValueError(
-                "PD KV transfer of a model with recurrent layers (their state) is not supported yet; "
-                "serve it on instances that prefill and decode"
-            )
-        if self.kv.window is not None:
-            raise ValueError(
-                "PD KV transfer of a model with sliding-window layers in their own pool (cache.hybrid_kv) is "
-                "not supported yet; start the prefill and decode instances with cache.hybrid_kv off"
+                "PD KV transfer of a model without full-attention layers is not supported yet (every "
+                "layer slides or is recurrent); serve it on instances that prefill and decode"
             )
 
     def kv_export(self, export_id: str, token_ids: list[int]) -> KVExportInfo:

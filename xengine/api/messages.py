@@ -322,14 +322,40 @@ class KVExportInfo(msgspec.Struct, kw_only=True):
     head_dim: int
     dtype: str
     block_ids: list[int]  # the exporter's blocks holding the prompt's leading whole blocks
+    # hybrid models (``xengine/disagg/hybrid_transfer.py``): the window pages and the recurrent state
+    # a query after those blocks needs; the blocks are then as many as every layer kind can resume from
+    window: WindowExportMsg | None = None
+    state: StateExportMsg | None = None
+
+
+class WindowExportMsg(msgspec.Struct, kw_only=True):
+    """The sliding-window pool's blocks of an export: those a query after the exported prefix reads."""
+
+    layer_addrs: list[int]  # each window layer's registered tensor
+    num_blocks: int  # blocks per window layer tensor (the exporter's window pool)
+    block_bytes: int
+    window: int
+    first: int  # block index of ``block_ids[0]`` in the prompt
+    block_ids: list[int]
+
+
+class StateExportMsg(msgspec.Struct, kw_only=True):
+    """The recurrent state snapshot at the exported prefix's end (copied whole)."""
+
+    tensor_addrs: list[int]  # each registered state tensor (``[num_slots, ...]``)
+    slot_bytes: list[int]  # bytes of one slot of each
+    slot: int
 
 
 class KVImportResult(msgspec.Struct, kw_only=True):
     num_blocks: int  # leading whole prompt blocks now pinned on the importer
     num_hit_blocks: int  # of those, already in its prefix cache (not transferred)
     num_transferred_blocks: int
-    num_bytes: int
+    num_bytes: int  # everything moved: full-attention blocks, window blocks and state
     transfer_s: float
+    num_window_blocks: int = 0  # sliding-window blocks transferred (hybrid models)
+    num_window_bytes: int = 0
+    num_state_bytes: int = 0  # recurrent state snapshot bytes transferred
 
 
 class KVExport(msgspec.Struct, tag="kv_export", kw_only=True):

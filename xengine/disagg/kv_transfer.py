@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from memory.kv_cache_manager import KVCacheManager
+from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
 from memory.kv_layout import KVCacheSpec
 from memory.transfer import KVRegion, KVTransferAgent
 from xengine.api.messages import KVExportInfo, KVImportResult
+from xengine.disagg.hybrid_transfer import HybridPin, HybridReadStats, StateTransfer, WindowTransfer
 
 DEFAULT_PIN_TIMEOUT_S = 60.0
 
@@ -29,6 +30,7 @@ class _Pin:
     block_ids: list[int]
     deadline: float
     until_admitted: bool  # import pins end when the request of the same id is admitted
+    hybrid: HybridPin | None = None  # window blocks and a state snapshot (hybrid models)
 
 
 class KVTransferManager:
@@ -40,8 +42,14 @@ class KVTransferManager:
         host: str = "127.0.0.1",
         pin_timeout_s: float = DEFAULT_PIN_TIMEOUT_S,
         port_range: tuple[int, int] | None = None,
+        window: WindowTransfer | None = None,
+        states: StateTransfer | None = None,
     ) -> None:
+        """``kv_caches``: the full-attention layers' tensors; ``window`` / ``states``: a hybrid model's
+        sliding-window pool and recurrent state pool, sent beside them (``hybrid_transfer.py``)."""
         self.kv = kv
+        self.window = window
+        self.states = states
         self.kv_caches = kv_caches
         self.spec = spec
         self.host = host
@@ -55,7 +63,11 @@ class KVTransferManager:
     def start(self) -> KVTransferAgent:
         """Create the transfer agent (registers the KV memory) if it does not exist yet."""
         if self._agent is None:
-            self._agent = KVTransferAgent(self.kv_caches, self.host, self.port_range)
+            agent = KVTransferAgent(self.kv_caches, self.host, self.port_range)
+            for part in (self.window, self.states):
+                if part is not None:
+                    part.register(agent)
+            self._agent = agent
         return self._agent
 
     @property
@@ -78,9 +90,20 @@ class KVTransferManager:
             raise ValueError(f"invalid value for 'export_id': {export_id!r} is already pinned")
         cache = self.kv.prefix_cache
         block_ids = cache.match(token_ids).block_ids if cache is not None else []
-        self._pin(export_id, block_ids, until_admitted=False)
+        if self.window is not None or self.states is not None:  # as far as every layer kind resumes
+            bs = self.spec.block_size
+            block_ids = self.kv.usable_prefix(ComputedPrefix(block_ids, len(block_ids) * bs)).block_ids
+        hybrid, window, state = HybridPin(), None, None
+        if block_ids and self.window is not None:
+            window, hybrid.window_blocks = self.window.export(agent.region.session, block_ids)
+        if block_ids and self.states is not None:
+            state = self.states.export(block_ids[-1])
+            hybrid.state_slot = state.slot
+        self._pin(export_id, block_ids, until_admitted=False, hybrid=hybrid)
         s, region = self.spec, agent.region
         return KVExportInfo(
+            window=window,
+            state=state,
             session=region.session,
             layer_addrs=list(region.layer_addrs),
             num_blocks=region.num_blocks,
@@ -97,6 +120,7 @@ class KVTransferManager:
 
     def import_(self, source: KVExportInfo, token_ids: list[int], pin_id: str) -> KVImportResult:
         """Make the prompt's leading whole blocks local (transferring only misses) and pin them."""
+        t0 = time.perf_counter()
         agent = self.start()
         self.expire()
         self._check_compatible(source)
@@ -118,22 +142,54 @@ class KVTransferManager:
             raise
         block_ids = hits + new
         cache.insert(token_ids[: len(block_ids) * bs], block_ids, len(hits))
-        self._pin(pin_id, block_ids, until_admitted=True, locked=True)
+        hybrid, extra = HybridPin(), HybridReadStats()
+        if len(block_ids) == len(source.block_ids) and block_ids:  # else the hit is shortened anyway
+            try:
+                hybrid, extra = self._import_hybrid(agent, source, block_ids)
+            except BaseException:
+                self.kv.pool.free(list(reversed(block_ids)))
+                raise
+        self._pin(pin_id, block_ids, until_admitted=True, locked=True, hybrid=hybrid)
+        num_bytes = stats.num_bytes + extra.num_window_bytes + extra.num_state_bytes
         self.num_blocks_imported += stats.num_blocks
-        self.num_bytes_imported += stats.num_bytes
+        self.num_bytes_imported += num_bytes
         return KVImportResult(
             num_blocks=len(block_ids),
             num_hit_blocks=len(hits),
             num_transferred_blocks=stats.num_blocks,
-            num_bytes=stats.num_bytes,
-            transfer_s=stats.seconds,
+            num_bytes=num_bytes,
+            transfer_s=time.perf_counter() - t0,
+            num_window_blocks=extra.num_window_blocks,
+            num_window_bytes=extra.num_window_bytes,
+            num_state_bytes=extra.num_state_bytes,
         )
+
+    def _import_hybrid(
+        self, agent: KVTransferAgent, source: KVExportInfo, block_ids: list[int]
+    ) -> tuple[HybridPin, HybridReadStats]:
+        """The window blocks and the state snapshot of a hybrid model's import (pinned with it)."""
+        pin, total = HybridPin(), HybridReadStats()
+        if source.window is not None and self.window is not None:
+            pin.window_blocks, part = self.window.import_(agent, source.session, source.window, block_ids)
+            total.num_window_blocks, total.num_window_bytes = part.num_window_blocks, part.num_window_bytes
+        if source.state is not None and self.states is not None:
+            try:
+                pin.state_slot, part = self.states.import_(agent, source.session, source.state, block_ids[-1])
+            except BaseException:
+                if self.window is not None:
+                    self.window.release(pin.window_blocks)
+                raise
+            total.num_state_bytes = part.num_state_bytes
+        return pin, total
 
     def _check_compatible(self, source: KVExportInfo) -> None:
         s = self.spec
         mine = (s.block_size, s.num_layers, s.num_kv_heads, s.head_dim, s.cache_dtype_name)
         theirs = (source.block_size, source.num_layers, source.num_kv_heads, source.head_dim, source.dtype)
-        if mine != theirs:
+        kinds = ((source.window is None) != (self.window is None)) or (
+            (source.state is None) != (self.states is None)
+        )
+        if mine != theirs or kinds:
             raise ValueError(
                 "KV layouts of the prefill and decode instances differ "
                 f"(block_size, layers, kv heads, head_dim, KV dtype): {theirs} vs {mine}; "
@@ -146,10 +202,18 @@ class KVTransferManager:
 
     # ------------------------------------------------------------------ pins
 
-    def _pin(self, pin_id: str, block_ids: list[int], until_admitted: bool, locked: bool = False) -> None:
+    def _pin(
+        self,
+        pin_id: str,
+        block_ids: list[int],
+        until_admitted: bool,
+        locked: bool = False,
+        hybrid: HybridPin | None = None,
+    ) -> None:
         if not locked:
             self.kv.pool.touch(block_ids)
-        self._pins[pin_id] = _Pin(block_ids, time.monotonic() + self.pin_timeout_s, until_admitted)
+        deadline = time.monotonic() + self.pin_timeout_s
+        self._pins[pin_id] = _Pin(block_ids, deadline, until_admitted, hybrid)
 
     def release(self, pin_id: str) -> bool:
         """Drop the pin ``pin_id``; False when there was none."""
@@ -157,6 +221,11 @@ class KVTransferManager:
         if pin is None:
             return False
         self.kv.pool.free(list(reversed(pin.block_ids)))
+        if pin.hybrid is not None:
+            if self.window is not None:
+                self.window.release(pin.hybrid.window_blocks)
+            if self.states is not None:
+                self.states.release(pin.hybrid.state_slot)
         return True
 
     def release_admitted(self, admitted: set[str] | dict[str, object]) -> None:
