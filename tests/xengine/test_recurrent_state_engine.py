@@ -117,3 +117,26 @@ def test_preemption_and_few_state_slots(model_dir, oracle) -> None:
 def test_what_it_cannot_run_is_refused(model_dir, kw, match) -> None:
     with pytest.raises(ValueError, match=match):
         _llm(model_dir, **kw)
+
+
+def test_beam_search_equals_hf(model_dir, oracle) -> None:
+    """Every beam step forks and drops sequences: each fork copies its parent's state, so sequences
+    and their scores equal HF ``generate(num_beams=3)``."""
+    import torch
+
+    from xengine.llm import BeamSearchParams
+
+    prompt = random_prompts([45], seed=10)[0]
+    llm = _llm(model_dir, max_num_batched_tokens=32)
+    out = llm.beam_search(
+        [prompt], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
+    with torch.no_grad():
+        ref = oracle.model.generate(
+            torch.tensor([prompt]), num_beams=3, do_sample=False, num_return_sequences=3, max_new_tokens=8,
+            output_scores=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    assert [o.token_ids for o in out[0].outputs] == ref.sequences[:, len(prompt) :].tolist()
+    assert [o.score for o in out[0].outputs] == pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
+    stats = llm.engine.get_stats().state_pool
+    assert stats.num_free_seq_slots == stats.num_seq_slots  # every beam's slot came back
