@@ -17,16 +17,29 @@ from ops.opaque_op import opaque_op
 
 
 def _attention_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-@opaque_op(
-    "attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window) -> Tensor", _attention_fake
-)
+_SCHEMA = "attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window, Tensor? sinks=None)"
+
+
+@opaque_op(f"{_SCHEMA} -> Tensor", _attention_fake)
 def _attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     ctx = get_forward_context()
     if ctx is None or ctx.meta is None:
@@ -37,14 +50,21 @@ def _attention_op(
     meta = ctx.meta_of(layer)
     n = ctx.num_tokens
     if n == q.shape[0]:
-        return attention(q, k, v, ctx.caches[layer], meta, scale, sliding)
+        return attention(q, k, v, ctx.caches[layer], meta, scale, sliding, sinks)
     out = torch.zeros_like(q)
-    out[:n] = attention(q[:n], k[:n], v[:n], ctx.caches[layer], meta, scale, sliding)
+    out[:n] = attention(q[:n], k[:n], v[:n], ctx.caches[layer], meta, scale, sliding, sinks)
     return out
 
 
 def unified_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, sliding_window: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of layer ``layer`` over the step in the forward context (``[T, Hq, D]`` in and out)."""
-    return _attention_op(q, k, v, layer, scale, sliding_window or 0)
+    """Attention of layer ``layer`` over the step in the forward context (``[T, Hq, D]`` in and out);
+    ``sinks`` ([Hq] float32): per-head attention-sink logits (``ops/attention.py``), None for none."""
+    return _attention_op(q, k, v, layer, scale, sliding_window or 0, sinks)

@@ -10,15 +10,21 @@ exists at their end (``usable_prefix``). See ``docs/hybrid_memory.md``.
 
 from __future__ import annotations
 
-from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
+from memory.kv_cache_manager import ComputedPrefix, KVCacheManager, KVPlacement
 from memory.recurrent_state import RecurrentStateSlots
 
 
 class StatefulKVCacheManager(KVCacheManager):
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, states: RecurrentStateSlots
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        states: RecurrentStateSlots,
+        placement: KVPlacement | None = None,
+        lookahead_blocks: int = 0,
     ) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, placement, lookahead_blocks)
         self.states = states
         if self.prefix_cache is not None:
             self.prefix_cache.forget_sink = states.forget

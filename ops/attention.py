@@ -9,6 +9,11 @@ KV cache of one layer: tensor ``[2, num_blocks, block_size, num_kv_heads, head_d
 Slot ``s`` of the flat cache is block ``s // block_size``, offset ``s % block_size``. An 8-bit cache
 (``cache.kv_cache_dtype`` int8 / fp8) has rows of ``head_dim + 4`` bytes: the values and their scale
 (``ops/kv_quant.py``); every backend quantizes what it stores and dequantizes what it reads.
+
+Attention sinks (gpt-oss, MiMo-V2-Flash's sliding-window layers): one learned logit per query head that
+joins every softmax's denominator and attends to nothing, ``p_j = exp(s_j) / (sum_i exp(s_i) +
+exp(sink))``. Only the reference backend (``ops/torch_ref``) computes them, so a call with sinks runs
+there on every platform; full device graphs (``meta.static``) refuse them.
 """
 
 from __future__ import annotations
@@ -28,12 +33,19 @@ def attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store ``k``/``v`` ([T, Hkv, D]) into ``kv_cache`` at ``meta.slot_mapping``, then return
     causal attention of ``q`` ([T, Hq, D], Hq a multiple of Hkv) over each sequence's context: [T, Hq, D].
 
     ``kv_cache`` is the paged tensor (reads go through ``meta.block_tables``) or, with the xTensor
-    layout, a ``ContiguousKV`` (reads go straight to each sequence's slot, ``meta.kv_slots``)."""
+    layout, a ``ContiguousKV`` (reads go straight to each sequence's slot, ``meta.kv_slots``).
+    ``sinks`` ([Hq] float32, optional): each query head's sink logit (see above)."""
+    if meta.static and sinks is not None:
+        raise ValueError(
+            "attention sinks do not run under full device graphs (their decode kernels have no sink "
+            "term); use execution.graph_mode eager or partial"
+        )
     if meta.static:  # a full device graph's decode step: everything read from device tensors
         op = get_op("attention_static")
         if (
@@ -48,6 +60,8 @@ def attention(
             )
         return op(q, k, v, kv_cache, meta, scale, sliding_window)
     name = "attention_contiguous" if isinstance(kv_cache, ContiguousKV) else "attention"
+    if sinks is not None:  # the one backend with a sink term: never a kernel that would drop it
+        return get_op(name, REFERENCE)(q, k, v, kv_cache, meta, scale, sliding_window, sinks)
     return get_op(name)(q, k, v, kv_cache, meta, scale, sliding_window)
 
 

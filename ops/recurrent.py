@@ -1,5 +1,6 @@
-"""Recurrent-mixer ops facade: the causal convolution, the gated delta rule (Qwen3-Next's gated
-DeltaNet) and the SSD scan (Mamba2). Each takes a batch of equally long segments and the state they
+"""Recurrent-mixer ops: the depthwise causal convolution every Mamba2 / gated-DeltaNet mixer runs
+before its scan. The scans have facades of their own: ``ops/gated_delta.py`` (Qwen3-Next's gated delta
+rule) and ``ops/ssd.py`` (Mamba2's SSD). Each takes a batch of equally long segments and the state they
 start from, and returns the outputs and the state after them (``xengine/layers/recurrent.py`` drives
 them per sequence)."""
 

@@ -115,9 +115,17 @@ class Engine:
         self.state_setup: StateSetup | None = None
         if shapes:  # recurrent layers: a state pool beside the attention KV (``xengine/state_setup.py``)
             self._check_stateful(execution.graph_mode)
-            self.graph_mode = "eager"
+            if self.graph_mode == "full":  # the platform's default: no whole-step graphs for these yet
+                self.graph_mode = "eager"
             kv, self.state_setup = build_stateful_kv(
-                cache, config.scheduler, info, self.dtype, self.platform, max_len, shapes
+                cache,
+                config.scheduler,
+                info,
+                self.dtype,
+                self.platform,
+                max_len,
+                shapes,
+                self.async_scheduling,
             )
         else:
             kv = build_kv(
@@ -177,13 +185,14 @@ class Engine:
         self.info = self._describe(config, info, model_dir, kv)
 
     def _check_stateful(self, graph_mode: str) -> None:
-        """A model with recurrent layers runs eagerly on one process for now: refuse what it cannot do."""
+        """A model with recurrent layers runs on one process, without whole-step graphs, for now: refuse
+        what it cannot do."""
         if self.parallel is not None:
             raise ValueError("expert parallelism is not supported for models with recurrent layers yet")
-        if graph_mode not in ("auto", "eager"):
+        if graph_mode == "full":
             raise ValueError(
-                f"execution.graph_mode {graph_mode}: models with recurrent layers run eagerly for now; "
-                "use execution.graph_mode eager or auto"
+                "execution.graph_mode full: models with recurrent layers run eagerly or with partial graphs "
+                "(the recurrent scan stays eager, like attention); use execution.graph_mode eager, partial or auto"
             )
 
     def _hybrid_blocker(self) -> str | None:

@@ -24,6 +24,7 @@ from ops.platforms import Platform
 from xengine.api.config import CacheConfig, SchedulerConfig
 from xengine.api.messages import WindowPoolStatsMsg, XTensorStatsMsg
 from xengine.models.info import ModelInfo
+from xengine.models.registry import get_model_class
 
 DEFAULT_BLOCK_SIZE = 16
 # xTensor pages are one block of one layer's K (or V): on CPU a 4 KiB OS page takes 16-128 tokens; a
@@ -78,6 +79,19 @@ def resolve_layout(requested: str, platform: Platform) -> str:
     return platform.capabilities.default_kv_layout
 
 
+KVHead = tuple[int, int]  # (num_kv_heads, head_dim) of one token's KV cache entry in one layer
+
+
+def kv_cache_heads(info: ModelInfo) -> tuple[KVHead, KVHead]:
+    """``(num_kv_heads, head_dim)`` of the full-attention layers' KV and of the sliding-window layers':
+    ``ModelInfo``'s for both, unless the model class declares its own (``kv_cache_heads(info)``;
+    MiMo-V2-Flash's sliding layers have twice the KV heads)."""
+    declared = getattr(get_model_class(info.architecture), "kv_cache_heads", None)
+    if declared is not None:
+        return declared(info)
+    return (info.num_kv_heads, info.head_dim), (info.num_kv_heads, info.head_dim)
+
+
 def build_kv(
     cache: CacheConfig,
     scheduler: SchedulerConfig,
@@ -94,17 +108,10 @@ def build_kv(
     layer's window (None: full attention); ``hybrid_blocker``: why this instance cannot keep them in
     a pool of their own (``cache.hybrid_kv``), None if it can."""
     name = resolve_layout(cache.kv_layout, platform)
-    if any(sliding_windows) and cache.hybrid_kv != "off":
-        blocker = hybrid_blocker or (f"the {name} KV layout" if name != "paged" else None)
-        if blocker is None:
-            return build_hybrid_kv(
-                cache, scheduler, info, dtype, platform, max_len, sliding_windows, async_scheduling
-            )
-        if cache.hybrid_kv == "on":
-            raise ValueError(
-                f"cache.hybrid_kv on: sliding-window layers cannot keep a pool of their own with {blocker}; "
-                "use cache.kv_layout paged without expert parallelism, or cache.hybrid_kv auto / off"
-            )
+    if _use_window_pool(cache, name, info, sliding_windows, hybrid_blocker):
+        return build_hybrid_kv(
+            cache, scheduler, info, dtype, platform, max_len, sliding_windows, async_scheduling
+        )
     if cache.block_size is not None:
         sizes: tuple[int, ...] = (cache.block_size,)
     else:
@@ -148,6 +155,40 @@ def build_kv(
     raise AssertionError("unreachable")
 
 
+def _use_window_pool(
+    cache: CacheConfig,
+    layout_name: str,
+    info: ModelInfo,
+    sliding_windows: tuple[int | None, ...],
+    hybrid_blocker: str | None,
+) -> bool:
+    """Whether the sliding-window layers get a KV pool of their own (``build_hybrid_kv``);
+    ``ValueError`` where they need one (``cache.hybrid_kv on``, or KV geometries that one pool cannot
+    hold) and cannot have it."""
+    if not any(sliding_windows):
+        return False
+    if cache.hybrid_kv == "off":
+        blocker = "cache.hybrid_kv off"
+    else:
+        blocker = hybrid_blocker or (f"the {layout_name} KV layout" if layout_name != "paged" else None)
+    if blocker is None:
+        return True
+    if cache.hybrid_kv == "on":
+        raise ValueError(
+            f"cache.hybrid_kv on: sliding-window layers cannot keep a pool of their own with {blocker}; "
+            "use cache.kv_layout paged without expert parallelism, or cache.hybrid_kv auto / off"
+        )
+    full_head, window_head = kv_cache_heads(info)
+    if window_head != full_head:
+        raise ValueError(
+            f"{info.architecture} keeps (KV heads, head dim) {window_head} per token in its sliding-window "
+            f"layers and {full_head} in its full-attention layers, so its KV needs the sliding-window "
+            f"pool of its own (cache.hybrid_kv auto or on), which {blocker} rules out; use cache.hybrid_kv "
+            "auto with cache.kv_layout paged, without expert parallelism or full device graphs"
+        )
+    return False
+
+
 def _num_blocks(cache: CacheConfig, scheduler: SchedulerConfig, spec: KVCacheSpec, max_len: int) -> int:
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -180,19 +221,18 @@ def build_hybrid_kv(
 ) -> KVSetup:
     """The paged layout in two pools: full-attention layers as ``build_kv`` lays them out, the
     sliding-window layers in a pool sized by ``window_pool_blocks`` (their largest window for all of
-    them). Budget: the window pool first, the rest of ``kv_cache_memory_gb`` (or ``num_blocks``) to the
-    full-attention pool."""
+    them), each pool's blocks sized by its own layers' KV heads (``kv_cache_heads``). Budget: the window
+    pool first, the rest of ``kv_cache_memory_gb`` (or ``num_blocks``) to the full-attention pool."""
     block_size = cache.block_size or DEFAULT_BLOCK_SIZE
     window_layers = frozenset(i for i, w in enumerate(sliding_windows) if w)
     window = max(w for w in sliding_windows if w)
     full_layers = [i for i in range(len(sliding_windows)) if i not in window_layers]
 
-    def spec_of(num_layers: int) -> KVCacheSpec:
-        return KVCacheSpec(
-            num_layers, info.num_kv_heads, info.head_dim, block_size, dtype, cache.kv_cache_dtype
-        )
+    def spec_of(num_layers: int, head: KVHead) -> KVCacheSpec:
+        return KVCacheSpec(num_layers, *head, block_size, dtype, cache.kv_cache_dtype)
 
-    full_spec, window_spec = spec_of(len(full_layers)), spec_of(len(window_layers))
+    full_head, window_head = kv_cache_heads(info)  # each pool its own page size
+    full_spec, window_spec = spec_of(len(full_layers), full_head), spec_of(len(window_layers), window_head)
     least = least_window_blocks(window, block_size, scheduler)
     budget = None if cache.num_blocks is not None else int(cache.kv_cache_memory_gb * (1 << 30))
     num_window = window_pool_blocks(cache, scheduler, window, full_spec, window_spec, max_len, budget)

@@ -6,7 +6,9 @@ call so the gathered K/V are still in cache when SDPA reads them; the query head
 as its query rows, so each K/V row is read once. The gather index, the masks and the buffer depend
 only on the step: the first layer builds them into ``meta.scratch`` and the others reuse them.
 Prefill chunks run one SDPA call per sequence with a causal mask offset by the cached context.
-Scores and softmax are computed in float32 whatever the cache dtype. An 8-bit cache
+Scores and softmax are computed in float32 whatever the cache dtype. Attention sinks (``sinks``: one
+learned logit per query head in each softmax's denominator, ``ops/attention.py``) make every SDPA call
+an explicit softmax over the scores and the sink (``_sdpa``). An 8-bit cache
 (``ops/kv_quant.py``) is dequantized to float32 as it is gathered, and a fresh prompt attends over its
 K/V as the cache holds them (quantized and back), so a prefix-cache hit computes what a miss does.
 """
@@ -38,23 +40,24 @@ def attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     store_kv(k, v, kv_cache, meta.slot_mapping)
     step = _step(meta, kv_cache)
     if step.num_decodes and step.num_decodes == meta.num_seqs:
-        return _decode(q, kv_cache, step, scale, sliding_window).to(q.dtype)
+        return _decode(q, kv_cache, step, scale, sliding_window, sinks).to(q.dtype)
     out = torch.empty_like(q)
     if step.num_decodes:
-        out[step.decode_tokens] = _decode(q[step.decode_tokens], kv_cache, step, scale, sliding_window).to(
-            out.dtype
-        )
+        decodes = _decode(q[step.decode_tokens], kv_cache, step, scale, sliding_window, sinks)
+        out[step.decode_tokens] = decodes.to(out.dtype)
     for b0, b1 in _prefill_runs(meta, sliding_window):
         s, e = step.starts[b0], step.starts[b1]
         if b1 - b0 > 1:
             fmt = kv_format(kv_cache)
-            out[s:e] = _fresh_prefills(q[s:e], roundtrip(k[s:e], fmt), roundtrip(v[s:e], fmt), b1 - b0, scale)
+            k_run, v_run = roundtrip(k[s:e], fmt), roundtrip(v[s:e], fmt)
+            out[s:e] = _fresh_prefills(q[s:e], k_run, v_run, b1 - b0, scale, sinks)
         else:
-            out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta, b0, scale, sliding_window)
+            out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta, b0, scale, sliding_window, sinks)
     return out
 
 
@@ -79,23 +82,68 @@ def _prefill_runs(meta: AttentionMetadata, sliding_window: int | None) -> list[t
 
 
 def _fresh_prefills(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num: int, scale: float, sinks: torch.Tensor | None
 ) -> torch.Tensor:
     """Causal attention of ``num`` whole prompts of one length, back to back in ``q``/``k``/``v``
     ([num * L, H, D]), each over its own tokens only: one batched SDPA call."""
     length = q.shape[0] // num
     qh, kh, vh = (t.view(num, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-    res = _sdpa(qh, kh, vh, None, scale, True)  # [num, H, L, D]
+    res = _sdpa(qh, kh, vh, None, scale, True, head_sinks(sinks))  # [num, H, L, D]
     return res.transpose(1, 2).reshape(q.shape).to(q.dtype)
 
 
+def head_sinks(sinks: torch.Tensor | None, num_kv_heads: int | None = None) -> torch.Tensor | None:
+    """Per-query-head sinks ([Hq]) shaped for ``_sdpa``'s scores: ``[1, Hq, 1, 1]`` when the query heads
+    are SDPA's heads, ``[1, Hkv, Hq / Hkv, 1]`` when (decodes) a KV head's query heads ride as its rows."""
+    if sinks is None:
+        return None
+    if num_kv_heads is None:
+        return sinks.float().view(1, -1, 1, 1)
+    return sinks.float().view(1, num_kv_heads, -1, 1)
+
+
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (any dtype) -> float32 [B, Hq, Lq, D]."""
+    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (any dtype) -> float32 [B, Hq, Lq, D]. ``sinks``
+    (``head_sinks``): each score row's softmax also counts ``exp(sink)`` (see ``_attend_with_sinks``)."""
+    if sinks is not None:
+        return _attend_with_sinks(q.float(), k.float(), v.float(), mask, scale, causal, sinks)
     return F.scaled_dot_product_attention(
         q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
     )
+
+
+def _attend_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Float32 attention whose softmax runs over each row's scores and its head's sink logit, the sink's
+    share then dropped (it attends to nothing): ``p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink))``, HF's
+    eager attention with ``s_aux`` (gpt-oss, MiMo-V2-Flash). ``mask``: boolean (True: visible) or
+    additive, as SDPA takes it; ``causal``: SDPA's top-left causal mask."""
+    if k.shape[1] != q.shape[1]:  # grouped query heads: head h reads KV head h // group, as SDPA's GQA
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    logits = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
 
 
 def _context_slots(
@@ -164,7 +212,12 @@ def _step(meta: AttentionMetadata, kv_cache: torch.Tensor) -> _Step:
 
 
 def _decode(
-    q: torch.Tensor, kv_cache: torch.Tensor, step: _Step, scale: float, sliding_window: int | None
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    step: _Step,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the decodes' query tokens (``q``: [B, Hq, D]) over their context: float32 [B, Hq, D].
 
@@ -184,6 +237,7 @@ def _decode(
     mask = decode_mask(step.masks, step.last, step.max_len, sliding_window, q.device)
     # The query heads sharing a KV head become that head's query rows: one pass over its K/V serves them.
     q_grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    group_sinks = head_sinks(sinks, num_kv_heads)
     out = None if chunk == num_seqs else q_grouped.new_empty(q_grouped.shape, dtype=torch.float32)
     for s in range(0, num_seqs, chunk):
         e = min(s + chunk, num_seqs)
@@ -193,7 +247,7 @@ def _decode(
         torch.index_select(flat[1], 0, index, out=buf[1])
         ctx = buf.view(2, e - s, step.max_len, num_kv_heads, width)
         ctx = (dequantize(ctx) if quantized else ctx).transpose(2, 3)
-        res = _sdpa(q_grouped[s:e], ctx[0], ctx[1], mask[s:e], scale, False)
+        res = _sdpa(q_grouped[s:e], ctx[0], ctx[1], mask[s:e], scale, False, group_sinks)
         if out is None:
             return res.reshape(num_seqs, num_heads, head_dim)
         out[s:e] = res
@@ -209,6 +263,7 @@ def _prefill(
     b: int,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one sequence's ``q_len`` new tokens ([q_len, H, D]) over its context."""
     q_len, seq_len = q.shape[0], meta.seq_lens_cpu[b]
@@ -218,11 +273,12 @@ def _prefill(
         # No cached context and no effective window: the new K/V are the whole context.
         fmt = kv_format(kv_cache)
         k, v = roundtrip(k, fmt), roundtrip(v, fmt)
-        res = _sdpa(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None, scale, True)
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        res = _sdpa(qh, k, v, None, scale, True, head_sinks(sinks))
         return res[0].transpose(0, 1).to(q.dtype)
     start = context_start(first, sliding_window)
     k_ctx, v_ctx = _gather_context(kv_cache, meta.block_tables[b : b + 1], meta.seq_lens[b : b + 1], seq_len)
     k_ctx, v_ctx = k_ctx[0, start:].transpose(0, 1), v_ctx[0, start:].transpose(0, 1)  # [Hkv, L, D]
     mask = prefill_mask(first, seq_len, start, sliding_window, q.device)
-    res = _sdpa(qh, k_ctx.unsqueeze(0), v_ctx.unsqueeze(0), mask, scale, False)
+    res = _sdpa(qh, k_ctx.unsqueeze(0), v_ctx.unsqueeze(0), mask, scale, False, head_sinks(sinks))
     return res[0].transpose(0, 1).to(q.dtype)

@@ -4,7 +4,8 @@ New K/V rows are written through the paged view (``meta.slot_mapping``); the sam
 each sequence's virtually contiguous slot (``ContiguousKV``). Decodes are sorted by slot and cut into
 runs of consecutive slots inside one chunk: each run is one strided ``[r, max_len, Hkv, D]`` view that
 SDPA reads directly, under a length (and window) mask. Prefill chunks attend over
-``slot[:seq_len]`` of their own slot. Scores and softmax in float32 whatever the cache dtype; an 8-bit
+``slot[:seq_len]`` of their own slot. Scores and softmax in float32 whatever the cache dtype (with
+attention sinks, as ``ops/torch_ref/attention.py`` computes them); an 8-bit
 cache's context is dequantized to float32 as read, and fresh prompts attend over their K/V as stored.
 """
 
@@ -18,7 +19,7 @@ import torch
 from ops.attention_mask import context_start, decode_mask, is_fresh_prefill, prefill_mask
 from ops.attention_metadata import AttentionMetadata, ContiguousKV
 from ops.kv_quant import dequantize, kv_format, roundtrip
-from ops.torch_ref.attention import _sdpa
+from ops.torch_ref.attention import _sdpa, head_sinks
 from ops.torch_ref.kv_store import store_kv
 
 _SCRATCH_KEY = "torch_ref.attention_contiguous"
@@ -52,21 +53,21 @@ def attention_contiguous(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     store_kv(k, v, kv.paged, meta.slot_mapping)
     step = _step(meta, kv.slots_per_chunk, q.device)
     if step.one_run_in_order:
-        return _decode_run(q, kv, step.runs[0], scale, sliding_window).to(q.dtype)
+        return _decode_run(q, kv, step.runs[0], scale, sliding_window, sinks).to(q.dtype)
     out = q.new_empty(q.shape)
     for run in step.runs:
-        out[run.rows] = _decode_run(q, kv, run, scale, sliding_window).to(out.dtype)
+        out[run.rows] = _decode_run(q, kv, run, scale, sliding_window, sinks).to(out.dtype)
     assert meta.kv_slots is not None
     for b, q_len in enumerate(meta.query_lens_cpu):
         if q_len > 1:
             s, e = step.starts[b], step.starts[b + 1]
-            out[s:e] = _prefill(
-                q[s:e], k[s:e], v[s:e], kv, meta.kv_slots[b], meta.seq_lens_cpu[b], scale, sliding_window
-            )
+            slot, seq_len = meta.kv_slots[b], meta.seq_lens_cpu[b]
+            out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], kv, slot, seq_len, scale, sliding_window, sinks)
     return out
 
 
@@ -109,7 +110,12 @@ def _make_run(group: list[tuple[int, int, int]], per_chunk: int, device: torch.d
 
 
 def _decode_run(
-    q: torch.Tensor, kv: ContiguousKV, run: _Run, scale: float, sliding_window: int | None
+    q: torch.Tensor,
+    kv: ContiguousKV,
+    run: _Run,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one run's decodes (float32 ``[r, Hq, D]``), reading their slots in place."""
     r = run.rows.numel()
@@ -121,7 +127,7 @@ def _decode_run(
     # The query heads sharing a KV head become that head's query rows: one pass over its K/V serves them.
     qg = q[run.rows].reshape(r, num_kv_heads, num_heads // num_kv_heads, head_dim)
     mask = decode_mask(run.masks, run.last, run.max_len, sliding_window, q.device)
-    res = _sdpa(qg, k_ctx, v_ctx, mask, scale, False)
+    res = _sdpa(qg, k_ctx, v_ctx, mask, scale, False, head_sinks(sinks, num_kv_heads))
     return res.reshape(r, num_heads, head_dim)
 
 
@@ -134,6 +140,7 @@ def _prefill(
     seq_len: int,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one sequence's ``q_len`` new tokens over its contiguous context."""
     q_len = q.shape[0]
@@ -142,14 +149,15 @@ def _prefill(
     if is_fresh_prefill(first, q_len, sliding_window):
         fmt = kv_format(kv.paged)
         k, v = roundtrip(k, fmt), roundtrip(v, fmt)
-        res = _sdpa(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), None, scale, True)
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        res = _sdpa(qh, k, v, None, scale, True, head_sinks(sinks))
         return res[0].transpose(0, 1).to(q.dtype)
     start = context_start(first, sliding_window)
     chunk, row = divmod(slot, kv.slots_per_chunk)
     k_ctx = _read(kv, kv.k_chunks[chunk][row, start:seq_len]).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     v_ctx = _read(kv, kv.v_chunks[chunk][row, start:seq_len]).transpose(0, 1).unsqueeze(0)
     mask = prefill_mask(first, seq_len, start, sliding_window, q.device)
-    res = _sdpa(qh, k_ctx, v_ctx, mask, scale, False)
+    res = _sdpa(qh, k_ctx, v_ctx, mask, scale, False, head_sinks(sinks))
     return res[0].transpose(0, 1).to(q.dtype)
 
 

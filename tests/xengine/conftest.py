@@ -18,7 +18,7 @@ from xengine.api.messages import CompletionDelta
 from xengine.engine import Engine
 from xengine.llm import engine_config
 
-ARCHS = ("qwen3", "qwen2", "llama", "gemma3")
+ARCHS = ("qwen3", "qwen2", "llama", "gemma3", "qwen3_next", "nemotron_h", "mimo_v2_flash")
 VOCAB_SIZE = 2048  # of the "tiny" checkpoints
 FIRST_PLAIN_ID = 3  # ids 0..2 are the special tokens of the tiny tokenizer
 

@@ -66,7 +66,16 @@ MODES: dict[str, dict[str, Any]] = {
 # The tiny models make a run cost about a second: every arch runs every configuration in every mode.
 # (xTensor maps each block of each layer's K and V: a pool of 1024 blocks, not the default 4096, keeps
 # the worst case inside vm.max_map_count at this small block size.)
-CASES = [(arch, name, mode) for arch in ARCHS for name in CONFIGS for mode in MODES]
+# MiMo-V2-Flash's sliding layers hold twice the KV heads of its full ones: they need the sliding-window
+# pool, which the xTensor layout does not have yet (refused, ``tests/xengine/models/test_mimo_v2_flash.py``)
+PAGED_ONLY = ("mimo_v2_flash",)
+CASES = [
+    (arch, name, mode)
+    for arch in ARCHS
+    for name in CONFIGS
+    for mode in MODES
+    if not (arch in PAGED_ONLY and MODES[mode]["kv_layout"] == "xtensor")
+]
 
 
 def make_prompts(seed: int) -> list[list[int]]:
@@ -137,10 +146,15 @@ def test_greedy_tokens_match_hf(make_model_dir, reference, arch, config, mode):
 
 def _eos_prompts(llm: LLM, num: int) -> list[list[int]]:
     """Short prompts whose greedy continuation ends in eos within MAX_TOKENS, plus as many that do not."""
-    candidates = random_prompts([1 + i % 10 for i in range(400)], seed=77)
-    outputs = llm.generate(candidates, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    stopped = [p for p, o in zip(candidates, outputs) if o.outputs[0].finish_reason == "stop"]
-    ran_out = [p for p, o in zip(candidates, outputs) if o.outputs[0].finish_reason == "length"]
+    stopped, ran_out = [], []
+    for seed in range(77, 82):  # a model that rarely says eos gets more candidates
+        candidates = random_prompts([1 + i % 10 for i in range(400)], seed=seed)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        outputs = llm.generate(candidates, params, use_tqdm=False)
+        stopped += [p for p, o in zip(candidates, outputs) if o.outputs[0].finish_reason == "stop"]
+        ran_out += [p for p, o in zip(candidates, outputs) if o.outputs[0].finish_reason == "length"]
+        if stopped:
+            break
     return stopped[:num] + ran_out[:num]
 
 
@@ -157,9 +171,8 @@ def test_greedy_stops_at_eos_like_hf(make_model_dir, hf_oracle, arch):
         expected = oracle.greedy(prompt, MAX_TOKENS, ignore_eos=False)
         got = out.outputs[0]
         assert got.token_ids == expected
-        if len(expected) < MAX_TOKENS:
+        if expected and expected[-1] in oracle.eos_token_ids:  # HF stopped at eos (maybe the last token)
             num_eos += 1
-            assert expected[-1] in oracle.eos_token_ids
             assert (got.finish_reason, got.stop_reason) == ("stop", None)
         else:
             assert got.finish_reason == "length"

@@ -110,7 +110,6 @@ def test_preemption_and_few_state_slots(model_dir, oracle) -> None:
     "kw, match",
     [
         (dict(graph_mode="full"), "graph_mode"),
-        (dict(kv_layout="xtensor"), "xtensor"),
         (dict(state_snapshot_interval=24), "state_snapshot_interval"),
     ],
 )

@@ -186,8 +186,9 @@ class KVTransferManager:
         s = self.spec
         mine = (s.block_size, s.num_layers, s.num_kv_heads, s.head_dim, s.cache_dtype_name)
         theirs = (source.block_size, source.num_layers, source.num_kv_heads, source.head_dim, source.dtype)
-        kinds = ((source.window is None) != (self.window is None)) or (
-            (source.state is None) != (self.states is None)
+        # a kind the exporter sent that this side cannot hold (an export of no blocks sends none)
+        kinds = (source.window is not None and self.window is None) or (
+            source.state is not None and self.states is None
         )
         if mine != theirs or kinds:
             raise ValueError(

@@ -10,6 +10,8 @@ routed experts and always-on shared experts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -131,6 +133,20 @@ class GroupedTopkRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
         self.renormalize, self.scaling_factor = renormalize, scaling_factor
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> GroupedTopkRouter:
+        """From a config with DeepSeek-V3's routing fields (``num_experts``, ``num_experts_per_tok``,
+        ``n_group``, ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``)."""
+        return cls(
+            cfg.hidden_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = torch.nn.functional.linear(hidden.float(), self.weight.float())

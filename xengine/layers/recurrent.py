@@ -11,15 +11,24 @@ written at once: their slots are nobody's until the step is applied.
 
 Without a forward context (a direct call, a warm-up) all rows are one sequence from a zero state and
 no state is kept.
+
+Mixers derive from ``RecurrentMixer`` and call ``self.scan(inputs, out_dims)``: eagerly that is
+``scan_sequences``; inside a compiled graph (``execution.graph_mode partial``) it is one opaque op
+(``xllm::recurrent_scan``) that runs ``scan_sequences`` at replay, like attention, so the projections
+and norms around it are compiled and the per-sequence loop is not traced.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
 from graph.forward_context import get_forward_context
+from ops.opaque_op import opaque_op
 
 State = tuple[torch.Tensor, ...]
 ScanFn = Callable[[tuple[torch.Tensor, ...], State], tuple[torch.Tensor, State]]
@@ -118,3 +127,42 @@ def _prefill(
 
 def _rows(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask.view(-1, *([1] * (like.dim() - 1)))
+
+
+_MIXERS: dict[int, weakref.ref[RecurrentMixer]] = {}
+_KEYS = itertools.count()
+
+
+class RecurrentMixer(nn.Module):
+    """A recurrent layer's mixer: subclasses give ``_scan(inputs, state) -> (out, new_state)`` and
+    ``zero_state(batch)`` (see ``scan_sequences``) and call ``scan`` in their forward."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx  # its state tensors in the forward context
+        self.scan_key = next(_KEYS)  # how the compiled graph's op finds this module at replay
+        _MIXERS[self.scan_key] = weakref.ref(self)
+
+    def _scan(self, inputs: tuple[torch.Tensor, ...], state: State) -> tuple[torch.Tensor, State]:
+        raise NotImplementedError
+
+    def zero_state(self, batch: int) -> State:
+        raise NotImplementedError
+
+    def scan(self, inputs: Sequence[torch.Tensor], out_dims: Sequence[int]) -> torch.Tensor:
+        """``scan_sequences`` over ``inputs`` (per-token rows); the output ``[num_tokens, *out_dims]``
+        in ``inputs[0]``'s dtype."""
+        if torch.compiler.is_compiling():
+            return _scan_op(list(inputs), self.layer_idx, self.scan_key, list(out_dims))
+        return scan_sequences(self.layer_idx, inputs, self._scan, self.zero_state).to(inputs[0].dtype)
+
+
+def _scan_fake(inputs: list[torch.Tensor], layer: int, key: int, out_dims: list[int]) -> torch.Tensor:
+    return inputs[0].new_empty((inputs[0].shape[0], *out_dims))
+
+
+@opaque_op("recurrent_scan(Tensor[] inputs, int layer, int key, int[] out_dims) -> Tensor", _scan_fake)
+def _scan_op(inputs: list[torch.Tensor], layer: int, key: int, out_dims: list[int]) -> torch.Tensor:
+    mixer = _MIXERS[key]()
+    assert mixer is not None, "a compiled graph outlived its model"
+    return scan_sequences(layer, inputs, mixer._scan, mixer.zero_state).to(inputs[0].dtype)

@@ -142,10 +142,14 @@ class DecoderForCausalLM(BaseCausalLM):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, self.make_mlp, self.make_attention)
+        self.model = self.make_model(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.float_output = True  # logits in float32 straight from the GEMM's accumulators
         self.tie_weights()
+
+    def make_model(self, cfg: DecoderConfig) -> nn.Module:
+        """The layer stack (``forward(input_ids, positions)``); models with their own layers override it."""
+        return DecoderModel(cfg, self.make_mlp, self.make_attention)
 
     @classmethod
     def config_from_hf(cls, hf_config: dict[str, Any]) -> DecoderConfig:

@@ -48,15 +48,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         cfg = self.config
         if not cfg.sparse_layers[layer_idx]:
             return None
-        router = GroupedTopkRouter(
-            cfg.hidden_size,
-            cfg.num_experts,
-            cfg.num_experts_per_tok,
-            cfg.n_group,
-            cfg.topk_group,
-            cfg.norm_topk_prob,
-            cfg.routed_scaling_factor,
-        )
+        router = GroupedTopkRouter.from_config(cfg)
         experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         shared_size = cfg.moe_intermediate_size * cfg.n_shared_experts
         shared = DecoderMLP(dataclasses.replace(cfg, intermediate_size=shared_size))

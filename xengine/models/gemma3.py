@@ -20,7 +20,6 @@ from ops.rope_scaling import max_context_len
 from xengine.layers.linear import Linear, MergedLinear, make_weights_input_major
 from xengine.layers.norm import RMSNorm
 from xengine.layers.rotary import RotaryEmbedding
-from xengine.models.base import BaseCausalLM
 from xengine.models.decoder import DecoderAttention, DecoderForCausalLM
 from xengine.models.decoder_config import DecoderConfig, decoder_config_from_hf, parse_rope
 from xengine.models.weights import WeightLoader
@@ -164,13 +163,8 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
-    def __init__(self, cfg: Gemma3Config) -> None:  # noqa: D107 - the decoder's, with Gemma's model
-        BaseCausalLM.__init__(self)
-        self.config = cfg
-        self.model = Gemma3Model(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head.float_output = True
-        self.tie_weights()
+    def make_model(self, cfg: Gemma3Config) -> nn.Module:  # type: ignore[override]
+        return Gemma3Model(cfg)
 
     @classmethod
     def config_from_hf(cls, hf_config: dict[str, Any]) -> Gemma3Config:

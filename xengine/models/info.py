@@ -76,8 +76,21 @@ def hf_architecture(hf: dict[str, Any]) -> str:
 
 
 def hf_head_dim(hf: dict[str, Any]) -> int:
-    """``head_dim`` from the config, else ``hidden_size // num_attention_heads``."""
-    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    """``head_dim`` (or NVIDIA's ``attention_head_dim``) from the config, else
+    ``hidden_size // num_attention_heads``."""
+    dim = hf.get("head_dim") or hf.get("attention_head_dim")
+    return int(dim or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def hf_num_layers(hf: dict[str, Any]) -> int:
+    """``num_hidden_layers``, else the length of the per-layer kind list (transformers writes
+    Nemotron-H's config with ``layers_block_type`` only)."""
+    if "num_hidden_layers" in hf:
+        return int(hf["num_hidden_layers"])
+    kinds = hf.get("layers_block_type") or hf.get("layer_types") or hf.get("hybrid_override_pattern")
+    if kinds:
+        return len(kinds)
+    raise ValueError("config.json gives no num_hidden_layers (nor a per-layer kind list)")
 
 
 def kv_cache_head(hf: dict[str, Any]) -> tuple[int, int]:
@@ -111,7 +124,7 @@ def read_model_info(model_dir: str) -> ModelInfo:
             model_type=str(hf.get("model_type", "")),
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=hf_num_layers(hf),
             num_heads=int(hf["num_attention_heads"]),
             num_kv_heads=kv_cache_head(hf)[0],
             head_dim=kv_cache_head(hf)[1],

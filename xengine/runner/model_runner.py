@@ -70,7 +70,9 @@ class ModelRunner:
         ]
         self._window_caches = [c for i, c in enumerate(kv_caches) if i in window_layers]
         self.layout = layout
-        self.attn_caches = layout.attention_caches(kv_caches)  # what attention reads (xTensor: slots)
+        # what attention reads (xTensor: slots), per layer; a recurrent layer keeps its placeholder
+        real = iter(layout.attention_caches([c for i, c in enumerate(kv_caches) if i not in stateful]))
+        self.attn_caches = [kv_caches[i] if i in stateful else next(real) for i in range(len(kv_caches))]
         self.platform = platform
         self.device = platform.torch_device()
         self.block_size = block_size
