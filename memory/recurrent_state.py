@@ -89,6 +89,16 @@ class RecurrentStateSlots:
         return True
 
     def _plan_checkpoints(self, seq_id: str, num_computed: int, num_total: int) -> None:
+        # snapshots planned past ``num_computed`` by an earlier plan that was never applied (a step
+        # stopped midway and scheduled again) may be half written: drop them, plan them afresh
+        pending = self._pending.get(seq_id)
+        if pending and pending[-1][0] > num_computed:
+            self._free_snap.extend(slot for pos, slot in pending if pos > num_computed)
+            kept = [(pos, slot) for pos, slot in pending if pos <= num_computed]
+            if kept:
+                self._pending[seq_id] = kept
+            else:
+                del self._pending[seq_id]
         first = (num_computed // self.interval + 1) * self.interval
         taken = []
         for pos in range(first, num_total + 1, self.interval):

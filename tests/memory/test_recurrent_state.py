@@ -110,3 +110,20 @@ def test_freeing_a_sequence_returns_its_unkeyed_snapshots() -> None:
     assert kv.allocate_slots("b", 12, None, 0)
     step, _ = kv.states.take_step()
     assert len(step["b"]) == 3  # all three slots came back
+
+
+def test_a_plan_never_applied_has_its_snapshots_planned_again() -> None:
+    """A step stopped midway (offline work preempted between layers) wrote part of its snapshots; when
+    the sequence is scheduled again from the same position, those slots are dropped, not keyed."""
+    kv = manager(snapshots=4, interval=8)
+    tokens = list(range(12))
+    assert kv.allocate_slots("a", 12, None, 0)
+    first, _ = kv.states.take_step()  # this step is stopped: never applied, nothing recorded
+    assert kv.allocate_slots("a", 12, None, 0)  # scheduled again from position 0
+    second, _ = kv.states.take_step()
+    kv.cache_blocks("a", tokens, 12)
+    keyed = kv.states.by_block[kv.block_tables["a"][1]]
+    assert keyed == second["a"][0][1] and len(kv.states.by_block) == 1
+    # no slot leaked: the other three are free (a new sequence plans three without evicting a's)
+    assert kv.allocate_slots("b", 24, None, 0)
+    assert len(kv.states.take_step()[0]["b"]) == 3 and len(kv.states.by_block) == 1
