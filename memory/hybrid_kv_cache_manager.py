@@ -10,16 +10,22 @@ pool still holds each window (``usable_prefix``). See ``docs/hybrid_memory.md``.
 
 from __future__ import annotations
 
-from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
+from memory.kv_cache_manager import ComputedPrefix, KVCacheManager, KVPlacement
 from memory.prefix_cache.radix import KVEventSink
 from memory.sliding_window import SlidingWindowBlocks
 
 
 class HybridKVCacheManager(KVCacheManager):
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, window: SlidingWindowBlocks
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        window: SlidingWindowBlocks,
+        placement: KVPlacement | None = None,
+        lookahead_blocks: int = 0,
     ) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, placement, lookahead_blocks)
         self.window = window
         if self.prefix_cache is not None:
             self.prefix_cache.forget_sink = self._forget

@@ -18,8 +18,17 @@ still mapped (``safe_length``); the hit is shortened until it is, never taken wi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from memory.block_pool import BlockPool
+
+
+class SlotRelease(Protocol):
+    """A layout that keeps per-sequence state (xTensor slots)."""
+
+    def released(self, seq_id: str) -> None:
+        """The sequence gave all its blocks back."""
+
 
 NULL_BLOCK = 0  # block 0 of the window pool: zeros, never handed out, stands for released blocks
 
@@ -48,6 +57,8 @@ class SlidingWindowBlocks:
         self._last_computed: dict[str, int] = {}  # release_lag: num_computed at the last allocate
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) of forks
         self.caching = enable_prefix_caching
+        # xTensor (``memory/xtensor/window_layout.py``): told when a sequence gave its blocks back
+        self.placement: SlotRelease | None = None
         self.by_full: dict[int, int] = {}  # cached full-attention block -> window block, same position
         self._full_of: dict[int, int] = {}  # the inverse
         # told the full-attention blocks that gained / lost their window mapping (KV events)
@@ -177,6 +188,8 @@ class SlidingWindowBlocks:
         if table:
             held = [b for b in table[done:] if b != NULL_BLOCK]
             self.pool.free(list(reversed(held)))
+        if self.placement is not None:
+            self.placement.released(seq_id)
 
     def can_fork(self, parent_id: str, num_tokens: int) -> bool:
         partial = num_tokens % self.block_size != 0

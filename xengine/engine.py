@@ -164,6 +164,7 @@ class Engine:
             interrupt=self.interrupter.event if self.interrupter.mode == "layer" else None,
             window_layers=kv.window_layers,
             states=self.state_setup,
+            window_layout=kv.window_layout,
         )
         self.runner.capture_graphs(execution.buckets())
         self.scheduler = Scheduler(

@@ -20,6 +20,7 @@ from memory.kv_cache_manager import KVCacheManager
 from memory.kv_layout import BaseKVLayout, KVCacheSpec, PagedKVLayout
 from memory.sliding_window import SlidingWindowBlocks
 from memory.xtensor import XTensorKVLayout
+from memory.xtensor.window_layout import WindowXTensorKVLayout
 from ops.platforms import Platform
 from xengine.api.config import CacheConfig, SchedulerConfig
 from xengine.api.messages import WindowPoolStatsMsg, XTensorStatsMsg
@@ -46,6 +47,7 @@ class KVSetup:
     # hybrid_kv: the layers whose KV is in the sliding-window pool, and that pool's geometry
     window_layers: frozenset[int] = frozenset()
     window_spec: KVCacheSpec | None = None
+    window_layout: BaseKVLayout | None = None  # the window pool's (xTensor: slots of its own)
 
     def xtensor_stats(self) -> XTensorStatsMsg | None:
         """The xTensor page pool's counters (None: the paged layout)."""
@@ -110,7 +112,7 @@ def build_kv(
     name = resolve_layout(cache.kv_layout, platform)
     if _use_window_pool(cache, name, info, sliding_windows, hybrid_blocker):
         return build_hybrid_kv(
-            cache, scheduler, info, dtype, platform, max_len, sliding_windows, async_scheduling
+            cache, scheduler, info, dtype, platform, max_len, sliding_windows, async_scheduling, name
         )
     if cache.block_size is not None:
         sizes: tuple[int, ...] = (cache.block_size,)
@@ -170,7 +172,9 @@ def _use_window_pool(
     if cache.hybrid_kv == "off":
         blocker = "cache.hybrid_kv off"
     else:
-        blocker = hybrid_blocker or (f"the {layout_name} KV layout" if layout_name != "paged" else None)
+        every_layer_slides = all(sliding_windows)
+        xt = layout_name == "xtensor" and every_layer_slides  # xTensor needs a full-attention pool too
+        blocker = hybrid_blocker or ("the xtensor KV layout with every layer sliding" if xt else None)
     if blocker is None:
         return True
     if cache.hybrid_kv == "on":
@@ -218,12 +222,18 @@ def build_hybrid_kv(
     max_len: int,
     sliding_windows: tuple[int | None, ...],
     async_scheduling: bool = False,
+    layout_name: str = "paged",
 ) -> KVSetup:
     """The paged layout in two pools: full-attention layers as ``build_kv`` lays them out, the
     sliding-window layers in a pool sized by ``window_pool_blocks`` (their largest window for all of
     them), each pool's blocks sized by its own layers' KV heads (``kv_cache_heads``). Budget: the window
-    pool first, the rest of ``kv_cache_memory_gb`` (or ``num_blocks``) to the full-attention pool."""
+    pool first, the rest of ``kv_cache_memory_gb`` (or ``num_blocks``) to the full-attention pool.
+    ``layout_name`` xtensor: each pool is an xTensor layout of its own (``memory/xtensor/window_layout.py``
+    for the window pool), with a block size whose pages fit the device's in both."""
+    full_head, window_head = kv_cache_heads(info)  # each pool its own page size
     block_size = cache.block_size or DEFAULT_BLOCK_SIZE
+    if layout_name == "xtensor" and cache.block_size is None:
+        block_size = _xtensor_block_size(platform, [full_head, window_head], dtype, cache.kv_cache_dtype)
     window_layers = frozenset(i for i, w in enumerate(sliding_windows) if w)
     window = max(w for w in sliding_windows if w)
     full_layers = [i for i in range(len(sliding_windows)) if i not in window_layers]
@@ -231,7 +241,6 @@ def build_hybrid_kv(
     def spec_of(num_layers: int, head: KVHead) -> KVCacheSpec:
         return KVCacheSpec(num_layers, *head, block_size, dtype, cache.kv_cache_dtype)
 
-    full_head, window_head = kv_cache_heads(info)  # each pool its own page size
     full_spec, window_spec = spec_of(len(full_layers), full_head), spec_of(len(window_layers), window_head)
     least = least_window_blocks(window, block_size, scheduler)
     budget = None if cache.num_blocks is not None else int(cache.kv_cache_memory_gb * (1 << 30))
@@ -257,10 +266,15 @@ def build_hybrid_kv(
         else:
             num_full = max(1, min(left // full_spec.bytes_per_block, worst_case))
     max_model_len, limit = _max_model_len(scheduler, full_spec, num_full, max_len)
-    layout = PagedKVLayout()
+    xt = layout_name == "xtensor"
+    layout, window_layout = PagedKVLayout(), PagedKVLayout()
+    if xt:
+        vmm, seqs = platform.vmm(), scheduler.max_num_seqs
+        layout = XTensorKVLayout(vmm, max_model_len, seqs, defer_slot_reuse=async_scheduling)
+        window_layout = WindowXTensorKVLayout(vmm, max_model_len, seqs, defer_slot_reuse=async_scheduling)
     device = platform.torch_device()
     full_caches = layout.allocate(full_spec, num_full, device)
-    window_caches = layout.allocate(window_spec, num_window, device)
+    window_caches = window_layout.allocate(window_spec, num_window, device)
     kv_caches = [
         window_caches.pop(0) if i in window_layers else full_caches.pop(0)
         for i in range(len(sliding_windows))
@@ -268,9 +282,30 @@ def build_hybrid_kv(
     blocks = SlidingWindowBlocks(
         num_window, block_size, window, cache.enable_prefix_caching, release_lag=async_scheduling
     )
-    manager = HybridKVCacheManager(num_full, block_size, cache.enable_prefix_caching, blocks)
+    if xt:
+        blocks.placement = window_layout  # type: ignore[assignment]
+    manager = HybridKVCacheManager(
+        num_full, block_size, cache.enable_prefix_caching, blocks,
+        placement=layout if xt else None,  # type: ignore[arg-type]
+        lookahead_blocks=XTENSOR_LOOKAHEAD_BLOCKS if xt else 0,
+    )  # fmt: skip
     return KVSetup(
-        full_spec, "paged", layout, kv_caches, manager, max_model_len, limit, window_layers, window_spec
+        full_spec, layout_name, layout, kv_caches, manager, max_model_len, limit, window_layers, window_spec,
+        window_layout,
+    )  # fmt: skip
+
+
+def _xtensor_block_size(
+    platform: Platform, heads: list[KVHead], dtype: torch.dtype, kv_cache_dtype: str
+) -> int:
+    """The smallest xTensor block size whose pages fill whole device pages for every KV geometry."""
+    granularity = platform.vmm().granularity
+    for size in XTENSOR_BLOCK_SIZES:
+        specs = [KVCacheSpec(1, h, d, size, dtype, kv_cache_dtype) for h, d in heads]
+        if all(size * spec.token_bytes % granularity == 0 for spec in specs):
+            return size
+    raise ValueError(
+        "no xTensor block size fills whole device pages for these KV heads; use cache.kv_layout paged"
     )
 
 

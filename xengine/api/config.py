@@ -81,8 +81,8 @@ class CacheConfig:
         "auto",
         "Sliding-window layers (Gemma 3, MiMo, Mistral...) keep their KV in a pool of their own, bounded by the "
         "window: blocks wholly behind it are released as the sequence moves on, prefix hits are taken only "
-        "as far as every window is still held. auto: on for such models with the paged layout and no expert "
-        "parallelism; on: required (an error where it cannot run); off: every layer keeps full-length KV.",
+        "as far as every window is still held. auto: on for such models without expert parallelism or full "
+        "device graphs; on: required (an error where it cannot run); off: every layer keeps full-length KV.",
     )
     window_pool_blocks: int | None = _f(
         None,

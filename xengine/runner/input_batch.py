@@ -96,10 +96,12 @@ def build_inputs(
     )
 
 
-def window_metadata(plan: SchedulePlan, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+def window_metadata(
+    plan: SchedulePlan, meta: AttentionMetadata, block_size: int, kv_slots: list[int] | None = None
+) -> AttentionMetadata:
     """``meta`` for the sliding-window layers of a plan with ``window_block_tables``: the same batch,
-    their own block tables (released blocks read as the null block, masked out by the window) and
-    the slots of the new tokens in their pool."""
+    their own block tables (released blocks read as the null block, masked out by the window), the
+    slots of the new tokens in their pool and (xTensor) each sequence's slot in their layout."""
     assert plan.window_block_tables is not None
     tables = [plan.window_block_tables[s.req.seq_id] for s in plan.seqs]
     slots: list[int] = []
@@ -113,5 +115,6 @@ def window_metadata(plan: SchedulePlan, meta: AttentionMetadata, block_size: int
         meta,
         block_tables=torch.from_numpy(padded).to(device),
         slot_mapping=torch.from_numpy(np.array(slots, dtype=np.int64)).to(device),
+        kv_slots=kv_slots,
         scratch={},
     )

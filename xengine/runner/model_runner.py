@@ -55,6 +55,7 @@ class ModelRunner:
         interrupt: threading.Event | None = None,
         window_layers: frozenset[int] = frozenset(),
         states: StateSetup | None = None,
+        window_layout: BaseKVLayout | None = None,
     ) -> None:
         """``interrupt``: set by an online arrival, it stops an offline step between layers
         (``xengine/colocation/``); None: steps are never stopped. ``window_layers``: the layers whose KV
@@ -71,8 +72,17 @@ class ModelRunner:
         self._window_caches = [c for i, c in enumerate(kv_caches) if i in window_layers]
         self.layout = layout
         # what attention reads (xTensor: slots), per layer; a recurrent layer keeps its placeholder
-        real = iter(layout.attention_caches([c for i, c in enumerate(kv_caches) if i not in stateful]))
-        self.attn_caches = [kv_caches[i] if i in stateful else next(real) for i in range(len(kv_caches))]
+        # the window layers read their own pool's (``window_layout``: xTensor slots of their own)
+        self.window_layout = window_layout if window_layout is not None else layout
+        plain = layout.attention_caches(
+            [c for i, c in enumerate(kv_caches) if i not in stateful and i not in window_layers]
+        )
+        windowed = self.window_layout.attention_caches(self._window_caches)
+        full_it, window_it = iter(plain), iter(windowed)
+        self.attn_caches = [
+            kv_caches[i] if i in stateful else next(window_it) if i in window_layers else next(full_it)
+            for i in range(len(kv_caches))
+        ]
         self.platform = platform
         self.device = platform.torch_device()
         self.block_size = block_size
@@ -121,7 +131,11 @@ class ModelRunner:
         )
         inputs = build_inputs(plan, self.block_size, self.device, kv_slots)
         if plan.window_block_tables is not None:
-            inputs.window_meta = window_metadata(plan, inputs.meta, self.block_size)
+            tables = plan.window_block_tables
+            window_slots = self.window_layout.prepare(
+                [(s.req.seq_id, tables[s.req.seq_id], s.end) for s in plan.seqs]
+            )
+            inputs.window_meta = window_metadata(plan, inputs.meta, self.block_size, window_slots)
         mm = None
         if self.images is not None and has_images(plan):
             mm = build_multimodal_step(plan, self.device)

@@ -105,15 +105,28 @@ def test_each_pool_has_its_own_page_size(mimo, config) -> None:
         assert cache.nbytes * spec.num_layers == cache.shape[1] * spec.bytes_per_block
 
 
-@pytest.mark.parametrize(
-    "kw,reason",
-    [(dict(hybrid_kv="off"), "cache.hybrid_kv off"), (dict(kv_layout="xtensor"), "the xtensor KV layout")],
-)
-def test_one_pool_for_every_layer_is_refused(mimo, kw, reason) -> None:
+def test_one_pool_for_every_layer_is_refused(mimo) -> None:
     with pytest.raises(
-        ValueError, match=f"needs the sliding-window pool of its own .* which {reason} rules out"
+        ValueError, match="needs the sliding-window pool of its own .* which cache.hybrid_kv off rules out"
     ):
-        LLM(str(mimo), block_size=BLOCK_SIZE, **kw)
+        LLM(str(mimo), block_size=BLOCK_SIZE, hybrid_kv="off")
+
+
+def test_xtensor_keeps_both_pools_with_their_own_page_sizes(mimo, prompts, expected) -> None:
+    """Under xTensor each pool is a layout of its own; the block size fits both page sizes."""
+    llm = LLM(
+        str(mimo), kv_layout="xtensor", num_blocks=256, async_scheduling="on", max_num_batched_tokens=16
+    )
+    kv = llm.engine.kv_setup
+    assert kv.layout_name == "xtensor" and kv.window_layout is not None and llm.engine.kv.window is not None
+    for run in range(2):  # the second through the prefix cache
+        outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, f"run {run}"
+    stats = llm.engine.get_stats()
+    assert (
+        stats.prefix_cache_hits > 0
+        and stats.window_pool.num_free_blocks == stats.window_pool.num_total_blocks
+    )
 
 
 def test_the_window_changes_the_output(make_config_variant, prompts, expected) -> None:
