@@ -20,6 +20,7 @@ See ``docs/hybrid_memory.md``.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class RecurrentStateSlots:
@@ -47,6 +48,9 @@ class RecurrentStateSlots:
         self._hits: set[int] = set()  # snapshot slots a hit of this plan reads: not evicted for it
         self._copies: list[tuple[int, int]] = []
         self._pins: dict[int, int] = {}  # snapshot slot -> pins (PD exports / imports): never evicted
+        # told each block that gains / loses its snapshot (KV events: ``stateful_kv_cache_manager.py``)
+        self.on_keyed: Callable[[int], None] | None = None
+        self.on_dropped: Callable[[int], None] | None = None
         self._orphans: set[int] = set()  # pinned slots whose key went: freed at their last unpin
         self.num_snapshots_taken = 0
         self.num_snapshot_hits = 0
@@ -118,6 +122,8 @@ class RecurrentStateSlots:
             if slot not in self._hits and slot not in self._pins:
                 del self.by_block[block]
                 del self._block_of[slot]
+                if self.on_dropped is not None:
+                    self.on_dropped(block)
                 return slot
         return None
 
@@ -161,8 +167,7 @@ class RecurrentStateSlots:
             elif block is None or block in self.by_block:  # not cached, or another snapshot has it
                 self._free_snap.append(slot)
             else:
-                self.by_block[block] = slot
-                self._block_of[slot] = block
+                self.key(block, slot)
         if left:
             self._pending[seq_id] = left
         else:
@@ -178,6 +183,8 @@ class RecurrentStateSlots:
             slot = self.by_block.pop(block, None)
             if slot is not None:
                 del self._block_of[slot]
+                if self.on_dropped is not None:
+                    self.on_dropped(block)
                 if slot in self._pins:
                     self._orphans.add(slot)
                 else:
@@ -207,9 +214,11 @@ class RecurrentStateSlots:
         self._free_snap.append(slot)
 
     def key(self, block: int, slot: int) -> None:
-        """Key an imported snapshot by the importer's block at its position."""
+        """Key a snapshot by the cached block ending at its position."""
         self.by_block[block] = slot
         self._block_of[slot] = block
+        if self.on_keyed is not None:
+            self.on_keyed(block)
 
     def reset(self) -> None:
         """Drop every keyed snapshot (the prefix cache was reset)."""

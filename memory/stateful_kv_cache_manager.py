@@ -11,7 +11,13 @@ exists at their end (``usable_prefix``). See ``docs/hybrid_memory.md``.
 from __future__ import annotations
 
 from memory.kv_cache_manager import ComputedPrefix, KVCacheManager, KVPlacement
+from memory.prefix_cache import RadixPrefixCache
+from memory.prefix_cache.radix import KVEventSink
 from memory.recurrent_state import RecurrentStateSlots
+
+
+def _no_events(stored: list[int], removed: list[int]) -> None:
+    """The radix cache's own events are not published (snapshot coverage decides)."""
 
 
 class StatefulKVCacheManager(KVCacheManager):
@@ -28,6 +34,49 @@ class StatefulKVCacheManager(KVCacheManager):
         self.states = states
         if self.prefix_cache is not None:
             self.prefix_cache.forget_sink = states.forget
+
+    # ------------------------------------------------------------------ KV events
+    def set_event_sink(self, sink: KVEventSink) -> None:
+        """Publish a block only while a snapshot at or below it on its path exists (a hit through it
+        can resume there), and withdraw it when the last such snapshot goes. The service's index
+        matches the longest published run from a prompt's start: the instance's usable hit is at most
+        that, shortened to the last snapshot inside it (at most one interval)."""
+        if not isinstance(self.prefix_cache, RadixPrefixCache):
+            return
+        self._sink = sink
+        self._cover: dict[int, int] = {}  # block -> snapshots keyed at or below it
+        self._paths: dict[int, list[int]] = {}  # snapshot's block -> its path when keyed
+        self._published: dict[int, int] = {}  # block -> the hash published for it
+        self.prefix_cache.event_sink = _no_events  # hashes are computed; events come from here
+        self.states.on_keyed = self._covered
+        self.states.on_dropped = self._uncovered
+
+    def _covered(self, block: int) -> None:
+        assert isinstance(self.prefix_cache, RadixPrefixCache)
+        path = self._paths[block] = self.prefix_cache.path_of(block)
+        stored = []
+        for b in path:
+            self._cover[b] = self._cover.get(b, 0) + 1
+            h = self.prefix_cache.hash_of(b)
+            if b not in self._published and h is not None:
+                self._published[b] = h
+                stored.append(h)
+        if stored:
+            self._sink(stored, [])
+
+    def _uncovered(self, block: int) -> None:
+        removed = []
+        for b in self._paths.pop(block, []):
+            left = self._cover.get(b, 0) - 1
+            if left > 0:
+                self._cover[b] = left
+                continue
+            self._cover.pop(b, None)
+            h = self._published.pop(b, None)
+            if h is not None:
+                removed.append(h)
+        if removed:
+            self._sink([], removed)
 
     # ------------------------------------------------------------------ prefix hits
     def get_computed_prefix(self, token_ids: list[int]) -> ComputedPrefix:

@@ -126,6 +126,14 @@ class RadixPrefixCache(BasePrefixCache):
         self.root.children.clear()
         return True
 
+    def path_of(self, block_id: int) -> list[int]:
+        """The cached blocks from the root through ``block_id`` (empty: not cached)."""
+        node, path = self._by_block.get(block_id), []
+        while node is not None and node.parent is not None:
+            path.append(node.block_id)
+            node = node.parent
+        return path[::-1]
+
     def hash_of(self, block_id: int) -> int | None:
         """The chained hash of the node holding ``block_id`` (None: not cached, or no event sink)."""
         node = self._by_block.get(block_id)

@@ -127,3 +127,28 @@ def test_a_plan_never_applied_has_its_snapshots_planned_again() -> None:
     # no slot leaked: the other three are free (a new sequence plans three without evicting a's)
     assert kv.allocate_slots("b", 24, None, 0)
     assert len(kv.states.take_step()[0]["b"]) == 3 and len(kv.states.by_block) == 1
+
+
+def test_kv_events_publish_only_blocks_a_snapshot_covers() -> None:
+    """Cluster KV events are snapshot-safe: a block is published while a snapshot at or below it on
+    its path exists, so the service's index never reports a hit the instance would shorten by more
+    than the distance to its last snapshot."""
+    kv = manager(snapshots=3, interval=8)
+    events: list[tuple[list[int], list[int]]] = []
+    kv.set_event_sink(lambda stored, removed: events.append((stored, removed)))
+    tokens = list(range(30))  # 7 whole blocks of 4; snapshots at 8, 16, 24 (blocks 1, 3, 5)
+    run_prefill(kv, "a", tokens)
+    published = [h for stored, _ in events for h in stored]
+    assert len(published) == 6  # blocks 0..5: block 6 (tokens 24..27) has no snapshot at its end
+    assert kv.prefix_cache.hash_of(kv.block_tables["a"][6]) not in published
+    kv.free("a")
+    events.clear()
+    run_prefill(kv, "b", [100 + i for i in range(9)])  # its snapshot at 8 evicts a's oldest (at 8)
+    removed = [h for _, gone in events for h in gone]
+    assert removed == []  # blocks 0 and 1 are still covered by the snapshots at 16 and 24
+    events.clear()
+    run_prefill(kv, "c", [200 + i for i in range(9)])  # evicts a's snapshot at 16 ...
+    run_prefill(kv, "d", [300 + i for i in range(9)])  # ... then at 24: nothing covers a's blocks
+    removed = [h for _, gone in events for h in gone]
+    table = kv.block_tables.get("a") or kv.prefix_cache.match(tokens).block_ids
+    assert {kv.prefix_cache.hash_of(b) for b in table[:6]} <= set(removed)
