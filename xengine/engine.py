@@ -42,7 +42,7 @@ from xengine.parallel.group import start_expert_parallel
 from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
-from xengine.state_setup import StateSetup, build_stateful_kv, state_shapes
+from xengine.state_setup import StateSetup, build_stateful_kv, kv_free_layers, state_shapes
 from xengine.step.deltas import collect_deltas
 from xengine.step.execute import EngineBrokenError, StepExecutor
 from xengine.step.housekeeping import BetweenSteps
@@ -126,6 +126,7 @@ class Engine:
                 max_len,
                 shapes,
                 self.async_scheduling,
+                kv_free_layers(self.model, info.num_layers, shapes),
             )
         else:
             kv = build_kv(
@@ -222,7 +223,7 @@ class Engine:
         """PD transfer (the Mooncake agent starts on first use): the full-attention layers' blocks, and a
         hybrid model's window blocks and state snapshot beside them (``xengine/disagg/hybrid_transfer.py``)."""
         states = self.state_setup
-        stateful = frozenset(states.pool.shapes) if states is not None else frozenset()
+        stateful = states.no_kv_layers if states is not None else frozenset()
         layers = range(len(kv.kv_caches))
         full = [kv.kv_caches[i] for i in layers if i not in kv.window_layers and i not in stateful]
         window = state = None

@@ -32,6 +32,8 @@ class StateSetup:
     pool: RecurrentStatePool
     slots: RecurrentStateSlots
     num_layers: int  # every layer of the model (the forward context lists states per layer)
+    # the layers without attention KV (recurrent ones, and MLP-only blocks): placeholders in kv_caches
+    no_kv_layers: frozenset[int] = frozenset()
 
     def stats(self) -> StatePoolStatsMsg:
         slots = self.slots
@@ -60,6 +62,18 @@ def state_shapes(model: torch.nn.Module) -> dict[int, tuple[StateShape, ...]]:
     }
 
 
+def kv_free_layers(
+    model: torch.nn.Module, num_layers: int, shapes: dict[int, tuple[StateShape, ...]]
+) -> frozenset[int]:
+    """The layers that keep no attention KV: the recurrent ones, and every layer not in the model's
+    ``kv_layers()`` where it declares them (Nemotron-H's MLP / MoE blocks)."""
+    declare = getattr(model, "kv_layers", None)
+    if declare is None:
+        return frozenset(shapes)
+    kv = set(declare())
+    return frozenset(i for i in range(num_layers) if i not in kv)
+
+
 def build_stateful_kv(
     cache: CacheConfig,
     scheduler: SchedulerConfig,
@@ -69,9 +83,11 @@ def build_stateful_kv(
     max_len: int,
     shapes: dict[int, tuple[StateShape, ...]],
     async_scheduling: bool = False,
+    no_kv: frozenset[int] | None = None,
 ) -> tuple[KVSetup, StateSetup]:
     """The attention layers' KV (``build_kv``: paged or xTensor) and the recurrent layers' state pool
-    (``kv_caches`` lists every layer; a recurrent layer's entry is an empty placeholder)."""
+    (``kv_caches`` lists every layer; a layer without KV (``no_kv``: default the recurrent ones) has an
+    empty placeholder)."""
     per_slot = RecurrentStatePool.bytes_per_slot(shapes)
     num_seq = scheduler.max_num_seqs
     budget = int(cache.kv_cache_memory_gb * GIB)
@@ -79,7 +95,8 @@ def build_stateful_kv(
     if num_snap is None:
         num_snap = min(4 * num_seq, max(0, budget // 4 // max(per_slot, 1)))
     state_bytes = per_slot * (num_seq + num_snap)
-    attention = [i for i in range(info.num_layers) if i not in shapes]
+    no_kv = frozenset(shapes) if no_kv is None else no_kv
+    attention = [i for i in range(info.num_layers) if i not in no_kv]
     if not attention:
         raise ValueError("a model whose every layer is recurrent is not supported yet (no attention KV)")
     if cache.num_blocks is None:
@@ -105,5 +122,5 @@ def build_stateful_kv(
     )  # fmt: skip
     caches = iter(kv.kv_caches)
     placeholder = torch.empty(0, dtype=dtype, device=device)
-    kv.kv_caches = [placeholder if i in shapes else next(caches) for i in range(info.num_layers)]
-    return kv, StateSetup(pool, slots, info.num_layers)
+    kv.kv_caches = [placeholder if i in no_kv else next(caches) for i in range(info.num_layers)]
+    return kv, StateSetup(pool, slots, info.num_layers, no_kv)

@@ -43,24 +43,31 @@ def _llm(model_dir: Path, threads: int, **kw: Any) -> Any:
 
 def state_theory(hf: dict[str, Any]) -> dict[str, int]:
     """Bytes of one sequence's recurrent state from the config (conv state in fp32 checkpoints' dtype,
-    SSM / delta-rule state in fp32), and the number of recurrent layers."""
+    SSM / delta-rule state in fp32), and the numbers of recurrent and attention layers."""
     t = hf.get("model_type")
     if t == "qwen3_next":
         types = hf.get("layer_types") or []
         layers = sum(1 for x in types if x == "linear_attention")
+        attention = sum(1 for x in types if x == "full_attention")
         key_dim = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
         value_dim = hf["linear_num_value_heads"] * hf["linear_value_head_dim"]
         conv = (2 * key_dim + value_dim) * (hf["linear_conv_kernel_dim"] - 1)
         ssm = hf["linear_num_value_heads"] * hf["linear_key_head_dim"] * hf["linear_value_head_dim"]
     elif t == "nemotron_h":
-        pattern = hf.get("hybrid_override_pattern") or ""
-        layers = pattern.count("M")
+        # transformers 5 writes layers_block_type (Mamba2 layers as "linear_attention"); older: the pattern
+        kinds = hf.get("layers_block_type") or list(hf.get("hybrid_override_pattern") or "")
+        layers = sum(1 for k in kinds if k in ("mamba", "linear_attention", "M"))
+        attention = sum(1 for k in kinds if k in ("attention", "full_attention", "*"))
         inner = hf["mamba_num_heads"] * hf["mamba_head_dim"]
         conv = (inner + 2 * hf["n_groups"] * hf["ssm_state_size"]) * (hf["conv_kernel"] - 1)
         ssm = hf["mamba_num_heads"] * hf["mamba_head_dim"] * hf["ssm_state_size"]
     else:
         raise ValueError(f"no state theory for model_type {t!r}")
-    return {"recurrent_layers": layers, "per_sequence": layers * (conv + ssm) * 4}
+    return {
+        "recurrent_layers": layers,
+        "attention_layers": attention,
+        "per_sequence": layers * (conv + ssm) * 4,
+    }
 
 
 def memory_section(model_dir: Path, threads: int) -> dict[str, Any]:
@@ -71,7 +78,7 @@ def memory_section(model_dir: Path, threads: int) -> dict[str, Any]:
     assert states is not None
     elem = torch.empty((), dtype=engine.dtype).element_size()
     theory = state_theory(hf)
-    attention_layers = engine.model_info.num_layers - theory["recurrent_layers"]
+    attention_layers = theory["attention_layers"]
     stats = states.stats()
     return {
         "layers": {"attention": attention_layers, "recurrent": theory["recurrent_layers"]},

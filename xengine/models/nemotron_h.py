@@ -187,6 +187,10 @@ class NemotronHForCausalLM(BaseCausalLM):
             if isinstance(layer.mixer, Mamba2Mixer)
         }
 
+    def kv_layers(self) -> list[int]:
+        """The layers that keep attention KV (the MLP / MoE blocks keep none)."""
+        return [i for i, layer in enumerate(self.model.layers) if isinstance(layer.mixer, NemotronHAttention)]
+
     def forward(
         self,
         input_ids: torch.Tensor,

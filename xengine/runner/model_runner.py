@@ -65,7 +65,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.window_layers = window_layers
         self.states = states
-        stateful = frozenset(states.pool.shapes) if states is not None else frozenset()
+        stateful = states.no_kv_layers if states is not None else frozenset()  # placeholders in kv_caches
         self._full_caches = [
             c for i, c in enumerate(kv_caches) if i not in window_layers and i not in stateful
         ]
