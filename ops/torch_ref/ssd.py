@@ -41,12 +41,7 @@ def ssd_scan(
         y, s = _recurrent_step(xf[:, 0], dtf[:, 0], Af, Bf[:, 0], Cf[:, 0], s)
         y = y.unsqueeze(1)
     else:
-        outs = []
-        for lo in range(0, x.shape[1], chunk_size):
-            hi = lo + chunk_size
-            y, s = _chunk(xf[:, lo:hi], dtf[:, lo:hi], Af, Bf[:, lo:hi], Cf[:, lo:hi], s)
-            outs.append(y)
-        y = torch.cat(outs, dim=1)
+        y, s = _chunked(xf, dtf, Af, Bf, Cf, s, chunk_size)
     if D is not None:
         y = y + xf * D.float()[:, None]
     return y.to(x.dtype), s
@@ -62,26 +57,46 @@ def _recurrent_step(
     return y, s
 
 
-def _chunk(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, s: torch.Tensor
+def _chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    s: torch.Tensor,
+    chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of ``L`` tokens: ``x`` ``[Bt, L, H, P]``, ``dt`` ``[Bt, L, H]``, ``B`` / ``C``
-    ``[Bt, L, H, N]``, ``s`` the state before it; returns its outputs (no ``D`` term) and the state after."""
-    length = x.shape[1]
+    """Every chunk at once: ``x`` ``[Bt, T, H, P]``, ``dt`` ``[Bt, T, H]``, ``B`` / ``C`` ``[Bt, T, H, N]``,
+    ``s`` the state before them; returns the outputs (no ``D`` term) and the state after. The segment
+    is padded to whole chunks with ``dt = 0`` (no decay, nothing written); the within-chunk products
+    and each chunk's own contribution to the state are batched over chunks, and only the hand-over
+    of the state from chunk to chunk is a loop (one multiply-add of ``[Bt, H, P, N]`` per chunk)."""
+    batch, length, heads = x.shape[:3]
+    chunk = min(chunk, length)
+    pad = -length % chunk
+    if pad:
+        x, B, C = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+        dt = torch.nn.functional.pad(dt, (0, 0, 0, pad))
+    n = x.shape[1] // chunk
+    x, B, C = (t.reshape(batch, n, chunk, heads, t.shape[-1]) for t in (x, B, C))
+    dt = dt.reshape(batch, n, chunk, heads)
     xdt = x * dt[..., None]
-    log_decay = torch.cumsum(dt * A, dim=1).transpose(1, 2)  # [Bt, H, L]: decay from the chunk's start
+    log_decay = torch.cumsum(dt * A, dim=2).transpose(2, 3)  # [Bt, n, H, L]: from each chunk's start
     # decay from token s (exclusive) to token l (inclusive), zero where s > l; masked before exp so
     # the upper triangle (positive exponents) cannot overflow
-    pair = log_decay[..., :, None] - log_decay[..., None, :]  # [Bt, H, L, S]
-    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+    pair = log_decay[..., :, None] - log_decay[..., None, :]  # [Bt, n, H, L, S]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
     weights = torch.exp(pair.masked_fill(~causal, float("-inf")))
-    scores = torch.einsum("blhn,bshn->bhls", C, B) * weights
-    y = torch.einsum("bhls,bshp->blhp", scores, xdt)
-    # the carried state, decayed to each token, read through C
-    y = y + torch.einsum("blhn,bhpn->blhp", C, s) * torch.exp(log_decay).transpose(1, 2)[..., None]
-    # the state after the chunk: the old one decayed over the whole chunk, plus each token's update
-    # decayed from that token to the chunk's end
-    total = log_decay[..., -1]  # [Bt, H]
-    to_end = torch.exp(total[..., None] - log_decay).transpose(1, 2)  # [Bt, L, H]
-    s = s * torch.exp(total)[..., None, None] + torch.einsum("blhn,blhp->bhpn", B * to_end[..., None], xdt)
-    return y, s
+    scores = torch.einsum("bclhn,bcshn->bchls", C, B) * weights
+    y = torch.einsum("bchls,bcshp->bclhp", scores, xdt)
+    total = log_decay[..., -1]  # [Bt, n, H]: decay over each whole chunk
+    to_end = torch.exp(total[..., None] - log_decay).transpose(2, 3)  # [Bt, n, L, H]
+    own = torch.einsum("bclhn,bclhp->bchpn", B * to_end[..., None], xdt)  # each chunk's writes, at its end
+    keep = torch.exp(total)[..., None, None]  # [Bt, n, H, 1, 1]
+    entering = []
+    for c in range(n):  # the state entering each chunk, then after the last
+        entering.append(s)
+        s = s * keep[:, c] + own[:, c]
+    starts = torch.stack(entering, dim=1)  # [Bt, n, H, P, N]
+    y = y + torch.einsum("bclhn,bchpn->bclhp", C, starts) * torch.exp(log_decay).transpose(2, 3)[..., None]
+    return y.reshape(batch, n * chunk, heads, -1)[:, :length], s
