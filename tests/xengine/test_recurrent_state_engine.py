@@ -1,5 +1,5 @@
 """The recurrent-state pool through the whole engine, on the tiny Qwen3-Next (gated DeltaNet 3 : 1
-gated attention): snapshot-safe prefix hits compute only the uncached tail and still equal HF, hits
+gated attention) and Nemotron-H (Mamba2, attention, MLP and MoE blocks): snapshot-safe prefix hits compute only the uncached tail and still equal HF, hits
 are shortened to the last snapshot or refused without one (never resumed from a state of another
 position), forks copy state, preemption recomputes, and what the engine cannot do is refused."""
 
@@ -11,19 +11,24 @@ from tests.xengine.conftest import random_prompts
 from xengine.api.messages import SamplingParams
 from xengine.llm import LLM
 
-ARCH = "qwen3_next"
+ARCHS = ("qwen3_next", "nemotron_h")  # gated DeltaNet + attention; Mamba2 + attention + MLP / MoE
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module")
-def model_dir(make_model_dir):
-    return make_model_dir(ARCH)
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def oracle(hf_oracle):
-    return hf_oracle(ARCH)
+def model_dir(make_model_dir, arch):
+    return make_model_dir(arch)
+
+
+@pytest.fixture(scope="module")
+def oracle(hf_oracle, arch):
+    return hf_oracle(arch)
 
 
 def _llm(model_dir, **kw) -> LLM:
