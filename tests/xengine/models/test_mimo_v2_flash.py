@@ -147,3 +147,16 @@ def test_the_sinks_change_the_output(mimo, prompts, expected) -> None:
             layer.self_attn.sinks.data.fill_(float("-inf"))
     outs = llm.generate(prompts, _greedy(), use_tqdm=False)
     assert all(out.outputs[0].token_ids != ref for out, ref in zip(outs[1:], expected[1:]))
+
+
+def test_prefix_hit_computes_only_the_uncached_tail(mimo, hf_oracle) -> None:
+    """A follow-up prompt resumes after every whole block of the first (their windows are held)."""
+    llm = LLM(str(mimo), block_size=BLOCK_SIZE, max_num_batched_tokens=64)
+    base = random_prompts([150], seed=21)[0]
+    follow = base + random_prompts([37], seed=22)[0]
+    llm.generate([base], _greedy(), use_tqdm=False)
+    before = llm.engine.get_stats().num_computed_prompt_tokens
+    out = llm.generate([follow], _greedy(), use_tqdm=False)[0]
+    computed = llm.engine.get_stats().num_computed_prompt_tokens - before
+    assert computed == len(follow) - (len(base) // BLOCK_SIZE) * BLOCK_SIZE
+    assert out.outputs[0].token_ids == hf_oracle("mimo_v2_flash").greedy(follow, MAX_TOKENS)
