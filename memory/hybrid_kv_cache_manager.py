@@ -78,9 +78,7 @@ class HybridKVCacheManager(KVCacheManager):
     def usable_prefix(self, prefix: ComputedPrefix) -> ComputedPrefix:
         """``prefix`` shortened to the most blocks whose window is still in the window pool."""
         k = self.window.safe_length(prefix.block_ids)
-        if k == len(prefix.block_ids):
-            return prefix
-        return ComputedPrefix(prefix.block_ids[:k], k * self.block_size)
+        return prefix.first(k, self.block_size)
 
     def allocate_slots(
         self,

@@ -22,6 +22,10 @@ class ComputedPrefix:
     block_ids: list[int]
     num_tokens: int
 
+    def first(self, k: int, block_size: int) -> ComputedPrefix:
+        """The hit cut to its first ``k`` blocks (itself when that is all of it)."""
+        return self if k == len(self.block_ids) else ComputedPrefix(self.block_ids[:k], k * block_size)
+
 
 class KVPlacement(Protocol):
     """Where blocks land in memory, when that matters (xTensor: slot positions already mapped)."""

@@ -88,9 +88,7 @@ class StatefulKVCacheManager(KVCacheManager):
         k = self.states.usable_blocks(prefix.block_ids)
         if k:
             self.states.protect(prefix.block_ids[k - 1])
-        if k == len(prefix.block_ids):
-            return prefix
-        return ComputedPrefix(prefix.block_ids[:k], k * self.block_size)
+        return prefix.first(k, self.block_size)
 
     # ------------------------------------------------------------------ updates
     def allocate_slots(
