@@ -6,7 +6,9 @@
   from the paged cache's blocks or the xTensor slot, with no gather and no padding;
 - ``row_argmax.c`` (``reduce.py``): greedy sampling's argmax over the logits rows;
 - ``elementwise.c`` (``elementwise.py``): RMSNorm (with the residual add), the SwiGLU gate and NeoX
-  RoPE, one pass per row instead of a chain of torch ops (eager steps; traced graphs keep torch's).
+  RoPE, one pass per row instead of a chain of torch ops (eager steps; traced graphs keep torch's);
+- ``recurrent_scan.c`` (``recurrent.py``): the gated delta rule and the SSD scan of hybrid models, each
+  (sequence, head) stepping its tokens through a state held in cache.
 
 ``build.py`` compiles them once into the cache directory (``ci/setup.sh`` does it ahead) and loads
 them with ``ctypes``; ``XLLM_CPU_KERNELS=off`` turns them off.
@@ -23,6 +25,7 @@ def cpu_kernel_ops() -> dict[str, Callable[..., Any]]:
     from ops.cpu_kernels import elementwise
     from ops.cpu_kernels.attention import decode_attention, decode_attention_contiguous
     from ops.cpu_kernels.linear import pack_linear
+    from ops.cpu_kernels.recurrent import gated_delta_rule, ssd_scan
     from ops.cpu_kernels.reduce import row_argmax
 
     return {
@@ -34,4 +37,6 @@ def cpu_kernel_ops() -> dict[str, Callable[..., Any]]:
         "fused_add_rms_norm": elementwise.fused_add_rms_norm,
         "silu_and_mul": elementwise.silu_and_mul,
         "rotary_embedding": elementwise.rotary_embedding,
+        "gated_delta_rule": gated_delta_rule,
+        "ssd_scan": ssd_scan,
     }

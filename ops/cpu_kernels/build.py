@@ -64,6 +64,15 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32,
         ],
     },
+    "recurrent_scan": {
+        "xllm_gated_delta_f32": [
+            _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _i32,
+            _i32,
+        ],
+        "xllm_ssd_scan_f32": [
+            _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i32,
+        ],
+    },
     "decode_attention": {
         "xllm_decode_attention_supported": [_i64, _i64, _i64],
         "xllm_store_kv": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],

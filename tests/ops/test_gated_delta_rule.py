@@ -1,4 +1,5 @@
-"""The gated delta rule reference (``ops/torch_ref/gated_delta_rule.py``) against HF transformers'
+"""The gated delta rule (the facade: the C kernel on CPU where it builds, the reference
+``ops/torch_ref/gated_delta_rule.py`` elsewhere; the reference's own two forms too) against HF transformers'
 torch fallbacks of Qwen3-Next (``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``),
 and its exactness across segment cuts with the state carried (what the per-sequence driver relies on)."""
 
@@ -12,6 +13,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from ops.gated_delta import gated_delta_rule
+from ops.torch_ref import gated_delta_rule as ref_gdn
 from ops.torch_ref.gated_delta_rule import (
     MAX_RECURRENT_TOKENS,
     chunked_gated_delta_rule,
@@ -59,10 +61,11 @@ def test_matches_hf_chunked_and_recurrent(hk: int, hv: int, length: int) -> None
 
 
 def test_short_segments_run_the_recurrence_and_long_ones_the_chunks() -> None:
-    """The dispatch threshold: the two forms differ in rounding only, so tell them apart by bits."""
+    """The reference's dispatch threshold: the two forms differ in rounding only, so tell them apart
+    by bits."""
     for length in (MAX_RECURRENT_TOKENS, MAX_RECURRENT_TOKENS + 1):
         args = _inputs(1, length, 2, 4, 16, 16, seed=3)
-        out = gated_delta_rule(*args)[0]
+        out = ref_gdn.gated_delta_rule(*args)[0]
         expected = recurrent_gated_delta_rule if length <= MAX_RECURRENT_TOKENS else chunked_gated_delta_rule
         assert torch.equal(out, expected(*args)[0])
 
