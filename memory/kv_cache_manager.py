@@ -173,6 +173,21 @@ class KVCacheManager:
         self.prefix_cache.insert(token_ids[: num_full * self.block_size], table[:num_full], done)
         self._num_cached_blocks[req_id] = num_full
 
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens' (speculative decoding: the
+        blocks only rejected drafts reached), but for ``lookahead_blocks`` that stay as look-ahead
+        (reclaimable by others). Never a cached block: those hold computed tokens only."""
+        table = self.block_tables.get(req_id)
+        if not table:
+            return
+        need = self.blocks_needed(num_tokens)
+        self._needed[req_id] = min(need, len(table))
+        keep = need + self.lookahead_blocks
+        if len(table) > keep:
+            assert need >= self._num_cached_blocks.get(req_id, 0), "trimming a cached block"
+            self.pool.free(list(reversed(table[keep:])))
+            del table[keep:]
+
     def free(self, req_id: str) -> None:
         """Release every block of the request (tail first, so prefixes outlive their suffixes)."""
         table = self.block_tables.pop(req_id, None)

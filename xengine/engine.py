@@ -26,6 +26,7 @@ from xengine.api.messages import (
     GraphStatsMsg,
     KVExportInfo,
     KVImportResult,
+    SpecDecodeStatsMsg,
 )
 from xengine.beam.catalog import CatalogRegistry
 from xengine.colocation.interrupter import Interrupter, note_arrival
@@ -42,6 +43,7 @@ from xengine.parallel.group import start_expert_parallel
 from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
+from xengine.spec.drafting import Drafter
 from xengine.state_setup import StateSetup, build_stateful_kv, kv_free_layers, state_shapes
 from xengine.step.deltas import collect_deltas
 from xengine.step.execute import EngineBrokenError, StepExecutor
@@ -111,6 +113,8 @@ class Engine:
         caps, execution = self.platform.capabilities, config.execution
         self.graph_mode = caps.default_graph_mode if execution.graph_mode == "auto" else execution.graph_mode
         self.async_scheduling = execution.async_enabled(caps.default_async_scheduling)
+        if config.speculative_config.enabled:  # verification runs in synchronous steps for now
+            self.async_scheduling = False
         shapes = state_shapes(self.model)
         self.state_setup: StateSetup | None = None
         if shapes:  # recurrent layers: a state pool beside the attention KV (``xengine/state_setup.py``)
@@ -175,6 +179,7 @@ class Engine:
             info.eos_token_ids,
             async_mode=self.async_scheduling,
             encode_stage=self._encode_stage(config),
+            drafter=self._drafter(config),
         )
         self._build_step(config, kv)
         self.vocab_size = info.vocab_size
@@ -185,6 +190,27 @@ class Engine:
             model_dir, info.vocab_size, list(info.eos_token_ids), config.structured_outputs
         )
         self.info = self._describe(config, info, model_dir, kv)
+
+    def _drafter(self, config: EngineConfig) -> Drafter | None:
+        """Speculative decoding's drafts (``xengine/spec/``), or None when it is off; refuses the
+        setups it does not run with yet, rather than ignoring the setting."""
+        spec = config.speculative_config
+        if not spec.enabled:
+            return None
+        blocker = None
+        if self.state_setup is not None:
+            blocker = "models with recurrent layers (each draft's state needs a slot of its own)"
+        elif self.kv.window is not None:
+            blocker = "sliding-window layers with a KV pool of their own"
+        elif self.parallel is not None:
+            blocker = "expert parallelism"
+        elif self.graph_mode == "full":
+            blocker = "full device graphs (set execution.graph_mode eager or partial)"
+        elif getattr(self.model, "encode_images", None) is not None:
+            blocker = "vision-language models"
+        if blocker is not None:
+            raise ValueError(f"speculative decoding ({spec.method}) does not run with {blocker} yet")
+        return Drafter(spec, self.max_model_len)
 
     def _check_stateful(self, graph_mode: str) -> None:
         """A model with recurrent layers runs on one process, without whole-step graphs, for now: refuse
@@ -365,6 +391,23 @@ class Engine:
             num_image_cache_hits=getattr(self.runner.images, "num_hits", 0),
             num_image_tokens_encoded=getattr(self.runner.images, "num_encoded_tokens", 0),
             num_encode_steps=getattr(self.scheduler.encode_stage, "num_encode_steps", 0),
+            spec_decode=self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> SpecDecodeStatsMsg | None:
+        drafter = self.scheduler.drafter
+        if drafter is None:
+            return None
+        st = drafter.stats
+        return SpecDecodeStatsMsg(
+            method=drafter.config.method,
+            num_speculative_tokens=drafter.config.num_speculative_tokens,
+            num_drafts=st.num_drafts,
+            num_draft_tokens=st.num_draft_tokens,
+            num_accepted_tokens=st.num_accepted_tokens,
+            accepted_per_pos=list(st.accepted_per_pos),
+            acceptance_rate=st.acceptance_rate,
+            mean_accepted_length=st.mean_accepted_length,
         )
 
     def reset_prefix_cache(self) -> bool:

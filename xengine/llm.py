@@ -332,9 +332,14 @@ def engine_config(model: str, **fields: Any) -> EngineConfig:
     owners = {
         f.name: sec.name
         for sec in dataclasses.fields(EngineConfig)
+        if sec.name != "speculative_config"  # given whole, as speculative_config={...}
         for f in dataclasses.fields(getattr(defaults, sec.name))
     }
     for name, value in fields.items():
+        if name == "speculative_config":  # vLLM's dict (or a SpeculativeConfig): a section of its own
+            spec = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+            sections[name] = dict(spec or {})
+            continue
         if name == "async_scheduling" and isinstance(value, bool):
             value = "on" if value else "off"
         if name not in owners or name == "model":

@@ -24,6 +24,7 @@ from xengine.api.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     _f,
     from_dict,
@@ -279,6 +280,7 @@ class XllmConfig:
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
@@ -292,6 +294,7 @@ class XllmConfig:
             execution=self.execution,
             parallel=self.parallel,
             structured_outputs=self.structured_outputs,
+            speculative_config=self.speculative_config,
         )
 
     def validate(self) -> None:
@@ -310,6 +313,7 @@ _SECTIONS = {
     "execution": ExecutionConfig,
     "parallel": ParallelConfig,
     "structured_outputs": StructuredOutputsConfig,
+    "speculative_config": SpeculativeConfig,
     "batch": BatchConfig,
     "cluster": ClusterConfig,
 }

@@ -2,9 +2,10 @@
 
 The kernel reads each sequence's K/V where they are: the blocks of its block table (paged layout) or
 its virtually contiguous slot (xTensor layout, one base address per sequence), with no gather into a
-padded buffer and no mask. In a step that also carries prefill chunks, those run the torch reference
-(one SDPA per chunk) and the decodes still run the kernel, so a decode's result does not depend on
-what shares its step. float32 and bfloat16 take the kernel (q and cache of one dtype; bfloat16: K/V
+padded buffer and no mask. A sequence's step of at most ``SHORT_QUERY`` tokens (a speculative step's
+drafts, a short prompt chunk) runs the kernel too, a row per token. Longer prefill chunks in a step run
+the torch reference (one SDPA per chunk) and the rest still run the kernel, so a decode's result does
+not depend on what shares its step. float32 and bfloat16 take the kernel (q and cache of one dtype; bfloat16: K/V
 widened to float32 as read, softmax and sums in float32, the output rounded once, as the reference's
 float32 SDPA then cast); so does an 8-bit cache (``ops/kv_quant.py``) under float32 or bfloat16 q, its
 rows widened and scaled in registers (the ``_q8`` kernels), and its new rows quantized by one C call;
@@ -28,6 +29,7 @@ reference_attention = ref.attention
 reference_contiguous = ref_contiguous.attention_contiguous
 
 _SCRATCH_KEY = "cpu_kernels.decode_attention"
+SHORT_QUERY = 16  # a sequence's step of at most this many tokens runs the kernel, a row per token
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -44,7 +46,12 @@ def _call(name: str, q: torch.Tensor, cache: torch.Tensor, q_ptr: int, out_ptr: 
 
 
 class _Rows:
-    """Which tokens of a step are decodes, and the per-sequence tensors of just those (built once)."""
+    """Which tokens of a step the kernel runs, one row each, and the per-row tensors (built once).
+
+    A decode is one row. A sequence computing at most ``SHORT_QUERY`` tokens (a speculative step's last
+    token and drafts, a short prompt chunk) is a row per token, each reading the KV up to its own
+    position (the step's new K/V are stored before the kernel runs): causal attention, as the
+    reference computes it, without a padded query block. Longer chunks run the reference."""
 
     def __init__(self, meta: AttentionMetadata) -> None:
         starts = [0]
@@ -52,15 +59,23 @@ class _Rows:
             starts.append(starts[-1] + n)
         self.starts = starts
         self.all_decode = meta.is_all_decode and starts[-1] == meta.num_seqs
-        seqs = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
-        self.decode_seqs = seqs
         if self.all_decode:
+            self.decode_seqs = list(range(meta.num_seqs))  # the sequence of each row
             self.tokens = None
             self.seq_lens, self.tables = meta.seq_lens.contiguous(), meta.block_tables.contiguous()
         else:
+            seqs, tokens, lens = [], [], []
+            for b, n in enumerate(meta.query_lens_cpu):
+                if n <= SHORT_QUERY:
+                    seqs += [b] * n
+                    tokens += range(starts[b], starts[b] + n)
+                    end = meta.seq_lens_cpu[b]
+                    lens += range(end - n + 1, end + 1)
+            self.decode_seqs = seqs
             index = torch.tensor(seqs, dtype=torch.long)
-            self.tokens = torch.tensor([starts[b] for b in seqs], dtype=torch.long)
-            self.seq_lens = meta.seq_lens[index].contiguous()
+            # every token a row, in order: no gather, no scatter
+            self.tokens = None if len(tokens) == starts[-1] else torch.tensor(tokens, dtype=torch.long)
+            self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=meta.seq_lens.device)
             self.tables = meta.block_tables[index].contiguous()
         self.slot_index: tuple[torch.Tensor, torch.Tensor] | None = None  # xTensor (chunk, offset) per decode
         self.usable: dict[tuple, bool] = {}  # _usable by (q dtype, cache dtype, heads, KV heads, head_dim)
@@ -93,7 +108,7 @@ def _check_usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata)
         return False
     if meta.seq_lens.dtype != torch.int32 or meta.block_tables.dtype != torch.int32 or q.dim() != 3:
         return False  # the kernel reads int32 lengths and tables
-    if not any(n == 1 for n in meta.query_lens_cpu):
+    if not any(n <= SHORT_QUERY for n in meta.query_lens_cpu):
         return False
     lib = kernel_library("decode_attention")
     _, num_heads, head_dim = q.shape
@@ -245,7 +260,7 @@ def _decodes_and_prefills(
     out = torch.empty_like(q)
     out[rows.tokens] = res
     for b, q_len in enumerate(meta.query_lens_cpu):
-        if q_len > 1:
+        if q_len > SHORT_QUERY:
             out[rows.starts[b] : rows.starts[b + 1]] = prefill(b, rows.starts[b], rows.starts[b + 1])
     return out
 

@@ -382,6 +382,75 @@ class StructuredOutputsConfig:
             raise ValueError("structured_outputs.sandbox_memory_mib must be >= 64")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
+SPECULATIVE_IMPLEMENTED = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` dict (the same keys in YAML's ``speculative_config`` section and
+    ``LLM(speculative_config={...})``); ``xengine/spec/`` runs it."""
+
+    method: str = _f(
+        "",
+        "Speculative decoding: empty (off) or ngram (prompt lookup: drafts are the tokens that followed the "
+        "latest earlier occurrence of the sequence's last n tokens; no model pass). draft_model, mtp, eagle "
+        "and eagle3 are refused until they are implemented.",
+    )
+    num_speculative_tokens: int = _f(
+        0, "Draft tokens proposed per decoding sequence and step (k); the target verifies k + 1 positions."
+    )
+    prompt_lookup_min: int = _f(
+        2, "ngram: the shortest suffix looked up (tokens); one-token matches draft mostly wrong tokens."
+    )
+    prompt_lookup_max: int = _f(
+        4, "ngram: the longest suffix looked up (tokens); longer matches are tried first."
+    )
+    model: str = _f("", "draft_model / eagle / eagle3: the draft's HF folder (not implemented yet).")
+    disable_by_batch_size: int = _f(
+        0,
+        "Speculation turns itself off for a step while more than this many sequences run (0: never); "
+        "benchmarks/offline/spec_decode.py measures where it stops paying.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.method)
+
+    def validate(self) -> None:
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "disable_by_batch_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"speculative_config.{name} must be an integer, got {value!r}")
+        if not isinstance(self.method, str) or not isinstance(self.model, str):
+            raise ValueError("speculative_config.method and speculative_config.model must be strings")
+        if not self.method:
+            return
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
+        if self.method not in SPECULATIVE_IMPLEMENTED:
+            raise ValueError(
+                f"speculative_config.method {self.method!r} is not implemented yet; implemented: "
+                f"{', '.join(SPECULATIVE_IMPLEMENTED)}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be >= 1 when a method is set")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size < 0:
+            raise ValueError("speculative_config.disable_by_batch_size must be >= 0")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -391,6 +460,7 @@ class EngineConfig:
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def validate(self) -> None:
         self.model.validate()
@@ -399,6 +469,12 @@ class EngineConfig:
         self.execution.validate()
         self.parallel.validate()
         self.structured_outputs.validate()
+        self.speculative_config.validate()
+        if self.speculative_config.enabled and self.execution.async_scheduling == "on":
+            raise ValueError(
+                "speculative decoding does not run with execution.async_scheduling on yet; set it to off "
+                "or auto (auto runs synchronously while speculation is on)"
+            )
 
 
 def replace_section(cfg: Any, section: str, **changes: Any) -> Any:
@@ -431,6 +507,7 @@ def _dataclass_type(ftype: Any) -> type | None:
         "ExecutionConfig": ExecutionConfig,
         "ParallelConfig": ParallelConfig,
         "StructuredOutputsConfig": StructuredOutputsConfig,
+        "SpeculativeConfig": SpeculativeConfig,
         "EngineConfig": EngineConfig,
     }
     if isinstance(ftype, str):

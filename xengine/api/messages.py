@@ -132,6 +132,20 @@ class CompletionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     queue_time_s: float | None = None
 
 
+class SpecDecodeStatsMsg(msgspec.Struct, kw_only=True):
+    """Speculative decoding since start (``xengine/spec/stats.py``): sequence-steps that drafted, draft
+    tokens proposed and accepted, and acceptances per draft position."""
+
+    method: str = ""
+    num_speculative_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0  # tokens emitted per drafting sequence-step (accepted + 1)
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -167,6 +181,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_image_cache_hits: int = 0
     num_image_tokens_encoded: int = 0  # the encoded images' tokens (their image pads)
     num_encode_steps: int = 0  # steps that carried image encodes (``scheduler.encode_scheduling: stage``)
+    spec_decode: SpecDecodeStatsMsg | None = None  # speculative decoding, when it is on
 
 
 class ColocationStatsMsg(msgspec.Struct, kw_only=True):

@@ -17,7 +17,7 @@ class ModelInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # int64 [S]: last token of each sampling sequence
+    logits_indices: torch.Tensor  # int64 [S]: last token of each sampling sequence (and its drafts)
     num_tokens: int
     # the sliding-window layers' metadata when they have a pool of their own (``window_metadata``)
     window_meta: AttentionMetadata | None = None
@@ -58,15 +58,17 @@ def build_inputs(
             positions.append(start)
             slots.append(table[start // block_size] * block_size + start % block_size)
         else:
-            input_ids.extend(_tokens(req.prompt_token_ids, req.output_token_ids, start, end))
+            drafts = s.draft_token_ids  # speculative decoding: computed after the known tokens
+            input_ids.extend(_tokens(req.prompt_token_ids, req.output_token_ids, start, end - len(drafts)))
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         query_start.append(query_start[-1] + num_new)
         seq_lens.append(end)
         query_lens.append(num_new)
         tables.append(table)
-        if s.sample:
-            logits_indices.append(query_start[-1] - 1)
+        if s.sample:  # the last token's logits, and each draft's (the target's distributions to verify)
+            logits_indices.extend(range(query_start[-1] - 1 - len(s.draft_token_ids), query_start[-1]))
     max_blocks = max(map(len, tables))
     padded = np.zeros((len(tables), max_blocks), dtype=np.int32)
     for row, table in zip(padded, tables):

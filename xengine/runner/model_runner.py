@@ -30,8 +30,9 @@ from xengine.runner.recurrent_inputs import recurrent_metadata
 from xengine.runner.sampling_reuse import SamplingReuse
 from xengine.sampling.beam_search import BeamRows, beam_candidates
 from xengine.sampling.metadata import SamplingMetadata
-from xengine.sampling.sampler import Sampler, SamplerOutput
+from xengine.sampling.sampler import Sampler, SamplerOutput, process_logits
 from xengine.scheduler.plan import SampledToken, SchedulePlan, StepOutput
+from xengine.spec.verify import DraftGroup, verify
 from xengine.state_setup import StateSetup
 from xengine.structured.matcher import GrammarRows, SequenceMatchers
 
@@ -268,25 +269,40 @@ class ModelRunner:
 
     def _build_sampling_rows(self, plan: SchedulePlan) -> SamplingRows | None:
         sampling = SamplingRows()
-        for i, s in enumerate(x for x in plan.seqs if x.sample):
+        if any(s.draft_token_ids for s in plan.seqs):  # speculative decoding: every row is verified
+            sampling.groups = []
+        i = 0  # the sequence's first logits row
+        for s in (x for x in plan.seqs if x.sample):
+            i, drafts = i + 1 + len(s.draft_token_ids), s.draft_token_ids
             if s.num_beam_candidates:
-                sampling.beams.rows.append(i)
+                sampling.beams.rows.append(i - 1)
                 sampling.beams.num_candidates.append(s.num_beam_candidates)
                 sampling.beams.banned_token_ids.append(s.banned_token_ids)
                 sampling.beams.allowed_token_ids.append(s.allowed_token_ids)
                 sampling.beam_seq_ids.append(s.req.seq_id)
+                continue
+            # outputs before this step's token (async: the list already ends with its placeholder)
+            num_outputs = len(s.req.output_token_ids) if s.output_index is None else s.output_index
+            if drafts:  # one row per position: row j follows the first j drafts
+                assert sampling.groups is not None and s.num_samples == 1 and s.req.grammar is None
+                sampling.groups.append(DraftGroup(len(sampling.rows), drafts))
+                for j in range(len(drafts) + 1):
+                    sampling.rows.append((s.req, 0))
+                    sampling.row_of_logit.append(i - 1 - len(drafts) + j)
+                    sampling.num_outputs.append(num_outputs + j)
+                    sampling.row_drafts.append(drafts[:j])
                 continue
             for k in range(s.num_samples):
                 if s.req.grammar is not None:
                     grammar = s.req.grammar
                     matcher = self.matchers.get(self._seq_id(s.req, k), grammar)
                     sampling.grammar.add(len(sampling.rows), matcher, grammar.num_ids)
+                if sampling.groups is not None:
+                    sampling.groups.append(DraftGroup(len(sampling.rows), []))
                 sampling.rows.append((s.req, k))
-                sampling.row_of_logit.append(i)
-                # outputs before this step's token (async: the list already ends with its placeholder)
-                sampling.num_outputs.append(
-                    len(s.req.output_token_ids) if s.output_index is None else s.output_index
-                )
+                sampling.row_of_logit.append(i - 1)
+                sampling.num_outputs.append(num_outputs)
+                sampling.row_drafts.append([])
         if not sampling.rows and not sampling.beam_seq_ids:
             return None
         if sampling.rows:
@@ -301,8 +317,8 @@ class ModelRunner:
                 params,
                 # penalties read the histories on the worker: a snapshot (the engine thread goes on)
                 [
-                    r.output_token_ids[:n] if penalized else []
-                    for (r, _), n in zip(rows, sampling.num_outputs)
+                    r.output_token_ids[: n - len(d)] + d if penalized else []
+                    for (r, _), n, d in zip(rows, sampling.num_outputs, sampling.row_drafts)
                 ],
                 [r.prompt_token_ids for r, _ in rows],
                 generators,
@@ -330,12 +346,46 @@ class ModelRunner:
         if grammar.rows:  # the matchers already saw the previous step's tokens (accepted below)
             meta.grammar_bitmask, meta.grammar_rows = grammar.fill_bitmask(), grammar.rows
         t0 = time.perf_counter()
+        if sampling.groups is not None:
+            self._verify(sampling, logits, out)
+            out.sample_s = time.perf_counter() - t0
+            return
         result = self.sampler(logits, meta)
         out.sample_s = time.perf_counter() - t0
         out.sampled_rows = result.sampled_token_ids
         if grammar.rows:
             grammar.accept(result.sampled_token_ids.tolist())
         self._collect(sampling.rows, result, out)
+
+    def _verify(self, sampling: SamplingRows, logits: torch.Tensor, out: StepOutput) -> None:
+        """Speculative decoding: each sequence's drafts verified, its emitted tokens (with logprobs
+        of the rows they came from, as without speculation) in ``out.sampled``."""
+        meta, groups = sampling.meta, sampling.groups
+        assert meta is not None and groups is not None
+        processed = process_logits(logits.float(), meta)
+        emitted = verify(processed, meta, groups)
+        if sampling.grammar.rows:  # grammar rows draft nothing: one token each
+            row_tokens = [-1] * len(sampling.rows)
+            for pairs in emitted:
+                for row, token in pairs:
+                    row_tokens[row] = token
+            sampling.grammar.accept(row_tokens)
+        logprobs = processed.log_softmax(dim=1) if meta.max_num_logprobs is not None else None
+        for pairs in emitted:
+            for row, token in pairs:
+                req = sampling.rows[row][0]
+                sample = SampledToken(token)
+                k = req.params.logprobs
+                if k is not None and logprobs is not None:
+                    sample.logprob = float(logprobs[row, token])
+                    ids = req.params.logprob_token_ids
+                    if ids is not None:
+                        pairs_ = zip(ids, logprobs[row, ids].tolist())
+                    else:
+                        top_lps, top_ids = torch.topk(logprobs[row], min(k, logprobs.shape[1]))
+                        pairs_ = zip(top_ids.tolist(), top_lps.tolist())
+                    sample.top_logprobs = [TokenLogprob(t, lp) for t, lp in pairs_]
+                out.sampled.setdefault(req.seq_id, []).append(sample)  # forks: the scheduler splits
 
     @staticmethod
     def _seq_id(req: Request, k: int) -> str:
@@ -396,6 +446,10 @@ class SamplingRows:
     beams: BeamRows = field(default_factory=BeamRows)
     beam_seq_ids: list[str] = field(default_factory=list)
     num_outputs: list[int] = field(default_factory=list)  # per row: outputs before this step's token
+    # speculative decoding: per row the drafts it follows (its history's tail), and each sampled
+    # sequence's rows with its drafts; None in a step without drafts
+    row_drafts: list[list[int]] = field(default_factory=list)
+    groups: list[DraftGroup] | None = None
     meta: SamplingMetadata | None = None
     grammar: GrammarRows = field(default_factory=GrammarRows)  # structured-output rows and matchers
 

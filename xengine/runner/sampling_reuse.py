@@ -35,7 +35,7 @@ class SamplingReuse:
         if self._rows is None or len(seqs) != len(reqs):
             return None
         for s, req in zip(seqs, reqs):
-            if s.req is not req or not s.sample or s.num_samples != 1:
+            if s.req is not req or not s.sample or s.num_samples != 1 or s.draft_token_ids:
                 return None
         self.num_reused += 1
         return self._rows
@@ -50,7 +50,7 @@ class SamplingReuse:
             and meta.banned_token_ids is None
             and not meta.needs_history
             and len(rows.rows) == len(plan.seqs)
-            and all(s.sample and s.num_samples == 1 for s in plan.seqs)
+            and all(s.sample and s.num_samples == 1 and not s.draft_token_ids for s in plan.seqs)
         )
         self._reqs = [s.req for s in plan.seqs] if static else []
         self._rows = rows if static else None

@@ -92,6 +92,12 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 
 def random_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature, top-k / top-p / min-p, then one draw per row (greedy rows get a dummy draw)."""
+    return inverse_cdf_sample(sampling_probs(logits, meta), meta.generators)
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The (possibly unnormalised) distribution each row's token is drawn from: temperature, top-k /
+    top-p, softmax, min-p (greedy rows: the distribution at temperature 1, never drawn from)."""
     temperature = meta.temperature
     if not meta.all_random:  # greedy rows divide by 1: finite, and their draw is discarded
         temperature = temperature.masked_fill(temperature < GREEDY_TEMPERATURE, 1.0)
@@ -103,7 +109,7 @@ def random_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     probs = logits.softmax(dim=1)
     if meta.min_p is not None:
         probs = apply_min_p(probs, meta.min_p)
-    return inverse_cdf_sample(probs, meta.generators)
+    return probs
 
 
 def inverse_cdf_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

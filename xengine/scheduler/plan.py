@@ -27,6 +27,9 @@ class ScheduledSeq:
     # schedule time, as if this step had already run
     computed_after: int | None = None  # num_computed_tokens once this step ran
     output_index: int | None = None  # where this step's token sits in output_token_ids (a placeholder)
+    # speculative decoding (``xengine/spec/``): draft tokens computed after the sequence's last token
+    # (counted in ``num_new_tokens``); the step verifies them and samples up to len + 1 tokens
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:

@@ -34,6 +34,7 @@ from xengine.scheduler.in_flight import advance, done_pending, strip_placeholder
 from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
 from xengine.scheduler.prompt_outputs import apply_prompt_outputs, limit_prefix, prefill_done
 from xengine.scheduler.stop import check_stop
+from xengine.spec.drafting import Drafter
 
 ONLINE = PRIORITY_RANK["online"]
 
@@ -52,8 +53,11 @@ class Scheduler(BeamScheduling):
         eos_token_ids: list[int],
         async_mode: bool = False,
         encode_stage: EncodeStage | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
+        """``drafter``: speculative decoding's drafts (``xengine/spec/``); None: off."""
         self.config = config
+        self.drafter = drafter
         self.encode_stage = encode_stage  # vision-language models: images encode in steps of their own
         self.async_mode = async_mode  # plans are advanced when made (``in_flight.py``)
         self.kv = kv
@@ -129,6 +133,7 @@ class Scheduler(BeamScheduling):
         self._online_prefill = False
         self._prefill_cap = self._mixed_prefill_cap()
         self._prefill_tokens = 0
+        self._drafting = self.drafter is not None and self.drafter.enabled_for(len(self.running))
         self.running.sort(key=lambda r: r.rank)
         for cls in sorted(PRIORITY_RANK.values()):
             if cls > ONLINE and self._online_prefill and self.config.isolate_online_prefill:
@@ -200,6 +205,11 @@ class Scheduler(BeamScheduling):
             num_new = self._num_new_tokens(req, req.num_computed_tokens)
             if num_new <= 0:
                 continue
+            drafts: list[int] = []
+            if self._drafting and num_new == 1:
+                assert self.drafter is not None
+                drafts = self.drafter.draft(req, self._budget, req.req_id in self.beam_groups)
+                num_new += len(drafts)
             while not self.kv.allocate_slots(
                 req.seq_id, req.num_computed_tokens + num_new, num_computed=req.num_computed_tokens
             ):
@@ -209,7 +219,7 @@ class Scheduler(BeamScheduling):
                     break
                 self._preempt(victim, plan)
             else:
-                self._add_to_plan(plan, req, num_new)
+                self._add_to_plan(plan, req, num_new, drafts)
 
     def _admit_waiting(self, cls: int, plan: SchedulePlan) -> None:
         while self.waiting and self._budget > 0:
@@ -250,10 +260,13 @@ class Scheduler(BeamScheduling):
             return self.waiting[0]
         return next((r for r in self.waiting if self.encode_stage.ready(r)), None)
 
-    def _add_to_plan(self, plan: SchedulePlan, req: Request, num_new: int) -> None:
-        sample = req.num_computed_tokens + num_new == req.num_tokens and not req.params.is_prefill_only
+    def _add_to_plan(
+        self, plan: SchedulePlan, req: Request, num_new: int, drafts: list[int] | None = None
+    ) -> None:
+        num_known = num_new - len(drafts or ())  # the draft tokens come after the known ones
+        sample = req.num_computed_tokens + num_known == req.num_tokens and not req.params.is_prefill_only
         num_samples = 1 + req.num_pending_forks if sample else 1
-        seq = ScheduledSeq(req, num_new, sample, num_samples)
+        seq = ScheduledSeq(req, num_new, sample, num_samples, draft_token_ids=drafts or [])
         if req.rank[0] == ONLINE and _is_prefill(req, num_new):
             self._online_prefill = True
         group = self.beam_groups.get(req.req_id)
@@ -312,6 +325,9 @@ class Scheduler(BeamScheduling):
                 continue
             if req.status != RequestStatus.RUNNING:
                 continue  # finished (e.g. aborted) while the step ran
+            if s.draft_token_ids:
+                self._update_drafted(s, out.sampled[req.seq_id])
+                continue
             before = req.num_computed_tokens
             req.num_computed_tokens += s.num_new_tokens
             num_prompt = req.num_prompt_tokens
@@ -332,6 +348,25 @@ class Scheduler(BeamScheduling):
             group = self.beam_groups.get(req_id)
             if group is not None and group.epoch == epoch:  # not aborted / preempted meanwhile
                 self._advance_beams(group, plan, out)
+
+    def _update_drafted(self, s: ScheduledSeq, samples: list[SampledToken]) -> None:
+        """Apply a step that verified drafts: the accepted drafts and one more token were emitted
+        (``samples``); the KV of the sequence's last token and the accepted drafts is kept, the blocks
+        that only rejected drafts reached go back to the pool."""
+        req = s.req
+        drafts = s.draft_token_ids
+        accepted = len(samples) - 1
+        assert 0 <= accepted <= len(drafts) and [x.token_id for x in samples[:accepted]] == drafts[:accepted]
+        assert self.drafter is not None
+        self.drafter.stats.record(len(drafts), accepted)
+        req.num_computed_tokens += 1 + accepted
+        self.kv.trim(req.seq_id, req.num_computed_tokens + 1)
+        if self.kv.has_blocks_to_cache(req.seq_id, req.num_computed_tokens):
+            self.kv.cache_blocks(req.seq_id, req.cache_token_ids + drafts[:accepted], req.num_computed_tokens)
+        for sample in samples:
+            self._append_token(req, sample)
+            if req.is_finished:  # a stop among the accepted tokens: what follows it is dropped
+                break
 
     def _update_advanced(self, s: ScheduledSeq, out: StepOutput) -> None:
         """Apply a step whose requests were advanced at schedule time: cache its full blocks and put
@@ -425,6 +460,8 @@ class Scheduler(BeamScheduling):
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self.kv.free(req.seq_id)
+        if self.drafter is not None:
+            self.drafter.release(req.seq_id)
         strip_placeholders(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = finish_reason

@@ -10,6 +10,7 @@ from xengine.api.messages import (
     ColocationStatsMsg,
     EngineStats,
     GraphStatsMsg,
+    SpecDecodeStatsMsg,
     StatePoolStatsMsg,
     WindowPoolStatsMsg,
     XTensorStatsMsg,
@@ -48,6 +49,20 @@ def sum_engine_stats(stats: Sequence[EngineStats]) -> EngineStats:
         )
         for f in WORST_OF:
             setattr(total.colocation, f, max(getattr(c, f) for c in cols))
+    specs = [s.spec_decode for s in stats if s.spec_decode is not None]
+    if specs:
+        spec = sum_structs(specs, SpecDecodeStatsMsg(method=specs[0].method))
+        spec.num_speculative_tokens = specs[0].num_speculative_tokens
+        width = max(len(x.accepted_per_pos) for x in specs)
+        spec.accepted_per_pos = [sum(x.accepted_per_pos[i] for x in specs if i < len(x.accepted_per_pos))
+                                 for i in range(width)]  # fmt: skip
+        spec.acceptance_rate = (
+            spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
+        )
+        spec.mean_accepted_length = (
+            1.0 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0
+        )
+        total.spec_decode = spec
     return total
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import socket
 import subprocess
 import sys
@@ -39,6 +40,17 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for section in (f.name for f in dataclasses.fields(XllmConfig)):
         if section == "cluster":
             _add_cluster_flags(parser)
+            continue
+        if section == "speculative_config":  # vLLM's one JSON flag, not a flag per key
+            parser.add_argument(
+                "--speculative-config",
+                dest="speculative_config_json",
+                type=_json_mapping,
+                default=None,
+                metavar="JSON",
+                help="Speculative decoding as one JSON object with the keys of the config section "
+                '\'speculative_config\', e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'.',
+            )
             continue
         cls = sections[section]
         group = parser.add_argument_group(f"{section} (config section '{section}')")
@@ -88,9 +100,22 @@ def _add_field_flag(
     )
 
 
+def _json_mapping(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('must be a JSON object, e.g. \'{"method": "ngram"}\'')
+    return value
+
+
 def config_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The config flags that were given, as ``{section: {field: value}}`` (``cluster``: ``{sub: {...}}``)."""
     out: dict[str, dict[str, Any]] = {}
+    spec = getattr(args, "speculative_config_json", None)
+    if spec is not None:
+        out["speculative_config"] = dict(spec)
     for key, value in vars(args).items():
         if key.startswith("cfg__") and value is not None:
             _, section, *path = key.split("__")

@@ -116,6 +116,25 @@ class ServiceMetrics:
         self.num_preemptions = Gauge(
             "xllm_num_preemptions", "Preemptions since the engine started.", registry=r
         )
+        self.spec_num_drafts = Gauge(
+            "xllm_spec_decode_num_drafts",
+            "Sequence-steps that drafted tokens (speculative decoding).",
+            registry=r,
+        )
+        self.spec_num_draft_tokens = Gauge(
+            "xllm_spec_decode_num_draft_tokens", "Draft tokens proposed (speculative decoding).", registry=r
+        )
+        self.spec_num_accepted_tokens = Gauge(
+            "xllm_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted (speculative decoding).",
+            registry=r,
+        )
+        self.spec_accepted_per_pos = Gauge(
+            "xllm_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: a step's first draft token).",
+            ["position"],
+            registry=r,
+        )
         self.xtensor_pages = Gauge(
             "xllm_kv_xtensor_pages",
             "xTensor KV pages by state (free, allocated, mapped, reusable).",
@@ -230,6 +249,10 @@ class ServiceMetrics:
             self.num_waiting,
             self.kv_usage,
             self.num_preemptions,
+            self.spec_num_drafts,
+            self.spec_num_draft_tokens,
+            self.spec_num_accepted_tokens,
+            self.spec_accepted_per_pos,
             engine_counters,
             self.prompt_tokens,
             self.generation_tokens,
@@ -279,6 +302,13 @@ class ServiceMetrics:
             self.kv_pool_usage.labels(pool="recurrent_state").set(stats.state_pool.usage)
             self.kv_pool_free_blocks.labels(pool="recurrent_state").set(stats.state_pool.num_free_seq_slots)
         self.num_preemptions.set(stats.num_preemptions)
+        spec = stats.spec_decode
+        if spec is not None:
+            self.spec_num_drafts.set(spec.num_drafts)
+            self.spec_num_draft_tokens.set(spec.num_draft_tokens)
+            self.spec_num_accepted_tokens.set(spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.accepted_per_pos):
+                self.spec_accepted_per_pos.labels(position=str(pos)).set(n)
         if stats.graph is not None:
             self.graph_recompiles.set(stats.graph.num_recompiles_after_warmup)
             self.graph_replays.set(stats.graph.num_replays)

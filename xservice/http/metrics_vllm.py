@@ -26,6 +26,13 @@ VLLM_NAMES: dict[str, tuple[str, str | None]] = {
     "xllm_num_preemptions": ("vllm:num_preemptions", "counter"),
     "xllm_prefix_cache_queries": ("vllm:prefix_cache_queries", None),
     "xllm_prefix_cache_hits": ("vllm:prefix_cache_hits", None),
+    "xllm_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts", "counter"),
+    "xllm_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "counter"),
+    "xllm_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "counter"),
+    "xllm_spec_decode_num_accepted_tokens_per_pos": (
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "counter",
+    ),
     # request counters
     "xllm_prompt_tokens": ("vllm:prompt_tokens", None),
     "xllm_generation_tokens": ("vllm:generation_tokens", None),

@@ -1,0 +1,124 @@
+"""Speculative decoding: decode tok/s with speculation against without it, and the mean accepted length;
+prints one JSON.
+
+For each ``--sizes`` (make_tiny's qwen3), method (``--methods``: what is implemented), batch
+(``--batches``) and workload, the same prompts run greedily on one engine without speculation and one
+with it (``num_speculative_tokens`` ``--k``). Decode tok/s: the output tokens after the first, over the
+time a ``1 + --output-len`` token run takes beyond a one-token run (medians of ``--repeats``).
+
+Workloads:
+
+- ``random``: random prompts of ``--prompt-len`` tokens on make_tiny's checkpoint. A random model does
+  not repeat itself: the drafts are mostly wrong, and this is what speculation costs when it misses;
+- ``repeat``: the "bigram" copy of the checkpoint (``benchmarks/bigram_checkpoint.py``: attention
+  outputs zeroed, the same shapes and cost per token) on prompts that hold its own greedy continuation:
+  a random head, the model's greedy continuation of it (``--output-len`` tokens), the head again. The
+  model continues the second head as it did the first, and prompt lookup finds that continuation in
+  the prompt: the drafts are mostly right.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.offline.spec_decode --num-threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bigram_checkpoint import make_bigram_copy
+from benchmarks.checkpoint import cache_root, generated_checkpoint
+from benchmarks.machine import describe
+from benchmarks.smoke import add_smoke_flag, parse_args
+
+
+def _bigram(size: str) -> Path:
+    target = cache_root() / f"qwen3-{size}-seed0-bigram"
+    if not (target / "model.safetensors").is_file():
+        make_bigram_copy(generated_checkpoint("qwen3", size), target)
+    return target
+
+
+def _prompts(llm: Any, workload: str, batch: int, args: argparse.Namespace) -> list[list[int]]:
+    from xengine.api.messages import SamplingParams
+
+    rng = random.Random(batch)
+    vocab = llm.engine.vocab_size
+    heads = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+    if workload == "random":
+        return heads
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len + 8, ignore_eos=True)
+    chains = llm.generate(heads, params, use_tqdm=False)
+    return [h + list(c.outputs[0].token_ids) + h for h, c in zip(heads, chains)]
+
+
+def _decode_tok_s(llm: Any, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    from xengine.api.messages import SamplingParams
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm.engine.reset_prefix_cache()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    first = statistics.median(run(1) for _ in range(args.repeats))
+    total = statistics.median(run(1 + args.output_len) for _ in range(args.repeats))
+    return len(prompts) * args.output_len / max(total - first, 1e-9)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--sizes", nargs="+", default=["tiny", "small"])
+    p.add_argument("--methods", nargs="+", default=["ngram"])
+    p.add_argument("--workloads", nargs="+", default=["random", "repeat"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    add_smoke_flag(p)
+    args = parse_args(
+        p, argv, {"sizes": ["tiny"], "batches": [2], "output_len": 8, "repeats": 1, "prompt_len": 8}
+    )
+    from xengine.llm import LLM
+
+    results: dict[str, Any] = {}
+    for size in args.sizes:
+        for workload in args.workloads:
+            model_dir = _bigram(size) if workload == "repeat" else generated_checkpoint("qwen3", size)
+            plain = LLM(str(model_dir), num_threads=args.num_threads, block_size=16)
+            for method in args.methods:
+                spec_cfg = {"method": method, "num_speculative_tokens": args.k}
+                spec = LLM(
+                    str(model_dir), num_threads=args.num_threads, block_size=16, speculative_config=spec_cfg
+                )
+                for batch in args.batches:
+                    print(f"{size} {workload} {method} batch {batch}", file=sys.stderr)
+                    prompts = _prompts(plain, workload, batch, args)
+                    base = _decode_tok_s(plain, prompts, args)
+                    stats = spec.engine.scheduler.drafter.stats
+                    stats.__init__()  # count the measured runs only
+                    fast = _decode_tok_s(spec, prompts, args)
+                    results.setdefault(size, {}).setdefault(workload, {}).setdefault(method, {})[
+                        str(batch)
+                    ] = {
+                        "decode_tok_s": round(fast, 1),
+                        "decode_tok_s_no_spec": round(base, 1),
+                        "speedup": round(fast / base, 3),
+                        "mean_accepted_length": round(stats.mean_accepted_length, 3),
+                        "acceptance_rate": round(stats.acceptance_rate, 3),
+                        "acceptance_per_pos": [round(x, 3) for x in stats.acceptance_per_pos()],
+                    }
+    out = {"machine": describe(args.num_threads), "config": vars(args), "results": results}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Speculative decoding served by ``xllm serve`` (the ``speculative_config`` section of its YAML): the
+``openai`` client gets the tokens of the engine without speculation, and ``/v1/admin/stats`` and
+``/metrics`` (xllm's names and vLLM's ``vllm:spec_decode_*``) count the drafts proposed and accepted."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.bigram_checkpoint import make_bigram_copy
+from tests.xengine.conftest import random_prompts
+from tests.xservice.conftest import start_server
+from xengine.api.messages import SamplingParams
+from xengine.llm import LLM
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def bigram(make_model_dir, tmp_path_factory):
+    return make_bigram_copy(make_model_dir("qwen3"), tmp_path_factory.mktemp("bigram-serve"))
+
+
+@pytest.fixture(scope="module")
+def served(bigram):
+    handle = start_server(bigram, engine={"speculative_config": SPEC})
+    yield handle
+    handle.stop()
+
+
+def test_served_tokens_match_plain_decoding_and_drafts_are_counted(served, bigram) -> None:
+    plain = LLM(str(bigram), block_size=16)
+    heads = random_prompts([6, 12], seed=91)
+    chains = plain.generate(
+        heads, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )
+    prompts = [h + list(c.outputs[0].token_ids) + h for h, c in zip(heads, chains)]
+    expected = plain.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )
+    client = openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    for prompt, want in zip(prompts, expected):
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True,
+            "return_token_ids": True},
+        )  # fmt: skip
+        assert out.choices[0].token_ids == list(want.outputs[0].token_ids)
+    with served.client() as http:
+        stats = http.get("/v1/admin/stats").json()
+        metrics = http.get("/metrics").text
+    spec = stats["spec_decode"]
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 4
+    assert spec["num_accepted_tokens"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"]
+    assert sum(spec["accepted_per_pos"]) == spec["num_accepted_tokens"]
+    values = {
+        (s.name, s.labels.get("position")): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+    }
+    assert values[("xllm_spec_decode_num_accepted_tokens", None)] == spec["num_accepted_tokens"]
+    assert values[("vllm:spec_decode_num_draft_tokens_total", None)] == spec["num_draft_tokens"]
+    assert values[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0")] == spec["accepted_per_pos"][0]
