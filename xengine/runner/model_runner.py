@@ -284,11 +284,19 @@ class ModelRunner:
             # outputs before this step's token (async: the list already ends with its placeholder)
             num_outputs = len(s.req.output_token_ids) if s.output_index is None else s.output_index
             if drafts:  # one row per position: row j follows the first j drafts
-                assert sampling.groups is not None and s.num_samples == 1 and s.req.grammar is None
+                assert sampling.groups is not None and s.num_samples == 1
+                first_logit = i - 1 - len(drafts)
+                matcher = None
+                if s.req.grammar is not None:  # only the drafts the grammar accepts are verified
+                    matcher = self.matchers.get(s.req.seq_id, s.req.grammar)
+                    drafts = drafts[: matcher.valid_prefix(drafts)]
                 sampling.groups.append(DraftGroup(len(sampling.rows), drafts))
                 for j in range(len(drafts) + 1):
+                    if matcher is not None:
+                        draft = drafts[j] if j < len(drafts) else None
+                        sampling.grammar.add(len(sampling.rows), matcher, s.req.grammar.num_ids, draft)
                     sampling.rows.append((s.req, 0))
-                    sampling.row_of_logit.append(i - 1 - len(drafts) + j)
+                    sampling.row_of_logit.append(first_logit + j)
                     sampling.num_outputs.append(num_outputs + j)
                     sampling.row_drafts.append(drafts[:j])
                 continue
@@ -364,7 +372,7 @@ class ModelRunner:
         assert meta is not None and groups is not None
         processed = process_logits(logits.float(), meta)
         emitted = verify(processed, meta, groups)
-        if sampling.grammar.rows:  # grammar rows draft nothing: one token each
+        if sampling.grammar.rows:  # each matcher advances by its sequence's emitted tokens, in order
             row_tokens = [-1] * len(sampling.rows)
             for pairs in emitted:
                 for row, token in pairs:

@@ -35,6 +35,15 @@ class BaseGrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """True once nothing but eos can follow."""
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` (speculative decoding's drafts) the grammar accepts in a row from
+        the current state, without advancing. A backend that cannot tell answers 0: no drafts."""
+        return 0
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (drafts advanced through to fill their masks)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot roll back")
+
 
 class BaseCompiledGrammar(ABC):
     """A grammar compiled for one vocabulary; immutable, shared by every sequence that uses it."""

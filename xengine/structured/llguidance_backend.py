@@ -40,6 +40,15 @@ class LLGuidanceMatcher(BaseGrammarMatcher):
     def is_terminated(self) -> bool:
         return self._m.is_stopped()
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        if not token_ids or self._m.is_stopped() or self._m.is_error():
+            return 0
+        return self._m.validate_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
 
 class LLGuidanceGrammar(BaseCompiledGrammar):
     def __init__(self, template: llg.LLMatcher, eos_token_ids: frozenset[int], num_ids: int) -> None:

@@ -31,23 +31,39 @@ class GrammarRows:
     rows: list[int] = field(default_factory=list)
     matchers: list[BaseGrammarMatcher] = field(default_factory=list)
     num_ids: int = 0  # bitmask width in ids (the widest grammar of the step)
+    # speculative decoding: per row, the draft token its sequence's next row follows (None: the
+    # sequence's last row); ``fill_bitmask`` advances through it and rolls back afterwards
+    drafts: list[int | None] = field(default_factory=list)
 
-    def add(self, row: int, matcher: BaseGrammarMatcher, num_ids: int) -> None:
+    def add(self, row: int, matcher: BaseGrammarMatcher, num_ids: int, draft: int | None = None) -> None:
+        """Constrain ``row`` by ``matcher``'s state; ``draft``: the next row is the same sequence's
+        after this draft token (rows of one sequence are added in order)."""
         self.rows.append(row)
         self.matchers.append(matcher)
+        self.drafts.append(draft)
         self.num_ids = max(self.num_ids, num_ids)
 
     def fill_bitmask(self) -> torch.Tensor:
-        """int32 ``[len(rows), ceil(num_ids / 32)]``: row i is the mask of ``rows[i]``."""
+        """int32 ``[len(rows), ceil(num_ids / 32)]``: row i is the mask of ``rows[i]``. A drafting
+        sequence's rows see its drafts accepted one by one; its matcher is back where it was after."""
         bitmask = allocate_bitmask(len(self.rows), self.num_ids)
-        for i, matcher in enumerate(self.matchers):
+        advanced: dict[int, tuple[BaseGrammarMatcher, int]] = {}
+        for i, (matcher, draft) in enumerate(zip(self.matchers, self.drafts)):
             matcher.fill_bitmask(bitmask, i)
+            if draft is not None and matcher.accept_token(draft):
+                _, n = advanced.get(id(matcher), (matcher, 0))
+                advanced[id(matcher)] = (matcher, n + 1)
+        for matcher, n in advanced.values():
+            matcher.rollback(n)
         return bitmask
 
     def accept(self, sampled_token_ids: list[int]) -> None:
-        """Advance each matcher past its row's sampled token (``sampled_token_ids``: every row's)."""
+        """Advance each matcher past its row's sampled token (``sampled_token_ids``: every row's;
+        -1: a drafting sequence's row past its last emitted token, nothing to accept)."""
         for row, matcher in zip(self.rows, self.matchers):
             token = sampled_token_ids[row]
+            if token < 0:
+                continue
             if not matcher.accept_token(token):
                 # only possible for a token sampled without the mask applying (a row whose every
                 # allowed id was also banned) or one computed past the sequence's end (async)

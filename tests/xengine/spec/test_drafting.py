@@ -78,13 +78,19 @@ def test_requests_that_need_a_token_at_a_time_do_not_draft() -> None:
     assert drafter.draft(decoding_request(), BIG_BUDGET, is_beam=False) == FOLLOWING[:3]  # the control
 
 
-def test_a_request_with_a_grammar_does_not_draft(tiny_qwen3: Path) -> None:
+def test_a_request_with_a_grammar_drafts_and_its_matcher_cuts_the_draft(tiny_qwen3: Path) -> None:
+    """The scheduler drafts as for any request; the runner keeps the prefix the grammar accepts."""
     from xengine.structured.factory import create_backend
 
     backend = create_backend("llguidance", tiny_qwen3 / "tokenizer.json", 2048, [2, 1])
     req = decoding_request()
     req.grammar = backend.compile(GrammarSpec("regex", "[a-z]+"))
-    assert Drafter(ngram_config(3), max_model_len=1024).draft(req, BIG_BUDGET, is_beam=False) == []
+    drafts = Drafter(ngram_config(3), max_model_len=1024).draft(req, BIG_BUDGET, is_beam=False)
+    assert drafts == FOLLOWING[:3]
+    matcher = req.grammar.new_matcher()
+    valid = matcher.valid_prefix(drafts)
+    assert 0 <= valid <= len(drafts)
+    assert all(matcher.accept_token(t) for t in drafts[:valid])  # the prefix really is acceptable
 
 
 def test_only_a_request_with_exactly_one_pending_token_drafts() -> None:
