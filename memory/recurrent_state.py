@@ -25,11 +25,17 @@ from collections.abc import Callable
 
 class RecurrentStateSlots:
     def __init__(
-        self, num_seq_slots: int, num_snapshot_slots: int, block_size: int, interval: int, snapshots: bool
+        self,
+        num_seq_slots: int,
+        num_snapshot_slots: int,
+        block_size: int,
+        interval: int,
+        snapshots: bool,
+        num_draft_slots: int = 0,
     ) -> None:
-        """Slots ``0 .. num_seq_slots - 1`` hold running sequences, the rest snapshots (taken only when
-        ``snapshots``: prefix caching is on). ``interval``: tokens between snapshots, a multiple of
-        ``block_size``."""
+        """Slots ``0 .. num_seq_slots - 1`` hold running sequences, the next ones snapshots (taken only
+        when ``snapshots``: prefix caching is on), the last ``num_draft_slots`` speculative decoding's
+        per-draft states. ``interval``: tokens between snapshots, a multiple of ``block_size``."""
         if interval % block_size:
             raise ValueError(
                 f"cache.state_snapshot_interval {interval} must be a multiple of the block size {block_size}"
@@ -40,6 +46,11 @@ class RecurrentStateSlots:
         self.interval = interval
         self._free_seq = list(range(num_seq_slots - 1, -1, -1))
         self._free_snap = list(range(num_seq_slots + self.num_snapshot_slots - 1, num_seq_slots - 1, -1))
+        first_draft = num_seq_slots + self.num_snapshot_slots
+        self.num_draft_slots = num_draft_slots
+        self._free_draft = list(range(first_draft + num_draft_slots - 1, first_draft - 1, -1))
+        self._draft_step: dict[str, list[tuple[int, int]]] = {}  # this plan's per-draft checkpoints
+        self._drafting: dict[str, list[int]] = {}  # per drafting sequence: its draft slots, in order
         self.slot_of: dict[str, int] = {}
         self.by_block: OrderedDict[int, int] = OrderedDict()  # cached block -> snapshot slot, LRU first
         self._block_of: dict[int, int] = {}  # snapshot slot -> its block
@@ -139,18 +150,47 @@ class RecurrentStateSlots:
         slot = self.slot_of.pop(seq_id, None)
         if slot is not None:
             self._free_seq.append(slot)
+        self._draft_step.pop(seq_id, None)
+        self._free_draft.extend(self._drafting.pop(seq_id, []))
         for _, snap in self._pending.pop(seq_id, []) + self._step.pop(seq_id, []):
             self._free_snap.append(snap)
 
+    # ------------------------------------------------------------------ speculative decoding
+    def plan_drafts(self, seq_id: str, num_computed: int, num_drafts: int) -> bool:
+        """A step computes the sequence's last token and ``num_drafts`` drafts after it: the state
+        after the last token and after each draft but the last goes to a draft slot of its own
+        (the state after the last draft is the sequence slot's, as always). False: too few slots."""
+        self._free_draft.extend(self._drafting.pop(seq_id, []))  # planned again (a retried step)
+        if num_drafts > len(self._free_draft):
+            return False
+        slots = [self._free_draft.pop() for _ in range(num_drafts)]
+        self._drafting[seq_id] = slots
+        self._draft_step[seq_id] = [(num_computed + 1 + j, slot) for j, slot in enumerate(slots)]
+        return True
+
+    def accept_drafts(self, seq_id: str, num_accepted: int) -> None:
+        """The step ran and the first ``num_accepted`` drafts were accepted: unless all were, the
+        sequence's state is the one after its last accepted token, copied from its draft slot before
+        the next step runs. The draft slots are free again."""
+        slots = self._drafting.pop(seq_id, [])
+        if num_accepted < len(slots) and seq_id in self.slot_of:
+            self._copies.append((slots[num_accepted], self.slot_of[seq_id]))
+        self._free_draft.extend(slots)
+
     # ------------------------------------------------------------------ plans and snapshots
     def take_step(self) -> tuple[dict[str, list[tuple[int, int]]], list[tuple[int, int]]]:
-        """This plan's checkpoints (per sequence: ``(position, snapshot slot)``) and slot copies
-        ``(src, dst)``, to run before its forward; the checkpoints then wait for ``record``."""
+        """This plan's checkpoints (per sequence: ``(position, slot)``: snapshots, and drafts' states
+        under speculative decoding) and slot copies ``(src, dst)``, to run before its forward; the
+        snapshots then wait for ``record``."""
         step, copies = self._step, self._copies
         for seq_id, points in step.items():
             self._pending.setdefault(seq_id, []).extend(points)
             self.num_snapshots_taken += len(points)
-        self._step, self._copies, self._hits = {}, [], set()
+        if self._draft_step:
+            step = {seq_id: list(points) for seq_id, points in step.items()}
+            for seq_id, points in self._draft_step.items():
+                step[seq_id] = sorted(step.get(seq_id, []) + points)
+        self._step, self._copies, self._hits, self._draft_step = {}, [], set(), {}
         return step, copies
 
     def record(self, seq_id: str, num_computed: int, block_at: dict[int, int]) -> None:

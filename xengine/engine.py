@@ -131,6 +131,7 @@ class Engine:
                 shapes,
                 self.async_scheduling,
                 kv_free_layers(self.model, info.num_layers, shapes),
+                config.speculative_config.num_speculative_tokens if config.speculative_config.enabled else 0,
             )
         else:
             kv = build_kv(
@@ -198,9 +199,7 @@ class Engine:
         if not spec.enabled:
             return None
         blocker = None
-        if self.state_setup is not None:
-            blocker = "models with recurrent layers (each draft's state needs a slot of its own)"
-        elif self.kv.window is not None:
+        if self.kv.window is not None:
             blocker = "sliding-window layers with a KV pool of their own"
         elif self.parallel is not None:
             blocker = "expert parallelism"

@@ -4,7 +4,8 @@ attention layers, and a state pool for its recurrent ones (``memory/recurrent_st
 The attention KV is laid out as ``build_kv`` lays out any model's (paged or xTensor), for the attention
 layers only. Budget rule: the state pool comes first out of ``kv_cache_memory_gb`` (one slot per ``max_num_seqs``
 running sequence, plus ``state_snapshot_slots`` snapshots: by default four per ``max_num_seqs``, fewer
-if they would take over a quarter of the budget); the attention pool gets the rest. With
+if they would take over a quarter of the budget, plus under speculative decoding ``k`` draft states per
+running sequence); the attention pool gets the rest. With
 ``num_blocks`` set, the state pool is allocated besides it.
 """
 
@@ -84,17 +85,20 @@ def build_stateful_kv(
     shapes: dict[int, tuple[StateShape, ...]],
     async_scheduling: bool = False,
     no_kv: frozenset[int] | None = None,
+    drafts_per_seq: int = 0,
 ) -> tuple[KVSetup, StateSetup]:
     """The attention layers' KV (``build_kv``: paged or xTensor) and the recurrent layers' state pool
     (``kv_caches`` lists every layer; a layer without KV (``no_kv``: default the recurrent ones) has an
-    empty placeholder)."""
+    empty placeholder). ``drafts_per_seq``: speculative decoding's draft tokens per step, each with a
+    state slot of its own per running sequence (``RecurrentStateSlots.plan_drafts``)."""
     per_slot = RecurrentStatePool.bytes_per_slot(shapes)
     num_seq = scheduler.max_num_seqs
     budget = int(cache.kv_cache_memory_gb * GIB)
     num_snap = cache.state_snapshot_slots
     if num_snap is None:
         num_snap = min(4 * num_seq, max(0, budget // 4 // max(per_slot, 1)))
-    state_bytes = per_slot * (num_seq + num_snap)
+    num_draft = num_seq * drafts_per_seq
+    state_bytes = per_slot * (num_seq + num_snap + num_draft)
     no_kv = frozenset(shapes) if no_kv is None else no_kv
     attention = [i for i in range(info.num_layers) if i not in no_kv]
     if not attention:
@@ -104,17 +108,19 @@ def build_stateful_kv(
         if left <= 0:
             raise ValueError(
                 f"cache.kv_cache_memory_gb {cache.kv_cache_memory_gb} holds only the recurrent state pool "
-                f"({state_bytes / GIB:.3f} GiB for {num_seq} sequences and {num_snap} snapshots); raise "
+                f"({state_bytes / GIB:.3f} GiB for {num_seq} sequences, {num_snap} snapshots and {num_draft} "
+                "draft states); raise "
                 "it, or lower scheduler.max_num_seqs / cache.state_snapshot_slots"
             )
         cache = dataclasses.replace(cache, kv_cache_memory_gb=left / GIB)
     attn_info = dataclasses.replace(info, num_layers=len(attention))
     kv = build_kv(cache, scheduler, attn_info, dtype, platform, max_len, async_scheduling)
     slots = RecurrentStateSlots(
-        num_seq, num_snap, kv.spec.block_size, cache.state_snapshot_interval, cache.enable_prefix_caching
-    )
+        num_seq, num_snap, kv.spec.block_size, cache.state_snapshot_interval, cache.enable_prefix_caching,
+        num_draft,
+    )  # fmt: skip
     device = platform.torch_device()
-    pool = RecurrentStatePool(shapes, num_seq + slots.num_snapshot_slots, device)
+    pool = RecurrentStatePool(shapes, num_seq + slots.num_snapshot_slots + num_draft, device)
     base = kv.manager
     kv.manager = StatefulKVCacheManager(
         base.pool.num_blocks, kv.spec.block_size, cache.enable_prefix_caching, slots,

@@ -219,6 +219,11 @@ class Scheduler(BeamScheduling):
                     break
                 self._preempt(victim, plan)
             else:
+                states = self.kv.states
+                if drafts and states is not None and not states.plan_drafts(
+                    req.seq_id, req.num_computed_tokens, len(drafts)
+                ):  # no draft state slots left (never with one set per running sequence): no drafts
+                    num_new, drafts = 1, []
                 self._add_to_plan(plan, req, num_new, drafts)
 
     def _admit_waiting(self, cls: int, plan: SchedulePlan) -> None:
@@ -361,6 +366,8 @@ class Scheduler(BeamScheduling):
         self.drafter.stats.record(len(drafts), accepted)
         req.num_computed_tokens += 1 + accepted
         self.kv.trim(req.seq_id, req.num_computed_tokens + 1)
+        if self.kv.states is not None:  # recurrent layers: the state after the last accepted token
+            self.kv.states.accept_drafts(req.seq_id, accepted)
         if self.kv.has_blocks_to_cache(req.seq_id, req.num_computed_tokens):
             self.kv.cache_blocks(req.seq_id, req.cache_token_ids + drafts[:accepted], req.num_computed_tokens)
         for sample in samples:

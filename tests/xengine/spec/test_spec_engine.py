@@ -155,7 +155,7 @@ def test_seeded_sampling_is_reproducible_and_n_forks(bigram_dir) -> None:
     assert spec.engine.scheduler.drafter.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize(("arch", "why"), [("qwen3_next", "recurrent"), ("gemma3", "sliding-window")])
+@pytest.mark.parametrize(("arch", "why"), [("gemma3", "sliding-window"), ("mimo_v2_flash", "sliding-window")])
 def test_setups_not_supported_yet_are_refused(make_model_dir, arch, why) -> None:
     with pytest.raises(ValueError, match=why):
         make_engine(make_model_dir(arch), speculative_config=NGRAM)
