@@ -114,6 +114,10 @@ class HybridKVCacheManager(KVCacheManager):
         cached = self.prefix_cache.match(token_ids[: num_full * self.block_size], num_full).block_ids
         self.window.record(req_id, [(j, cached[j]) for j in range(done, len(cached))])
 
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        super().trim(req_id, num_tokens)
+        self.window.trim(req_id, num_tokens)
+
     def free(self, req_id: str) -> None:
         super().free(req_id)
         self.window.free(req_id)

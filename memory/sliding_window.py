@@ -180,6 +180,19 @@ class SlidingWindowBlocks:
             self._released[seq_id] = max(self._released.get(seq_id, 0), len(table))
         table.extend(self.pool.allocate(need - len(table)))
 
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens' (speculative decoding: blocks
+        only rejected drafts reached; never cached, never shared)."""
+        table = self.tables.get(seq_id)
+        need = -(-num_tokens // self.block_size)
+        if not table or len(table) <= need:
+            return
+        tail = [b for b in table[max(need, self._released.get(seq_id, 0)) :] if b != NULL_BLOCK]
+        del table[need:]
+        self._released[seq_id] = min(self._released.get(seq_id, 0), need)
+        if tail:
+            self.pool.free(list(reversed(tail)))
+
     def free(self, seq_id: str) -> None:
         """Release every block of the sequence (tail first, so prefixes outlive their suffixes)."""
         table = self.tables.pop(seq_id, None)

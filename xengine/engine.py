@@ -199,9 +199,7 @@ class Engine:
         if not spec.enabled:
             return None
         blocker = None
-        if self.kv.window is not None:
-            blocker = "sliding-window layers with a KV pool of their own"
-        elif self.parallel is not None:
+        if self.parallel is not None:
             blocker = "expert parallelism"
         elif self.graph_mode == "full":
             blocker = "full device graphs (set execution.graph_mode eager or partial)"

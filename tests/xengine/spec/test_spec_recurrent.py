@@ -10,15 +10,14 @@ preemption."""
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
 
 from tests.xengine.conftest import assert_engine_idle, random_prompts
+from tests.xengine.spec.oracle import OracleProposer
 from xengine.api.messages import SamplingParams
 from xengine.llm import LLM
-from xengine.request import Request
 
 MAX_TOKENS = 24
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -27,24 +26,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "noprefix+whole": dict(enable_prefix_caching=False, max_num_batched_tokens=512),
     "preempt": dict(enable_prefix_caching=True, max_num_batched_tokens=48, num_blocks=20),
 }
-
-
-class OracleProposer:
-    """Drafts the reference continuation of each prompt, about a third of the drafts corrupted (seeded)."""
-
-    def __init__(self, reference: dict[tuple[int, ...], list[int]], vocab: int) -> None:
-        self.reference, self.vocab = reference, vocab
-
-    def propose(self, req: Request, k: int) -> list[int]:
-        done = len(req.output_token_ids)
-        out = list(self.reference[tuple(req.prompt_token_ids)][done : done + k])
-        wrong = [
-            random.Random(len(req.prompt_token_ids) * 1000 + done * 10 + j).random() < 0.3 for j in range(k)
-        ]
-        return [(t + 1) % self.vocab if bad else t for t, bad in zip(out, wrong)]
-
-    def release(self, seq_id: str) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
