@@ -71,6 +71,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    speculative: bool = True  # False: this request never drafts (speculative decoding, ``xengine/spec/``)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True

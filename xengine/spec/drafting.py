@@ -2,7 +2,7 @@
 
 A running sequence drafts when it decodes (its prompt is computed and exactly one token waits to be
 computed) and nothing about it needs a token at a time: not a beam search, not an ``n > 1`` request
-still to fork, not prefill-only. A sequence with a grammar drafts too: the runner keeps the drafts the
+still to fork, not prefill-only, not opted out (``SamplingParams.speculative`` false). A sequence with a grammar drafts too: the runner keeps the drafts the
 grammar accepts (``BaseGrammarMatcher.valid_prefix``) and masks each verification row with the
 grammar's state after the drafts before it.
 Its draft is at most ``num_speculative_tokens`` long and leaves room for the step's own token within
@@ -71,7 +71,7 @@ class Drafter:
 
     def draft(self, req: Request, budget: int, is_beam: bool) -> list[int]:
         """Draft tokens for ``req`` this step (``budget``: the step's tokens left, its own one included)."""
-        if is_beam or req.num_pending_forks or req.params.is_prefill_only:
+        if is_beam or req.num_pending_forks or req.params.is_prefill_only or not req.params.speculative:
             return []
         if req.num_computed_tokens < req.num_prompt_tokens or req.num_tokens - req.num_computed_tokens != 1:
             return []

@@ -52,6 +52,7 @@ class SamplingRequest(APIRequest):
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    speculative: bool = True  # xllm's extension: false opts this request out of speculative decoding
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

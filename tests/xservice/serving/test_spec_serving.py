@@ -62,3 +62,29 @@ def test_served_tokens_match_plain_decoding_and_drafts_are_counted(served, bigra
     assert values[("xllm_spec_decode_num_accepted_tokens", None)] == spec["num_accepted_tokens"]
     assert values[("vllm:spec_decode_num_draft_tokens_total", None)] == spec["num_draft_tokens"]
     assert values[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0")] == spec["accepted_per_pos"][0]
+
+
+def test_a_request_opts_out_with_speculative_false(served, bigram) -> None:
+    heads = random_prompts([8], seed=93)
+    plain = LLM(str(bigram), block_size=16)
+    chain = plain.generate(
+        heads, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )
+    prompt = heads[0] + list(chain[0].outputs[0].token_ids) + heads[0]  # lookup would find drafts
+    client = openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+
+    def drafts() -> int:
+        with served.client() as http:
+            return http.get("/v1/admin/stats").json()["spec_decode"]["num_drafts"]
+
+    before = drafts()
+    out = client.completions.create(
+        model=model, prompt=prompt, max_tokens=16, temperature=0,
+        extra_body={"ignore_eos": True, "speculative": False, "return_token_ids": True},
+    )  # fmt: skip
+    assert len(out.choices[0].token_ids) == 16 and drafts() == before
+    client.completions.create(
+        model=model, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert drafts() > before
