@@ -113,8 +113,6 @@ class Engine:
         caps, execution = self.platform.capabilities, config.execution
         self.graph_mode = caps.default_graph_mode if execution.graph_mode == "auto" else execution.graph_mode
         self.async_scheduling = execution.async_enabled(caps.default_async_scheduling)
-        if config.speculative_config.enabled:  # verification runs in synchronous steps for now
-            self.async_scheduling = False
         shapes = state_shapes(self.model)
         self.state_setup: StateSetup | None = None
         if shapes:  # recurrent layers: a state pool beside the attention KV (``xengine/state_setup.py``)

@@ -470,11 +470,6 @@ class EngineConfig:
         self.parallel.validate()
         self.structured_outputs.validate()
         self.speculative_config.validate()
-        if self.speculative_config.enabled and self.execution.async_scheduling == "on":
-            raise ValueError(
-                "speculative decoding does not run with execution.async_scheduling on yet; set it to off "
-                "or auto (auto runs synchronously while speculation is on)"
-            )
 
 
 def replace_section(cfg: Any, section: str, **changes: Any) -> Any:

@@ -157,6 +157,11 @@ class Scheduler(BeamScheduling):
             plan.state_checkpoints, plan.state_copies = states.take_step()
         plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.seqs)
         plan.sync = any(s.num_samples > 1 or s.req.req_id in self.beam_groups for s in plan.seqs)
+        if (
+            self._drafting and self.async_mode
+        ):  # the next drafts need this step's tokens (``spec/drafting.py``)
+            assert self.drafter is not None
+            plan.sync = plan.sync or any(s.sample and self.drafter.may_draft(s.req) for s in plan.seqs)
         plan.interruptible = (
             not plan.is_empty
             and all(s.req.rank[0] > ONLINE for s in plan.seqs)
@@ -220,8 +225,10 @@ class Scheduler(BeamScheduling):
                 self._preempt(victim, plan)
             else:
                 states = self.kv.states
-                if drafts and states is not None and not states.plan_drafts(
-                    req.seq_id, req.num_computed_tokens, len(drafts)
+                if (
+                    drafts
+                    and states is not None
+                    and not states.plan_drafts(req.seq_id, req.num_computed_tokens, len(drafts))
                 ):  # no draft state slots left (never with one set per running sequence): no drafts
                     num_new, drafts = 1, []
                 self._add_to_plan(plan, req, num_new, drafts)

@@ -8,6 +8,11 @@ grammar's state after the drafts before it.
 Its draft is at most ``num_speculative_tokens`` long and leaves room for the step's own token within
 the step's token budget, ``max_tokens`` and ``max_model_len``. While more sequences run than
 ``disable_by_batch_size`` (when set), nobody drafts: a big batch already fills the step.
+
+Under async scheduling a sequence drafts only once its last token is known (no placeholder), and a
+plan in which any sequence may draft is ``sync`` (``Scheduler.schedule``): the next plan is made after
+its outputs are applied, so the next drafts see them. While speculation is off for the batch
+(``disable_by_batch_size``) or every sequence opted out, steps overlap as usual.
 """
 
 from __future__ import annotations
@@ -69,11 +74,17 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         return not limit or num_running <= limit
 
+    def may_draft(self, req: Request) -> bool:
+        """Whether ``req`` drafts in steps where speculation is on (its params allow it)."""
+        return req.params.speculative and not req.params.is_prefill_only
+
     def draft(self, req: Request, budget: int, is_beam: bool) -> list[int]:
         """Draft tokens for ``req`` this step (``budget``: the step's tokens left, its own one included)."""
         if is_beam or req.num_pending_forks or req.params.is_prefill_only or not req.params.speculative:
             return []
         if req.num_computed_tokens < req.num_prompt_tokens or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        if req.num_placeholders:  # async: its last token is still being sampled
             return []
         k = min(self.config.num_speculative_tokens, budget - 1, self.max_model_len - req.num_tokens - 1)
         if req.params.max_tokens is not None:

@@ -1,5 +1,5 @@
 """The ``speculative_config`` section (``SpeculativeConfig`` in ``xengine/api/config.py``): validation
-errors name the field, methods not implemented yet are refused, async scheduling "on" is refused with
+errors name the field, methods not implemented yet are refused, any async scheduling mode goes with
 speculation; and the ways in: ``xllm serve --speculative-config JSON`` through the real argparse parser,
 the YAML section through ``xservice.config.load_config``, ``LLM(speculative_config={...})``'s config."""
 
@@ -59,14 +59,10 @@ def test_methods_not_implemented_yet_are_refused(method: str) -> None:
         cfg.validate()
 
 
-def test_async_scheduling_on_is_refused_with_speculation() -> None:
+def test_every_async_scheduling_mode_goes_with_speculation() -> None:
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
-    on = EngineConfig(speculative_config=spec, execution=ExecutionConfig(async_scheduling="on"))
-    with pytest.raises(ValueError, match=r"execution\.async_scheduling on"):
-        on.validate()
-    for mode in ("off", "auto"):
+    for mode in ("on", "off", "auto"):
         EngineConfig(speculative_config=spec, execution=ExecutionConfig(async_scheduling=mode)).validate()
-    EngineConfig(execution=ExecutionConfig(async_scheduling="on")).validate()  # without speculation
 
 
 def test_serve_flag_sets_the_section() -> None:
@@ -152,10 +148,6 @@ def test_flag_overrides_only_the_keys_it_gives(tmp_path: Path) -> None:
             "unknown config key 'speculative_config.lookahead'",
         ),
         ("speculative_config:\n  method: mtp\n  num_speculative_tokens: 1\n", "'mtp' is not implemented yet"),
-        (
-            "execution:\n  async_scheduling: 'on'\nspeculative_config:\n  method: ngram\n  num_speculative_tokens: 2\n",
-            r"execution\.async_scheduling on",
-        ),
     ],
 )
 def test_bad_yaml_section_is_refused(tmp_path: Path, text: str, message: str) -> None:

@@ -164,8 +164,18 @@ def test_setups_not_supported_yet_are_refused(make_model_dir) -> None:
         )
 
 
-def test_async_on_is_refused_and_auto_runs_synchronously(bigram_dir) -> None:
-    with pytest.raises(ValueError, match="async_scheduling"):
-        make_engine(bigram_dir, speculative_config=NGRAM, async_scheduling="on")
-    engine = make_engine(bigram_dir, speculative_config=NGRAM, async_scheduling="auto")
-    assert engine.async_scheduling is False
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_async_scheduling_keeps_tokens_and_drafts(bigram_dir, oracles, mode) -> None:
+    """Under async scheduling a plan where a sequence may draft runs synchronously; the tokens are
+    HF's and drafts are accepted."""
+    prompts, expected = oracles("bigram")
+    llm = LLM(str(bigram_dir), block_size=16, speculative_config=NGRAM, async_scheduling=mode)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert llm.engine.scheduler.drafter.stats.mean_accepted_length > 2.0
+    # speculation off for big batches: those steps overlap again, the tokens unchanged
+    big = LLM(str(bigram_dir), block_size=16, async_scheduling=mode,
+              speculative_config={**NGRAM, "disable_by_batch_size": 2})  # fmt: skip
+    outputs = big.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
