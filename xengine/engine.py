@@ -43,6 +43,7 @@ from xengine.parallel.group import start_expert_parallel
 from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
+from xengine.spec.draft_model import DraftModelProposer
 from xengine.spec.drafting import Drafter
 from xengine.state_setup import StateSetup, build_stateful_kv, kv_free_layers, state_shapes
 from xengine.step.deltas import collect_deltas
@@ -205,7 +206,17 @@ class Engine:
             blocker = "vision-language models"
         if blocker is not None:
             raise ValueError(f"speculative decoding ({spec.method}) does not run with {blocker} yet")
-        return Drafter(spec, self.max_model_len)
+        proposer = None
+        if spec.method == "draft_model":
+            if not Path(spec.model).is_dir():
+                raise ValueError(
+                    f"speculative_config.model {spec.model!r} is not a folder: give the draft's HF folder"
+                )
+            proposer = DraftModelProposer(
+                spec.model, self.platform, self.dtype, config.cache, config.scheduler,
+                self.kv.pool.num_blocks, self.max_model_len, self.model_info.vocab_size,
+            )  # fmt: skip
+        return Drafter(spec, self.max_model_len, proposer)
 
     def _check_stateful(self, graph_mode: str) -> None:
         """A model with recurrent layers runs on one process, without whole-step graphs, for now: refuse

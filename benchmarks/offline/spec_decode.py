@@ -6,11 +6,15 @@ For each ``--sizes`` (make_tiny's qwen3), method (``--methods``: what is impleme
 with it (``num_speculative_tokens`` ``--k``). Decode tok/s: the output tokens after the first, over the
 time a ``1 + --output-len`` token run takes beyond a one-token run (medians of ``--repeats``).
 
+Methods: ``ngram`` (prompt lookup) and ``draft_model``, whose draft is the target's own first
+``--draft-layers`` layers with its embeddings and head (``benchmarks/spec_checkpoints.py``): a model
+with the target's vocabulary at a fraction of its cost.
+
 Workloads:
 
 - ``random``: random prompts of ``--prompt-len`` tokens on make_tiny's checkpoint. A random model does
   not repeat itself: the drafts are mostly wrong, and this is what speculation costs when it misses;
-- ``repeat``: the "bigram" copy of the checkpoint (``benchmarks/bigram_checkpoint.py``: attention
+- ``repeat``: the "bigram" copy of the checkpoint (``benchmarks/spec_checkpoints.py``: attention
   outputs zeroed, the same shapes and cost per token) on prompts that hold its own greedy continuation:
   a random head, the model's greedy continuation of it (``--output-len`` tokens), the head again. The
   model continues the second head as it did the first, and prompt lookup finds that continuation in
@@ -30,16 +34,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bigram_checkpoint import make_bigram_copy
 from benchmarks.checkpoint import cache_root, generated_checkpoint
 from benchmarks.machine import describe
 from benchmarks.smoke import add_smoke_flag, parse_args
+from benchmarks.spec_checkpoints import make_bigram_copy, make_truncated_copy
 
 
 def _bigram(size: str) -> Path:
     target = cache_root() / f"qwen3-{size}-seed0-bigram"
     if not (target / "model.safetensors").is_file():
         make_bigram_copy(generated_checkpoint("qwen3", size), target)
+    return target
+
+
+def _draft(model_dir: Path, layers: int) -> Path:
+    """The target's first ``layers`` layers: the draft model of ``draft_model``."""
+    target = model_dir.parent / f"{model_dir.name}-first{layers}"
+    if not (target / "model.safetensors").is_file():
+        make_truncated_copy(model_dir, target, layers)
     return target
 
 
@@ -76,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--sizes", nargs="+", default=["tiny", "small"])
-    p.add_argument("--methods", nargs="+", default=["ngram"])
+    p.add_argument("--methods", nargs="+", default=["ngram", "draft_model"])
+    p.add_argument("--draft-layers", type=int, default=1, help="draft_model: the target's first N layers")
     p.add_argument("--workloads", nargs="+", default=["random", "repeat"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -95,7 +108,9 @@ def main(argv: list[str] | None = None) -> None:
             model_dir = _bigram(size) if workload == "repeat" else generated_checkpoint("qwen3", size)
             plain = LLM(str(model_dir), num_threads=args.num_threads, block_size=16)
             for method in args.methods:
-                spec_cfg = {"method": method, "num_speculative_tokens": args.k}
+                spec_cfg: dict[str, Any] = {"method": method, "num_speculative_tokens": args.k}
+                if method == "draft_model":
+                    spec_cfg["model"] = str(_draft(model_dir, args.draft_layers))
                 spec = LLM(
                     str(model_dir), num_threads=args.num_threads, block_size=16, speculative_config=spec_cfg
                 )

@@ -383,7 +383,7 @@ class StructuredOutputsConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
-SPECULATIVE_IMPLEMENTED = ("ngram",)
+SPECULATIVE_IMPLEMENTED = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -393,9 +393,10 @@ class SpeculativeConfig:
 
     method: str = _f(
         "",
-        "Speculative decoding: empty (off) or ngram (prompt lookup: drafts are the tokens that followed the "
-        "latest earlier occurrence of the sequence's last n tokens; no model pass). draft_model, mtp, eagle "
-        "and eagle3 are refused until they are implemented.",
+        "Speculative decoding: empty (off); ngram (prompt lookup: drafts are the tokens that followed the "
+        "latest earlier occurrence of the sequence's last n tokens; no model pass); draft_model (a small "
+        "model with the target's vocabulary, speculative_config.model, drafts greedily). mtp, eagle and "
+        "eagle3 are refused until they are implemented.",
     )
     num_speculative_tokens: int = _f(
         0, "Draft tokens proposed per decoding sequence and step (k); the target verifies k + 1 positions."
@@ -406,7 +407,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _f(
         4, "ngram: the longest suffix looked up (tokens); longer matches are tried first."
     )
-    model: str = _f("", "draft_model / eagle / eagle3: the draft's HF folder (not implemented yet).")
+    model: str = _f("", "draft_model: the draft model's HF folder (the target's vocabulary).")
     disable_by_batch_size: int = _f(
         0,
         "Speculation turns itself off for a step while more than this many sequences run (0: never); "
@@ -442,6 +443,10 @@ class SpeculativeConfig:
             )
         if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be >= 1 when a method is set")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError(
+                "speculative_config.method draft_model needs speculative_config.model (an HF folder)"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "

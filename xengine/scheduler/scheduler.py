@@ -134,6 +134,12 @@ class Scheduler(BeamScheduling):
         self._prefill_cap = self._mixed_prefill_cap()
         self._prefill_tokens = 0
         self._drafting = self.drafter is not None and self.drafter.enabled_for(len(self.running))
+        if self._drafting:  # a model proposer drafts for the whole batch at once
+            assert self.drafter is not None
+            running = [
+                r for r in self.running if r.status == RequestStatus.RUNNING and r.seq_id not in self.held
+            ]
+            self.drafter.prepare(running, set(self.beam_groups))
         self.running.sort(key=lambda r: r.rank)
         for cls in sorted(PRIORITY_RANK.values()):
             if cls > ONLINE and self._online_prefill and self.config.isolate_online_prefill:

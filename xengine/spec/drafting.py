@@ -35,6 +35,12 @@ class Proposer(Protocol):
         ...
 
 
+class BatchProposer(Proposer, Protocol):
+    def prepare(self, reqs: list[Request], ks: list[int]) -> None:
+        """Draft for these sequences at once (a model's batched steps), before a scheduling pass."""
+        ...
+
+
 class NgramProposer:
     """Prompt lookup with an index per sequence (``NgramIndex``), dropped when the sequence ends."""
 
@@ -53,18 +59,22 @@ class NgramProposer:
 
 
 def build_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposers that need nothing from the engine (a model proposer is built by the engine)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config.method {config.method!r} is not implemented yet")
+    raise ValueError(f"speculative_config.method {config.method!r} needs the engine to build its proposer")
 
 
 class Drafter:
     """The scheduler's side of speculative decoding: drafts per sequence, and the counters."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None
+    ) -> None:
+        """``proposer``: a model proposer built by the engine (default: ``build_proposer(config)``)."""
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = build_proposer(config)
+        self.proposer = proposer if proposer is not None else build_proposer(config)
         self.stats = SpecDecodeStats()
 
     def release(self, seq_id: str) -> None:
@@ -78,17 +88,36 @@ class Drafter:
         """Whether ``req`` drafts in steps where speculation is on (its params allow it)."""
         return req.params.speculative and not req.params.is_prefill_only
 
-    def draft(self, req: Request, budget: int, is_beam: bool) -> list[int]:
-        """Draft tokens for ``req`` this step (``budget``: the step's tokens left, its own one included)."""
+    def prepare(self, running: list[Request], beams: set[str]) -> None:
+        """Before a scheduling pass: a model proposer drafts for every running sequence that may
+        (``beams``: request ids of beam searches)."""
+        prepare = getattr(self.proposer, "prepare", None)
+        if prepare is None:
+            return
+        reqs, ks = [], []
+        for req in running:
+            k = self._limit(req, req.req_id in beams)
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+        prepare(reqs, ks)
+
+    def _limit(self, req: Request, is_beam: bool, budget: int | None = None) -> int:
+        """How many tokens ``req`` may draft (0: none), within ``budget`` tokens of the step."""
         if is_beam or req.num_pending_forks or req.params.is_prefill_only or not req.params.speculative:
-            return []
+            return 0
         if req.num_computed_tokens < req.num_prompt_tokens or req.num_tokens - req.num_computed_tokens != 1:
-            return []
+            return 0
         if req.num_placeholders:  # async: its last token is still being sampled
-            return []
-        k = min(self.config.num_speculative_tokens, budget - 1, self.max_model_len - req.num_tokens - 1)
+            return 0
+        k = min(self.config.num_speculative_tokens, self.max_model_len - req.num_tokens - 1)
+        if budget is not None:
+            k = min(k, budget - 1)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
-        if k <= 0:
-            return []
-        return self.proposer.propose(req, k)
+        return max(k, 0)
+
+    def draft(self, req: Request, budget: int, is_beam: bool) -> list[int]:
+        """Draft tokens for ``req`` this step (``budget``: the step's tokens left, its own one included)."""
+        k = self._limit(req, is_beam, budget)
+        return self.proposer.propose(req, k) if k > 0 else []

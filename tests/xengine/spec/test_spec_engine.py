@@ -4,7 +4,7 @@ logprobs and penalties as without speculation; seeded sampling reproducible; the
 where it started; the setups it does not run with yet refused.
 
 Random tiny models do not repeat themselves, so n-gram drafts are mostly rejected on them; the
-"bigram" checkpoint (``benchmarks/bigram_checkpoint.py``) continues prompts that hold its own continuation as they go, so
+"bigram" checkpoint (``benchmarks/spec_checkpoints.py``) continues prompts that hold its own continuation as they go, so
 its drafts are mostly accepted: both paths of the verification run.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.bigram_checkpoint import make_bigram_copy
+from benchmarks.spec_checkpoints import make_bigram_copy
 from tests.xengine.conftest import HFOracle, assert_engine_idle, make_engine, random_prompts
 from tests.xengine.test_engine_parity import CONFIGS, make_prompts
 from xengine.api.messages import SamplingParams

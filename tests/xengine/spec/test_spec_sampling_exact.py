@@ -1,5 +1,5 @@
 """Sampling under speculation is exact through the whole engine: for one prompt, the distribution of
-the next three tokens with n-gram speculation on equals the distribution with it off.
+the next three tokens with speculation on (n-gram, and a draft model) equals the distribution with it off.
 
 ``allowed_token_ids`` narrows the tiny model's vocabulary to 6 ids and the prompt repeats them, so
 prompt lookup drafts on most steps and the target (temperature 1) accepts some drafts and rejects
@@ -69,22 +69,32 @@ def _statistics(off: list[tuple[int, ...]], on: list[tuple[int, ...]]) -> dict[s
     return {name: _two_sample_chi2(Counter(map(k, off)), Counter(map(k, on))) for name, k in keys.items()}
 
 
-@pytest.mark.parametrize("biased", [False, True], ids=["exact", "biased-rule-is-caught"])
+@pytest.fixture(scope="module")
+def samples_off(make_model_dir) -> list[tuple[int, ...]]:
+    plain = LLM(str(make_model_dir("qwen3")), block_size=16, enable_prefix_caching=False, max_num_seqs=64)
+    return _samples(plain, 0)
+
+
+@pytest.mark.parametrize(
+    ("method", "biased"),
+    [("ngram", False), ("ngram", True), ("draft_model", False)],
+    ids=["ngram-exact", "ngram-biased-rule-is-caught", "draft_model-exact"],
+)
 def test_the_next_three_tokens_are_distributed_as_without_speculation(
-    make_model_dir, monkeypatch, biased
+    make_model_dir, monkeypatch, samples_off, method, biased
 ) -> None:
     """``biased``: the runner's acceptance probability ``p`` replaced by ``min(1, 1.5 p)``: the same
-    test must then fail (it has the power to see a wrong rule)."""
+    test must then fail (it has the power to see a wrong rule). ``draft_model``: the target drafts for
+    itself (greedy drafts, accepted with the probability the target gives them)."""
     if biased:
         monkeypatch.setattr(
             model_runner, "verify", functools.partial(verify, accept_rule=lambda p: min(1.0, 1.5 * p))
         )
     model = str(make_model_dir("qwen3"))
-    plain = LLM(model, block_size=16, enable_prefix_caching=False, max_num_seqs=64)
-    spec = LLM(model, block_size=16, enable_prefix_caching=False,
-               max_num_seqs=64, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-               "prompt_lookup_min": 1})  # fmt: skip
-    off, on = _samples(plain, 0), _samples(spec, 10**6)
+    config: dict = {"method": method, "num_speculative_tokens": 3}
+    config.update({"prompt_lookup_min": 1} if method == "ngram" else {"model": model})
+    spec = LLM(model, block_size=16, enable_prefix_caching=False, max_num_seqs=64, speculative_config=config)
+    off, on = samples_off, _samples(spec, 10**6)
     stats = spec.engine.scheduler.drafter.stats
     assert stats.num_accepted_tokens > 300 and stats.num_draft_tokens - stats.num_accepted_tokens > 300, stats
     results = _statistics(off, on)

@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.bigram_checkpoint import make_bigram_copy
+from benchmarks.spec_checkpoints import make_bigram_copy
 from tests.xengine.conftest import random_prompts
 from tests.xservice.conftest import start_server
 from xengine.api.messages import SamplingParams
