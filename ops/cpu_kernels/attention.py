@@ -3,7 +3,8 @@
 The kernel reads each sequence's K/V where they are: the blocks of its block table (paged layout) or
 its virtually contiguous slot (xTensor layout, one base address per sequence), with no gather into a
 padded buffer and no mask. A sequence's step of at most ``SHORT_QUERY`` tokens (a speculative step's
-drafts, a short prompt chunk) runs the kernel too, a row per token. Longer prefill chunks in a step run
+drafts, a short prompt chunk) runs the kernel too, a row per token (not over an 8-bit cache, whose prompt
+chunks keep the reference's attention over their own unquantized K/V). Longer prefill chunks in a step run
 the torch reference (one SDPA per chunk) and the rest still run the kernel, so a decode's result does
 not depend on what shares its step. float32 and bfloat16 take the kernel (q and cache of one dtype; bfloat16: K/V
 widened to float32 as read, softmax and sums in float32, the output rounded once, as the reference's
@@ -29,6 +30,7 @@ reference_attention = ref.attention
 reference_contiguous = ref_contiguous.attention_contiguous
 
 _SCRATCH_KEY = "cpu_kernels.decode_attention"
+_USABLE_KEY = "cpu_kernels.decode_attention.usable"
 SHORT_QUERY = 16  # a sequence's step of at most this many tokens runs the kernel, a row per token
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -53,7 +55,8 @@ class _Rows:
     position (the step's new K/V are stored before the kernel runs): causal attention, as the
     reference computes it, without a padded query block. Longer chunks run the reference."""
 
-    def __init__(self, meta: AttentionMetadata) -> None:
+    def __init__(self, meta: AttentionMetadata, short: int = SHORT_QUERY) -> None:
+        self.short = short  # the longest query the kernel takes (``_short_query``)
         starts = [0]
         for n in meta.query_lens_cpu:
             starts.append(starts[-1] + n)
@@ -66,7 +69,7 @@ class _Rows:
         else:
             seqs, tokens, lens = [], [], []
             for b, n in enumerate(meta.query_lens_cpu):
-                if n <= SHORT_QUERY:
+                if n <= short:
                     seqs += [b] * n
                     tokens += range(starts[b], starts[b] + n)
                     end = meta.seq_lens_cpu[b]
@@ -78,26 +81,29 @@ class _Rows:
             self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=meta.seq_lens.device)
             self.tables = meta.block_tables[index].contiguous()
         self.slot_index: tuple[torch.Tensor, torch.Tensor] | None = None  # xTensor (chunk, offset) per decode
-        self.usable: dict[tuple, bool] = {}  # _usable by (q dtype, cache dtype, heads, KV heads, head_dim)
 
 
-def _rows(meta: AttentionMetadata) -> _Rows:
-    rows = meta.scratch.get(_SCRATCH_KEY)
+def _short_query(cache: torch.Tensor) -> int:
+    """The longest query per sequence the kernel takes over ``cache``: ``SHORT_QUERY``; 1 for an 8-bit
+    cache, whose prompt chunks keep the reference (it attends over the chunk's own unquantized K/V)."""
+    return SHORT_QUERY if kv_format(cache) is None else 1
+
+
+def _rows(meta: AttentionMetadata, cache: torch.Tensor) -> _Rows:
+    short = _short_query(cache)
+    rows = meta.scratch.get((_SCRATCH_KEY, short))
     if rows is None:
-        rows = meta.scratch[_SCRATCH_KEY] = _Rows(meta)
+        rows = meta.scratch[(_SCRATCH_KEY, short)] = _Rows(meta, short)
     return rows
 
 
 def _usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether the kernel takes this step's decodes (the same answer for every layer of one shape)."""
-    rows = meta.scratch.get(_SCRATCH_KEY)
-    key = (q.dtype, cache.dtype, q.device.type, *q.shape[1:], cache.shape[-2])
-    if rows is not None and key in rows.usable:
-        return rows.usable[key]
-    usable = _check_usable(q, cache, meta)
-    if usable:
-        _rows(meta).usable[key] = usable
-    return usable
+    known = meta.scratch.setdefault(_USABLE_KEY, {})
+    key = (q.dtype, cache.dtype, q.device.type, *q.shape[1:], cache.shape[-2], cache.shape[-1])
+    if key not in known:
+        known[key] = _check_usable(q, cache, meta)
+    return known[key]
 
 
 def _check_usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -108,7 +114,7 @@ def _check_usable(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata)
         return False
     if meta.seq_lens.dtype != torch.int32 or meta.block_tables.dtype != torch.int32 or q.dim() != 3:
         return False  # the kernel reads int32 lengths and tables
-    if not any(n <= SHORT_QUERY for n in meta.query_lens_cpu):
+    if not any(n <= _short_query(cache) for n in meta.query_lens_cpu):
         return False
     lib = kernel_library("decode_attention")
     _, num_heads, head_dim = q.shape
@@ -128,7 +134,7 @@ def decode_attention(
     if not _usable(q, kv_cache, meta) or not kv_cache.is_contiguous():
         return reference_attention(q, k, v, kv_cache, meta, scale, sliding_window)
     _store_kv(k, v, kv_cache, meta.slot_mapping)
-    rows = _rows(meta)
+    rows = _rows(meta, kv_cache)
     _, _, block_size, num_kv_heads, width = kv_cache.shape  # width: head_dim (+ the scale when 8-bit)
     head_dim = q.shape[-1]
     k_base = kv_cache.data_ptr()  # K and V planes (no per-call views)
@@ -169,7 +175,7 @@ def decode_attention_contiguous(
         return reference_contiguous(q, k, v, kv, meta, scale, sliding_window)
     assert meta.kv_slots is not None, "the xTensor layout sets meta.kv_slots"
     _store_kv(k, v, kv.paged, meta.slot_mapping)
-    rows = _rows(meta)
+    rows = _rows(meta, kv.paged)
     chunk, offset = _slot_index(kv, meta, rows)
     k_chunks = torch.tensor([c.data_ptr() for c in kv.k_chunks], dtype=torch.int64)
     v_chunks = torch.tensor([c.data_ptr() for c in kv.v_chunks], dtype=torch.int64)
@@ -260,7 +266,7 @@ def _decodes_and_prefills(
     out = torch.empty_like(q)
     out[rows.tokens] = res
     for b, q_len in enumerate(meta.query_lens_cpu):
-        if q_len > SHORT_QUERY:
+        if q_len > rows.short:
             out[rows.starts[b] : rows.starts[b + 1]] = prefill(b, rows.starts[b], rows.starts[b + 1])
     return out
 
