@@ -33,6 +33,7 @@ from xengine.scheduler.beams import BeamScheduling
 from xengine.scheduler.in_flight import advance, done_pending, strip_placeholders
 from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
 from xengine.scheduler.prompt_outputs import apply_prompt_outputs, limit_prefix, prefill_done
+from xengine.scheduler.speculative import SpeculativeScheduling
 from xengine.scheduler.stop import check_stop
 from xengine.spec.drafting import Drafter
 
@@ -44,7 +45,7 @@ def _is_prefill(req: Request, num_new: int) -> bool:
     return num_new > 1 or req.num_computed_tokens < req.num_prompt_tokens
 
 
-class Scheduler(BeamScheduling):
+class Scheduler(BeamScheduling, SpeculativeScheduling):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -133,13 +134,7 @@ class Scheduler(BeamScheduling):
         self._online_prefill = False
         self._prefill_cap = self._mixed_prefill_cap()
         self._prefill_tokens = 0
-        self._drafting = self.drafter is not None and self.drafter.enabled_for(len(self.running))
-        if self._drafting:  # a model proposer drafts for the whole batch at once
-            assert self.drafter is not None
-            running = [
-                r for r in self.running if r.status == RequestStatus.RUNNING and r.seq_id not in self.held
-            ]
-            self.drafter.prepare(running, set(self.beam_groups))
+        self._start_drafting()
         self.running.sort(key=lambda r: r.rank)
         for cls in sorted(PRIORITY_RANK.values()):
             if cls > ONLINE and self._online_prefill and self.config.isolate_online_prefill:
@@ -163,11 +158,7 @@ class Scheduler(BeamScheduling):
             plan.state_checkpoints, plan.state_copies = states.take_step()
         plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.seqs)
         plan.sync = any(s.num_samples > 1 or s.req.req_id in self.beam_groups for s in plan.seqs)
-        if (
-            self._drafting and self.async_mode
-        ):  # the next drafts need this step's tokens (``spec/drafting.py``)
-            assert self.drafter is not None
-            plan.sync = plan.sync or any(s.sample and self.drafter.may_draft(s.req) for s in plan.seqs)
+        plan.sync = plan.sync or self._drafts_need_sync(plan)
         plan.interruptible = (
             not plan.is_empty
             and all(s.req.rank[0] > ONLINE for s in plan.seqs)
@@ -216,11 +207,8 @@ class Scheduler(BeamScheduling):
             num_new = self._num_new_tokens(req, req.num_computed_tokens)
             if num_new <= 0:
                 continue
-            drafts: list[int] = []
-            if self._drafting and num_new == 1:
-                assert self.drafter is not None
-                drafts = self.drafter.draft(req, self._budget, req.req_id in self.beam_groups)
-                num_new += len(drafts)
+            drafts = self._drafts_for(req) if num_new == 1 else []
+            num_new += len(drafts)
             while not self.kv.allocate_slots(
                 req.seq_id, req.num_computed_tokens + num_new, num_computed=req.num_computed_tokens
             ):
@@ -230,12 +218,7 @@ class Scheduler(BeamScheduling):
                     break
                 self._preempt(victim, plan)
             else:
-                states = self.kv.states
-                if (
-                    drafts
-                    and states is not None
-                    and not states.plan_drafts(req.seq_id, req.num_computed_tokens, len(drafts))
-                ):  # no draft state slots left (never with one set per running sequence): no drafts
+                if drafts and not self._draft_states(req, drafts):
                     num_new, drafts = 1, []
                 self._add_to_plan(plan, req, num_new, drafts)
 
@@ -366,27 +349,6 @@ class Scheduler(BeamScheduling):
             group = self.beam_groups.get(req_id)
             if group is not None and group.epoch == epoch:  # not aborted / preempted meanwhile
                 self._advance_beams(group, plan, out)
-
-    def _update_drafted(self, s: ScheduledSeq, samples: list[SampledToken]) -> None:
-        """Apply a step that verified drafts: the accepted drafts and one more token were emitted
-        (``samples``); the KV of the sequence's last token and the accepted drafts is kept, the blocks
-        that only rejected drafts reached go back to the pool."""
-        req = s.req
-        drafts = s.draft_token_ids
-        accepted = len(samples) - 1
-        assert 0 <= accepted <= len(drafts) and [x.token_id for x in samples[:accepted]] == drafts[:accepted]
-        assert self.drafter is not None
-        self.drafter.stats.record(len(drafts), accepted)
-        req.num_computed_tokens += 1 + accepted
-        self.kv.trim(req.seq_id, req.num_computed_tokens + 1)
-        if self.kv.states is not None:  # recurrent layers: the state after the last accepted token
-            self.kv.states.accept_drafts(req.seq_id, accepted)
-        if self.kv.has_blocks_to_cache(req.seq_id, req.num_computed_tokens):
-            self.kv.cache_blocks(req.seq_id, req.cache_token_ids + drafts[:accepted], req.num_computed_tokens)
-        for sample in samples:
-            self._append_token(req, sample)
-            if req.is_finished:  # a stop among the accepted tokens: what follows it is dropped
-                break
 
     def _update_advanced(self, s: ScheduledSeq, out: StepOutput) -> None:
         """Apply a step whose requests were advanced at schedule time: cache its full blocks and put

@@ -1,7 +1,8 @@
 """Speculative decoding: proposers draft tokens, the target verifies them in its own step.
 
-``config``: ``SpeculativeConfig`` (``xengine/api/config.py``); ``proposer.py``: the proposer interface
-and its factory; ``ngram.py``: prompt lookup; ``drafting.py``: which sequences draft this step and how
-many tokens; ``verify.py``: greedy agreement and rejection sampling over the target's distributions;
-``stats.py``: proposed / accepted counters. ``docs/speculative_decoding.md`` tells the whole story.
+The setting is ``SpeculativeConfig`` (``xengine/api/speculative_config.py``). ``drafting.py``: the
+proposer interface, which sequences draft this step and how many tokens; ``ngram.py``: prompt lookup;
+``draft_model.py``: a small model drafting greedily; ``verify.py``: greedy agreement and rejection
+sampling over the target's distributions; ``stats.py``: proposed / accepted counters. The scheduler's
+part is ``xengine/scheduler/speculative.py``. ``docs/speculative_decoding.md`` tells the whole story.
 """

@@ -1,4 +1,4 @@
-"""The ``speculative_config`` section (``SpeculativeConfig`` in ``xengine/api/config.py``): validation
+"""The ``speculative_config`` section (``SpeculativeConfig`` in ``xengine/api/speculative_config.py``): validation
 errors name the field, methods not implemented yet are refused, any async scheduling mode goes with
 speculation; and the ways in: ``xllm serve --speculative-config JSON`` through the real argparse parser,
 the YAML section through ``xservice.config.load_config``, ``LLM(speculative_config={...})``'s config."""
