@@ -59,7 +59,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("draft", "config"), CASES, ids=["-".join(c) for c in CASES])
+SLOW = {("noisy", "prefix+chunked"), ("noisy", "noprefix+whole")}  # the default run: one per draft kind
+PARAMS = [pytest.param(*c, id="-".join(c), marks=pytest.mark.slow if c in SLOW else ()) for c in CASES]
+
+
+@pytest.mark.parametrize(("draft", "config"), PARAMS)
 def test_greedy_tokens_match_hf(make_model_dir, noisy_qwen3, expected, draft, config) -> None:
     prompts, want = expected
     draft_dir = {"self": make_model_dir("qwen3"), "noisy": noisy_qwen3, "llama": make_model_dir("llama")}[

@@ -77,8 +77,11 @@ def samples_off(make_model_dir) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize(
     ("method", "biased"),
-    [("ngram", False), ("ngram", True), ("draft_model", False)],
-    ids=["ngram-exact", "ngram-biased-rule-is-caught", "draft_model-exact"],
+    [
+        pytest.param("ngram", False, id="ngram-exact"),
+        pytest.param("ngram", True, id="ngram-biased-rule-is-caught"),
+        pytest.param("draft_model", False, id="draft_model-exact", marks=pytest.mark.slow),
+    ],
 )
 def test_the_next_three_tokens_are_distributed_as_without_speculation(
     make_model_dir, monkeypatch, samples_off, method, biased
