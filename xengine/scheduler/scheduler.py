@@ -307,6 +307,8 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
             return
         self.running.remove(req)
         self.kv.free(req.seq_id)
+        if self.drafter is not None:  # a draft model's KV goes with the target's
+            self.drafter.release(req.seq_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
