@@ -22,14 +22,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=[1, 2])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.double()
     return (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w.double()).float()

@@ -20,14 +20,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=[1, 2])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _gdn_inputs(bsz: int, length: int, hk: int, hv: int, dk: int, dv: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(bsz, length, hk, dk, generator=gen)
