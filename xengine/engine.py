@@ -34,8 +34,10 @@ from xengine.colocation.resume import StepResumer
 from xengine.disagg.hybrid_transfer import StateTransfer, WindowTransfer
 from xengine.disagg.kv_transfer import KVTransferManager
 from xengine.kv_setup import KVSetup, build_kv
+from xengine.models.eagle import load_eagle
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
 from xengine.models.loader import load_model, resolve_dtype
+from xengine.models.mtp import load_mtp
 from xengine.models.registry import get_model_class
 from xengine.multimodal.encode_stage import EncodeStage
 from xengine.multimodal.request_images import request_images, vision_spec
@@ -45,6 +47,8 @@ from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
 from xengine.spec.draft_model import DraftModelProposer
 from xengine.spec.drafting import Drafter
+from xengine.spec.head_proposer import HeadProposer
+from xengine.spec.hidden_rows import HiddenRows
 from xengine.state_setup import StateSetup, build_stateful_kv, kv_free_layers, state_shapes
 from xengine.step.deltas import collect_deltas
 from xengine.step.execute import EngineBrokenError, StepExecutor
@@ -216,7 +220,32 @@ class Engine:
                 spec.model, self.platform, self.dtype, config.cache, config.scheduler,
                 self.kv.pool.num_blocks, self.max_model_len, self.model_info.vocab_size,
             )  # fmt: skip
+        elif spec.method in ("mtp", "eagle", "eagle3"):
+            proposer = self._head_proposer(config)
         return Drafter(spec, self.max_model_len, proposer)
+
+    def _head_proposer(self, config: EngineConfig) -> HeadProposer:
+        """A draft head over the target's hidden states: the checkpoint's MTP layer, or an EAGLE head
+        from ``speculative_config.model``; the runner keeps the rows it reads."""
+        spec = config.speculative_config
+        if spec.method == "mtp":
+            head = load_mtp(self.model, config.model.model, config.model.quantization)
+            geometry = dataclasses.replace(self.model_info, num_layers=1)
+        else:
+            if not Path(spec.model).is_dir():
+                raise ValueError(
+                    f"speculative_config.model {spec.model!r} is not a folder: give the {spec.method} head's "
+                    "HF folder"
+                )
+            head, geometry = load_eagle(self.model, spec.model, spec.method, config.model.quantization)
+        source = None
+        if spec.method == "eagle3":  # the layers the target captures, not its final hidden state
+            source = lambda: self.model.model.aux_hidden  # noqa: E731
+        self.runner.hidden_rows = HiddenRows(source)
+        return HeadProposer(
+            head, self.runner.hidden_rows, self.platform, self.dtype, config.cache, config.scheduler,
+            self.kv.pool.num_blocks, self.max_model_len, geometry,
+        )  # fmt: skip
 
     def _check_stateful(self, graph_mode: str) -> None:
         """A model with recurrent layers runs on one process, without whole-step graphs, for now: refuse

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from xengine.api.config_fields import _f
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
-SPECULATIVE_IMPLEMENTED = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -21,8 +20,10 @@ class SpeculativeConfig:
         "",
         "Speculative decoding: empty (off); ngram (prompt lookup: drafts are the tokens that followed the "
         "latest earlier occurrence of the sequence's last n tokens; no model pass); draft_model (a small "
-        "model with the target's vocabulary, speculative_config.model, drafts greedily). mtp, eagle and "
-        "eagle3 are refused until they are implemented.",
+        "model with the target's vocabulary, speculative_config.model, drafts greedily); mtp (the "
+        "checkpoint's own multi-token-prediction layer drafts from the target's hidden states: DeepSeek-V3 "
+        "num_nextn_predict_layers, Qwen3-Next mtp.*); eagle / eagle3 (an EAGLE-1 / EAGLE-3 head from the HF "
+        "folder speculative_config.model drafts from the target's hidden states).",
     )
     num_speculative_tokens: int = _f(
         0, "Draft tokens proposed per decoding sequence and step (k); the target verifies k + 1 positions."
@@ -33,7 +34,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _f(
         4, "ngram: the longest suffix looked up (tokens); longer matches are tried first."
     )
-    model: str = _f("", "draft_model: the draft model's HF folder (the target's vocabulary).")
+    model: str = _f(
+        "", "draft_model: the draft model's HF folder; eagle / eagle3: the head's (the target's vocabulary)."
+    )
     disable_by_batch_size: int = _f(
         0,
         "Speculation turns itself off for a step while more than this many sequences run (0: never); "
@@ -62,16 +65,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
             )
-        if self.method not in SPECULATIVE_IMPLEMENTED:
-            raise ValueError(
-                f"speculative_config.method {self.method!r} is not implemented yet; implemented: "
-                f"{', '.join(SPECULATIVE_IMPLEMENTED)}"
-            )
         if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be >= 1 when a method is set")
-        if self.method == "draft_model" and not self.model:
+        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
             raise ValueError(
-                "speculative_config.method draft_model needs speculative_config.model (an HF folder)"
+                f"speculative_config.method {self.method} needs speculative_config.model (an HF folder)"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(

@@ -120,6 +120,10 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # EAGLE-3 drafts read the residual stream entering these layers (``aux_hidden``: side by side,
+        # in layer order, after a forward over the whole stack; None otherwise)
+        self.aux_layers: frozenset[int] = frozenset()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states of the tokens; attention reads its metadata and caches from the forward context."""
@@ -130,8 +134,23 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Layers ``start..`` and the final norm over ``hidden`` / ``residual`` (the outputs of layer
         ``start - 1``; the embeddings and None for the whole stack)."""
+        if self.aux_layers:
+            return self._forward_capturing(positions, hidden, residual, start)
         for layer in self.layers[start:]:
             hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def _forward_capturing(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, start: int
+    ) -> torch.Tensor:
+        captured = []
+        for i in range(start, len(self.layers)):
+            if i in self.aux_layers:
+                captured.append(hidden if residual is None else hidden + residual)
+            hidden, residual = self.layers[i](positions, hidden, residual)
+        whole = len(captured) == len(self.aux_layers)
+        self.aux_hidden = torch.cat(captured, dim=-1) if whole else None
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,6 +1,7 @@
 """DeepSeek-V3: MLA attention over a compressed latent KV cache, dense first layers, then MoE blocks
-with a grouped bias-corrected router and shared experts. Multi-token-prediction layers in the
-checkpoint (``model.layers.{num_hidden_layers}...``) are skipped: this model runs no speculative step."""
+with a grouped bias-corrected router and shared experts. The multi-token-prediction layers in the
+checkpoint (``model.layers.{num_hidden_layers + i}...``) are not part of the model: ``mtp.py`` loads
+them for speculative decoding (``mtp_block``, ``mtp_weight_name``)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from torch import nn
 from xengine.layers.mla import MultiLatentAttention
 from xengine.layers.moe import FusedExperts, GroupedTopkRouter, SharedExpertMoeBlock
 from xengine.layers.rotary import RotaryEmbedding
-from xengine.models.decoder import DecoderForCausalLM, DecoderMLP
+from xengine.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP
 from xengine.models.deepseek_config import DeepseekV3Config, deepseek_v3_config_from_hf
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.")
+_MTP_SHARED = ("embed_tokens.", "shared_head.head.")  # the target's embedding and head
 
 
 class DeepseekV3ForCausalLM(DecoderForCausalLM):
@@ -48,11 +51,35 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         cfg = self.config
         if not cfg.sparse_layers[layer_idx]:
             return None
+        return self._moe()
+
+    def _moe(self) -> nn.Module:
+        cfg = self.config
         router = GroupedTopkRouter.from_config(cfg)
         experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         shared_size = cfg.moe_intermediate_size * cfg.n_shared_experts
         shared = DecoderMLP(dataclasses.replace(cfg, intermediate_size=shared_size))
         return SharedExpertMoeBlock(router, experts, shared)
+
+    def mtp_block(self, kv_index: int) -> nn.Module:
+        """An MTP layer's decoder block: MLA attention (KV cache ``kv_index`` of the MTP pool) and MoE."""
+        rotary = self.model.rotary
+        return DecoderLayer(self.config, rotary, kv_index, self._moe(), self.make_attention(kv_index, rotary))
+
+    def mtp_weight_name(self, name: str, num_mtp_layers: int) -> tuple[int, str] | None:
+        """``model.layers.{num_hidden_layers + i}.*`` -> MTP layer ``i``'s name (``mtp.MtpLayer``)."""
+        match = _LAYER.match(name)
+        if match is None:
+            return None
+        index = int(match.group(1)) - self.config.num_layers
+        if not 0 <= index < num_mtp_layers:
+            return None
+        rest = name[match.end() :]
+        if rest.startswith(_MTP_SHARED):
+            return None
+        if rest.startswith("shared_head.norm."):
+            return index, "post_norm." + rest.removeprefix("shared_head.norm.")
+        return index, rest if rest.startswith(_MTP_OWN) else "block." + rest
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         num_layers = self.config.num_layers

@@ -29,8 +29,11 @@ from xengine.models.gated_deltanet import GatedDeltaNet
 from xengine.models.qwen3_next_config import FULL, Qwen3NextConfig, qwen3_next_config_from_hf
 from xengine.models.weights import WeightLoader
 
-# checkpoint entries HF also skips: the multi-token-prediction head (speculative decoding, not run here)
+# checkpoint entries HF also skips: the multi-token-prediction head (``mtp.py`` loads it to draft)
 _IGNORED_PREFIXES = ("mtp.",)
+# the MTP head's own tensors, by checkpoint name -> name in ``mtp.MtpLayer``
+_MTP_NAMES = {"mtp.fc.": "eh_proj.", "mtp.pre_fc_norm_embedding.": "enorm.",
+              "mtp.pre_fc_norm_hidden.": "hnorm.", "mtp.norm.": "post_norm."}  # fmt: skip
 
 
 class GatedAttention(nn.Module):
@@ -144,6 +147,32 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
         (model dtype) and delta-rule state (float32), in the order its scan takes them."""
         dtype = self.lm_head.weight.dtype
         return {i: self.model.layers[i].linear_attn.state_shapes(dtype) for i in self.config.linear_layers}
+
+    def mtp_block(self, kv_index: int) -> nn.Module:
+        """An MTP layer's decoder block: gated full attention (KV cache ``kv_index`` of the MTP pool), MoE."""
+        cfg = replace(
+            self.config,
+            layer_types=(FULL,) * (kv_index + 1),
+            sparse_layers=(True,) * (kv_index + 1),
+        )
+        return Qwen3NextLayer(cfg, self.model.rotary, kv_index)
+
+    def mtp_weight_name(self, name: str, num_mtp_layers: int) -> tuple[int, str] | None:
+        """``mtp.fc`` / ``mtp.pre_fc_norm_*`` / ``mtp.norm`` (one head) and ``mtp.layers.{i}.*``."""
+        for prefix, ours in _MTP_NAMES.items():
+            if name.startswith(prefix):
+                return 0, ours + name.removeprefix(prefix)
+        if not name.startswith("mtp.layers."):
+            return None
+        index, _, rest = name.removeprefix("mtp.layers.").partition(".")
+        return (int(index), "block." + rest) if index.isdigit() and int(index) < num_mtp_layers else None
+
+    def mtp_after_load(self, layer: nn.Module) -> None:
+        """Its norms are zero-centred too: ``1 + weight``, folded in like the model's own."""
+        with torch.no_grad():
+            for module in layer.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.add_(1.0)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.tie_weights()

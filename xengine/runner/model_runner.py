@@ -32,6 +32,7 @@ from xengine.sampling.beam_search import BeamRows, beam_candidates
 from xengine.sampling.metadata import SamplingMetadata
 from xengine.sampling.sampler import Sampler, SamplerOutput, process_logits
 from xengine.scheduler.plan import SampledToken, SchedulePlan, StepOutput
+from xengine.spec.hidden_rows import HiddenRows
 from xengine.spec.verify import DraftGroup, verify
 from xengine.state_setup import StateSetup
 from xengine.structured.matcher import GrammarRows, SequenceMatchers
@@ -102,6 +103,8 @@ class ModelRunner:
         self.interrupt = interrupt
         # where an eager forward may stop and carry on from (before the graphs are captured)
         self.layer_checks = LayerChecks.install(model) if interrupt is not None else None
+        # speculative decoding with an MTP head: the final hidden states it reads (``spec/mtp.py``)
+        self.hidden_rows: HiddenRows | None = None
         torch.manual_seed(default_seed)
 
     def _forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -233,6 +236,8 @@ class ModelRunner:
             compute_prompt_outputs(self.model, hidden, step.prompt_rows, out)
         if logits is not None and step.sampling is not None:
             self._sample(step.sampling, logits, out, prev_rows)
+        if self.hidden_rows is not None:
+            self.hidden_rows.put_step(step.plan, hidden, out)
         return out
 
     def _forward_images(self, inputs: ModelInputs, mm: MultiModalStep) -> torch.Tensor:

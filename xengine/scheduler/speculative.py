@@ -34,12 +34,11 @@ class SpeculativeScheduling:
         """At the start of a scheduling pass: whether sequences draft in it, and a model proposer's
         drafts for the whole batch at once."""
         self._drafting = self.drafter is not None and self.drafter.enabled_for(len(self.running))
-        if self._drafting:
-            assert self.drafter is not None
+        if self.drafter is not None:
             running = [
                 r for r in self.running if r.status == RequestStatus.RUNNING and r.seq_id not in self.held
             ]
-            self.drafter.prepare(running, set(self.beam_groups))
+            self.drafter.prepare(running, set(self.beam_groups), self._drafting)
 
     def _drafts_for(self, req: Request) -> list[int]:
         """A decoding sequence's drafts this step (within what is left of the step's budget)."""

@@ -37,7 +37,8 @@ class Proposer(Protocol):
 
 class BatchProposer(Proposer, Protocol):
     def prepare(self, reqs: list[Request], ks: list[int]) -> None:
-        """Draft for these sequences at once (a model's batched steps), before a scheduling pass."""
+        """Draft for these sequences at once (a model's batched steps), before a scheduling pass
+        (``ks[i] == 0``: none for that one now)."""
         ...
 
 
@@ -88,19 +89,16 @@ class Drafter:
         """Whether ``req`` drafts in steps where speculation is on (its params allow it)."""
         return req.params.speculative and not req.params.is_prefill_only
 
-    def prepare(self, running: list[Request], beams: set[str]) -> None:
+    def prepare(self, running: list[Request], beams: set[str], drafting: bool = True) -> None:
         """Before a scheduling pass: a model proposer drafts for every running sequence that may
-        (``beams``: request ids of beam searches)."""
+        (``beams``: request ids of beam searches). Every sequence that may draft is passed, with
+        ``k = 0`` when it does not draft now (``drafting`` False: speculation is off for this pass): an
+        MTP head still reads the tokens it computed."""
         prepare = getattr(self.proposer, "prepare", None)
         if prepare is None:
             return
-        reqs, ks = [], []
-        for req in running:
-            k = self._limit(req, req.req_id in beams)
-            if k > 0:
-                reqs.append(req)
-                ks.append(k)
-        prepare(reqs, ks)
+        reqs = [r for r in running if self.may_draft(r) and r.req_id not in beams]
+        prepare(reqs, [self._limit(r, False) if drafting else 0 for r in reqs])
 
     def _limit(self, req: Request, is_beam: bool, budget: int | None = None) -> int:
         """How many tokens ``req`` may draft (0: none), within ``budget`` tokens of the step."""

@@ -1,9 +1,11 @@
-"""A proposer for tests: drafts a known continuation of each prompt with some drafts corrupted (seeded),
-so full accepts, partial accepts and rejections at the first draft all happen on any model."""
+"""Proposers for tests: one drafts a known continuation of each prompt with some drafts corrupted
+(seeded), so full accepts, partial accepts and rejections at the first draft all happen on any model;
+one records what a model proposer drafts while another decides what is verified."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from xengine.request import Request
 
@@ -24,3 +26,25 @@ class OracleProposer:
 
     def release(self, seq_id: str) -> None:
         pass
+
+
+class RecordingProposer:
+    """A model proposer (``inner``) runs as it would (its KV, its drafts); ``verified`` decides what the
+    target verifies (None: ``inner``'s drafts themselves). Every draft ``inner`` made is recorded with
+    the tokens it continued."""
+
+    def __init__(self, inner: Any, verified: OracleProposer | None = None) -> None:
+        self.inner, self.verified = inner, verified
+        self.seen: dict[tuple[int, ...], list[int]] = {}
+
+    def prepare(self, reqs: list[Request], ks: list[int]) -> None:
+        self.inner.prepare(reqs, ks)
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        drafts = self.inner.propose(req, k)
+        if drafts:
+            self.seen[tuple(req.all_token_ids)] = drafts
+        return self.verified.propose(req, k) if self.verified is not None else drafts
+
+    def release(self, seq_id: str) -> None:
+        self.inner.release(seq_id)

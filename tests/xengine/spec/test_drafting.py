@@ -131,8 +131,7 @@ def test_disable_by_batch_size() -> None:
 
 @pytest.mark.parametrize("method", ["draft_model", "mtp", "eagle", "eagle3"])
 def test_methods_whose_proposer_the_engine_builds_are_refused_here(method: str) -> None:
-    """Only ngram needs nothing from the engine; a model proposer is built by the engine (draft_model)
-    or refused by the config's validation first (the rest)."""
+    """Only ngram needs nothing from the engine; a model proposer is built by the engine."""
     cfg = SpeculativeConfig(method=method, num_speculative_tokens=2, model="/some/draft")
     with pytest.raises(ValueError, match=f"speculative_config.method '{method}' needs the engine"):
         build_proposer(cfg)

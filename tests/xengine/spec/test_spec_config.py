@@ -1,5 +1,5 @@
 """The ``speculative_config`` section (``SpeculativeConfig`` in ``xengine/api/speculative_config.py``): validation
-errors name the field, methods not implemented yet are refused, any async scheduling mode goes with
+errors name the field, an unknown method is refused, any async scheduling mode goes with
 speculation; and the ways in: ``xllm serve --speculative-config JSON`` through the real argparse parser,
 the YAML section through ``xservice.config.load_config``, ``LLM(speculative_config={...})``'s config."""
 
@@ -52,13 +52,18 @@ def test_fields_are_only_checked_when_a_method_is_set() -> None:
     SpeculativeConfig(num_speculative_tokens=0, prompt_lookup_min=0).validate()
 
 
-@pytest.mark.parametrize("method", ["mtp", "eagle", "eagle3"])
-def test_methods_not_implemented_yet_are_refused(method: str) -> None:
-    cfg = SpeculativeConfig(method=method, num_speculative_tokens=2, model="/some/draft")
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])
+def test_methods_with_a_folder_of_their_own_need_it(method: str) -> None:
+    SpeculativeConfig(method=method, num_speculative_tokens=2, model="/some/draft").validate()
+    with pytest.raises(ValueError, match=rf"method {method} needs speculative_config\.model"):
+        SpeculativeConfig(method=method, num_speculative_tokens=2).validate()
+
+
+def test_an_unknown_method_is_refused() -> None:
     with pytest.raises(
-        ValueError, match=rf"method '{method}' is not implemented yet; implemented: ngram, draft_model"
+        ValueError, match="must be one of ngram, draft_model, mtp, eagle, eagle3, got 'medusa'"
     ):
-        cfg.validate()
+        SpeculativeConfig(method="medusa", num_speculative_tokens=2).validate()
 
 
 def test_every_async_scheduling_mode_goes_with_speculation() -> None:
@@ -103,7 +108,7 @@ def test_bad_json_is_an_argparse_error(value: str, message: str, capsys: pytest.
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not implemented yet"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method eagle needs speculative_config.model"),
         ({"method": "ngram"}, r"speculative_config\.num_speculative_tokens must be >= 1"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
     ],
@@ -149,7 +154,10 @@ def test_flag_overrides_only_the_keys_it_gives(tmp_path: Path) -> None:
             "speculative_config:\n  method: ngram\n  lookahead: 2\n",
             "unknown config key 'speculative_config.lookahead'",
         ),
-        ("speculative_config:\n  method: mtp\n  num_speculative_tokens: 1\n", "'mtp' is not implemented yet"),
+        (
+            "speculative_config:\n  method: mtp\n  num_speculative_tokens: 0\n",
+            "num_speculative_tokens must be >= 1",
+        ),
     ],
 )
 def test_bad_yaml_section_is_refused(tmp_path: Path, text: str, message: str) -> None:

@@ -158,9 +158,10 @@ def test_seeded_sampling_is_reproducible_and_n_forks(bigram_dir) -> None:
 def test_setups_not_supported_yet_are_refused(make_model_dir) -> None:
     with pytest.raises(ValueError, match="vision-language"):
         make_engine(make_model_dir("qwen2_vl"), speculative_config=NGRAM)
-    with pytest.raises(ValueError, match="not implemented yet"):
+    with pytest.raises(ValueError, match="is not a folder"):
         make_engine(
-            make_model_dir("qwen3"), speculative_config={"method": "eagle", "num_speculative_tokens": 2}
+            make_model_dir("qwen3"),
+            speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": "/no/such/head"},
         )
 
 

@@ -1,0 +1,158 @@
+"""The ``mtp`` proposer: the checkpoint's own multi-token-prediction layer drafts from the target's hidden
+states (``xengine/spec/mtp.py``).
+
+DeepSeek-V3 (61 dense layers and one MoE MTP layer, the checkpoint HF runs MTP on): greedy tokens equal
+HF's plain greedy and HF's ``generate(use_mtp=True)``; each of our first drafts equals the draft HF's own
+MTP layer makes in the same state. Random MTP layers rarely draft right, so an "oracle" proposer also
+decides what is verified (a known continuation, about a third corrupted: full and partial accepts and
+rejections) while the MTP layer runs beside it: every draft it made, in every state the sequence
+passed through, equals a from-scratch HF computation (the target over the whole sequence, then the MTP
+layer chained ``k`` times) -- so its KV and the hidden rows it read stayed right across accepts,
+rejections, chunked prefill, prefix-cache hits (its own cached blocks), async scheduling and
+preemption. Qwen3-Next (HF has no MTP for it): greedy tokens equal our engine's without speculation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.xengine.conftest import assert_engine_idle, random_prompts
+from tests.xengine.spec.oracle import OracleProposer, RecordingProposer
+from xengine.api.messages import SamplingParams
+from xengine.llm import LLM
+from xengine.tools.mtp_checkpoint import add_mtp_layer, make_deepseek_with_mtp
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+CONFIGS: dict[str, dict[str, Any]] = {
+    "prefix+chunked": dict(enable_prefix_caching=True, max_num_batched_tokens=32),
+    "async": dict(async_scheduling=True, enable_prefix_caching=True),
+    "preempt": dict(enable_prefix_caching=True, max_num_batched_tokens=32, num_blocks=14),
+}
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory) -> Path:
+    return make_deepseek_with_mtp(tmp_path_factory.mktemp("deepseek61-mtp"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_mtp(make_model_dir, tmp_path_factory) -> Path:
+    return add_mtp_layer(make_model_dir("qwen3_next"), tmp_path_factory.mktemp("qwen3-next-mtp"))
+
+
+@pytest.fixture(scope="module")
+def hf(deepseek_mtp):
+    """HF's DeepSeek-V3 and its MTP model (``transformers.modeling_layers.MtpModel``)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    model = AutoModelForCausalLM.from_pretrained(deepseek_mtp, dtype=torch.float32).eval()
+    return model, MtpModel.from_pretrained(model).eval()
+
+
+def _prompts() -> list[list[int]]:
+    prompts = random_prompts([5, 18, 40], seed=31)
+    return prompts + [prompts[2][:35] + p for p in random_prompts([4, 12], seed=32)]  # shared prefixes
+
+
+@torch.no_grad()
+def _hf_drafts(hf, tokens: list[int], k: int) -> list[int]:
+    """HF's MTP drafts for ``tokens`` from scratch: the target's final hidden states over all of them,
+    then the MTP layer over the pairs (hidden at t, token at t + 1), chained ``k`` times."""
+    model, mtp = hf
+    ids = torch.tensor([tokens])
+    hidden = model(ids, output_hidden_states=True).hidden_states[-1][:, :-1]
+    inputs, drafts = ids[:, 1:], []
+    for _ in range(k):
+        positions = torch.arange(1, inputs.shape[1] + 1)[None]
+        out = mtp.forward_layer(0, hidden, positions, None, input_ids=inputs)
+        token = int(mtp._project_to_logits(out[:, -1]).argmax(-1))
+        drafts.append(token)
+        inputs = torch.cat([inputs, torch.tensor([[token]])], dim=1)
+        hidden = torch.cat([hidden, out[:, -1:]], dim=1)
+    return drafts
+
+
+def test_deepseek_greedy_and_drafts_equal_hf_mtp(deepseek_mtp, hf) -> None:
+    model, _ = hf
+    prompts = _prompts()[:3]
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        plain = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+        mtp = model.generate(
+            ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, use_mtp=True
+        )
+        assert torch.equal(plain, mtp)
+        expected.append(plain[0, len(p) :].tolist())
+    llm = LLM(
+        str(deepseek_mtp), block_size=16, speculative_config={"method": "mtp", "num_speculative_tokens": 1}
+    )
+    drafter = llm.engine.scheduler.drafter
+    drafter.proposer = rec = RecordingProposer(drafter.proposer)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected
+    assert len(rec.seen) >= 3 * (MAX_TOKENS - 2)
+    for tokens, drafts in list(rec.seen.items())[::4]:
+        assert drafts == _hf_drafts(hf, list(tokens), 1), f"{len(tokens)} tokens"
+    assert drafter.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_mtp_state_stays_right_across_accepts_and_rejections(deepseek_mtp, hf, config) -> None:
+    model, _ = hf
+    prompts = _prompts()
+    expected = [
+        model.generate(
+            torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    llm = LLM(str(deepseek_mtp), block_size=16, speculative_config=spec, **CONFIGS[config])
+    engine = llm.engine
+    drafter = engine.scheduler.drafter
+    oracle = OracleProposer({tuple(p): e for p, e in zip(prompts, expected)}, engine.vocab_size)
+    drafter.proposer = rec = RecordingProposer(drafter.proposer, oracle)
+    free = engine.kv.num_free_blocks
+    for run in range(2):  # the second run resumes from the prefix cache: the MTP's cached blocks too
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected, f"run {run}"
+    assert 0 < drafter.stats.num_accepted_tokens < drafter.stats.num_draft_tokens
+    states = list(rec.seen.items())
+    assert len(states) > 20
+    for tokens, drafts in states[:: max(len(states) // 12, 1)]:
+        assert drafts == _hf_drafts(hf, list(tokens), len(drafts)), f"{len(tokens)} tokens"
+    assert_engine_idle(engine, free)
+    mtp = rec.inner
+    assert mtp.shadows == {} and mtp.kv.block_tables == {} and mtp.hidden.available("0") is None
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_qwen3_next_greedy_equals_the_engine_without_speculation(make_model_dir, qwen3_next_mtp, k) -> None:
+    prompts = _prompts()
+    expected = [
+        list(o.outputs[0].token_ids)
+        for o in LLM(str(make_model_dir("qwen3_next")), block_size=16).generate(
+            prompts, GREEDY, use_tqdm=False
+        )
+    ]
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    llm = LLM(str(qwen3_next_mtp), block_size=16, speculative_config=spec, **CONFIGS["prefix+chunked"])
+    for run in range(2):
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == expected, f"run {run}"
+    stats = llm.engine.scheduler.drafter.stats
+    assert stats.num_draft_tokens > 0 and len(stats.proposed_per_pos) == k
+
+
+def test_mtp_without_mtp_layers_is_refused(make_model_dir) -> None:
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    with pytest.raises(ValueError, match="multi-token-prediction"):
+        LLM(str(make_model_dir("qwen3")), speculative_config=spec)
+    with pytest.raises(ValueError, match="declares none"):
+        LLM(str(make_model_dir("deepseek_v3")), speculative_config=spec)

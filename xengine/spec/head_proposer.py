@@ -1,0 +1,187 @@
+"""The ``mtp``, ``eagle`` and ``eagle3`` proposers: a draft head over the target's hidden states drafts
+(``models/draft_head.py``: the checkpoint's own MTP layer, ``models/mtp.py``; an EAGLE head from a folder
+of its own, ``models/eagle.py``).
+
+The head reads pairs: a hidden state of the target's at position ``t`` (its final one; EAGLE-3: three of
+its layers' side by side) and the token at ``t + 1``. The target's runner keeps each step's rows
+(``HiddenRows``: only rows of tokens the sequence keeps), and before each scheduling pass ``prepare``
+feeds every sequence's new pairs through the head in one batched forward: the prompt's while it is
+prefilled (the head has KV for the prompt, as in the MiMo / DeepSeek serving stacks), then the tokens
+each verification kept. The last pair's output is the first draft; each further draft feeds the previous
+draft and the head's own output back in (for MTP, HF's chaining of depths, the last layer reused when
+``k`` exceeds the layers). Drafts are greedy under the request's token-level constraints and penalties
+(``draft_model._draft_params``): point masses for the verifier.
+
+Each sequence has a shadow ``Request`` over its tokens from the second on: shadow position ``t`` is the
+pair ``(h_t, x_{t+1})`` (the head's attention positions are the target's, shifted by one: RoPE sees the
+same distances), with KV in the head's pool for its computed pairs. Draft pairs are written past them
+and overwritten by the pairs a verification keeps, so nothing is rolled back. With prefix caching the
+head's pool caches its blocks too, keyed by every token their pairs read (``_pair_keys``): a sequence
+that resumes from the target's prefix cache resumes from the head's.
+
+A sequence whose hidden rows do not reach back to its first uncomputed pair (a fork of an ``n > 1``
+request; a decode instance that received its prompt's KV; a prefix hit the head's cache lacks) does not
+draft: the head lacks the KV of the pairs before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from memory.kv_cache_manager import ComputedPrefix
+from ops.platforms import Platform
+from xengine.api.config import CacheConfig, SchedulerConfig
+from xengine.kv_setup import build_kv
+from xengine.models.draft_head import DraftHeadModel
+from xengine.models.info import ModelInfo
+from xengine.request import Request
+from xengine.runner.model_runner import ModelRunner
+from xengine.scheduler.plan import ScheduledSeq, SchedulePlan
+from xengine.spec.draft_model import _draft_params
+from xengine.spec.hidden_rows import HiddenRows
+
+
+def _pair_keys(tokens: list[int]) -> list[int]:
+    """Prefix-cache keys of the pairs of ``tokens`` (one fewer): pair ``t`` keyed by ``x_{t+1}``, the
+    first by ``x_0`` and ``x_1`` together, so a block's path spells every token its pairs depend on."""
+    return [tokens[1] + ((tokens[0] + 1) << 32)] + tokens[2:]
+
+
+@dataclasses.dataclass
+class _Pending:
+    shadow: Request
+    k: int  # drafts wanted
+    rows: torch.Tensor  # the previous hidden state of each token this forward computes
+    drafts: list[int]
+    tokens: list[int]  # the sequence's tokens its pairs read (the prefix cache's keys)
+
+
+class HeadProposer:
+    def __init__(
+        self,
+        head: DraftHeadModel,
+        hidden: HiddenRows,
+        platform: Platform,
+        dtype: torch.dtype,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        num_blocks: int,
+        max_model_len: int,
+        info: ModelInfo,
+    ) -> None:
+        """``hidden``: the rows the target's runner keeps; ``num_blocks``, ``max_model_len``: the target's
+        pool and context; ``info``: the head's KV geometry (its pool holds ``info.num_layers`` layers)."""
+        self.head = head
+        self.hidden = hidden
+        cache = dataclasses.replace(cache, kv_layout="paged", num_blocks=num_blocks, hybrid_kv="off")
+        kv = build_kv(cache, scheduler, info, dtype, platform, max_model_len)
+        self.max_len = kv.max_model_len
+        head.set_max_model_len(self.max_len)
+        self.kv = kv.manager
+        self.runner = ModelRunner(
+            head, kv.kv_caches, kv.layout, platform, kv.spec.block_size, list(info.eos_token_ids),
+            max_model_len=self.max_len, graph_mode="eager",
+        )  # fmt: skip
+        self.shadows: dict[str, Request] = {}
+        self.drafts: dict[str, list[int]] = {}
+        self.num_steps = 0  # head forwards run
+
+    def prepare(self, reqs: list[Request], ks: list[int]) -> None:
+        """Feed each of ``reqs`` its new pairs and draft up to ``ks[i]`` tokens (``propose`` reads them)."""
+        self.drafts = {}
+        self.hidden.keep_only({r.seq_id for r in reqs})
+        batch = [p for p in (self._new_pairs(req, k) for req, k in zip(reqs, ks)) if p is not None]
+        depth = 0
+        while batch:
+            plan = SchedulePlan(
+                seqs=[ScheduledSeq(p.shadow, p.rows.shape[0], p.k > len(p.drafts)) for p in batch],
+                block_tables={p.shadow.seq_id: self.kv.get_block_table(p.shadow.seq_id) for p in batch},
+            )
+            plan.num_batched_tokens = sum(x.num_new_tokens for x in plan.seqs)
+            self.head.depth = depth
+            self.head.prev_hidden = torch.cat([p.rows for p in batch])
+            out = self.runner.execute(plan)
+            self.num_steps += 1
+            assert self.head.out_hidden is not None
+            ends = torch.tensor([x.num_new_tokens for x in plan.seqs]).cumsum(0) - 1
+            last = self.head.out_hidden[ends.to(self.head.out_hidden.device)]
+            going = []
+            for i, p in enumerate(batch):
+                p.shadow.num_computed_tokens += p.rows.shape[0]
+                if depth == 0 and self.kv.has_blocks_to_cache(p.shadow.seq_id, p.shadow.num_computed_tokens):
+                    keys = _pair_keys(p.tokens)
+                    self.kv.cache_blocks(p.shadow.seq_id, keys, p.shadow.num_computed_tokens)
+                if len(p.drafts) < p.k:
+                    token = out.sampled[p.shadow.seq_id][0].token_id
+                    p.drafts.append(token)
+                    p.shadow.output_token_ids.append(token)
+                    if len(p.drafts) < p.k:
+                        p.rows = last[i : i + 1]
+                        going.append(p)
+            batch = going
+            depth += 1
+        for seq_id, drafts in self.drafts.items():  # the draft pairs' KV is scratch, overwritten later
+            shadow = self.shadows[seq_id]
+            shadow.num_computed_tokens -= len(drafts) - 1 if drafts else 0
+            del shadow.output_token_ids[len(shadow.output_token_ids) - len(drafts) :]
+        self.head.prev_hidden = self.head.out_hidden = None
+
+    def _new_pairs(self, req: Request, k: int) -> _Pending | None:
+        """``req``'s shadow set to compute its new pairs (with room for ``k`` drafts), or None."""
+        tokens = req.all_token_ids
+        known = len(tokens) - req.num_placeholders
+        shadow = self.shadows.get(req.seq_id)
+        done = shadow.num_computed_tokens if shadow is not None else 0
+        held = self.hidden.available(req.seq_id)
+        if held is None or known < 2:
+            return None
+        prefix = None
+        if shadow is None and held[0] > 0:  # the target resumed from its prefix cache: so may we
+            prefix = self._cached_pairs(tokens, held[0])
+            if prefix is None:
+                return None
+            done = held[0]
+        if held[0] > done:
+            return None  # the rows before them are gone: no KV in the head for those pairs
+        end = min(held[1], known - 1)  # pairs 0..end-1 have their row and their next token
+        if end < known - 1 or end + k - 1 > self.max_len:
+            k = 0  # the last known token's pair is not computable yet: feed, no drafts
+        if end <= done:  # nothing new: draft from the last pair again (its KV rewritten as it was)
+            if k == 0 or end - 1 < held[0]:
+                return None
+            done = end - 1
+        if not self.kv.allocate_slots(req.seq_id, end + max(k - 1, 0), prefix, num_computed=done):
+            return None  # the head's pool is full: this sequence's new pairs wait
+        rows = self.hidden.take(req.seq_id, done, end)
+        if rows is None:
+            return None
+        if shadow is None:
+            first = tokens[1 : max(req.num_prompt_tokens, 2)]
+            shadow = Request(req.seq_id, req.seq_id, 0, first, _draft_params(req.params))
+            self.shadows[req.seq_id] = shadow
+        shadow.output_token_ids = tokens[1 + shadow.num_prompt_tokens : end + 1]
+        shadow.num_computed_tokens = done
+        drafts = self.drafts[req.seq_id] = []
+        return _Pending(shadow, k, rows, drafts, tokens[: end + 1])
+
+    def _cached_pairs(self, tokens: list[int], num: int) -> ComputedPrefix | None:
+        """The head's cached blocks of pairs ``0..num-1`` (all of them, whole blocks), or None."""
+        bs = self.kv.block_size
+        if num % bs or num + 1 > len(tokens):
+            return None
+        hit = self.kv.get_computed_prefix(_pair_keys(tokens[: num + 1]) + [-1])  # -1: leaves none to compute
+        if hit.num_tokens < num:
+            return None
+        return ComputedPrefix(hit.block_ids[: num // bs], num)
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return self.drafts.get(req.seq_id, [])[:k]
+
+    def release(self, seq_id: str) -> None:
+        self.kv.free(seq_id)
+        self.shadows.pop(seq_id, None)
+        self.drafts.pop(seq_id, None)
+        self.hidden.release(seq_id)
+        self.runner.release([seq_id])
