@@ -19,9 +19,10 @@ and overwritten by the pairs a verification keeps, so nothing is rolled back. Wi
 head's pool caches its blocks too, keyed by every token their pairs read (``_pair_keys``): a sequence
 that resumes from the target's prefix cache resumes from the head's.
 
-A sequence whose hidden rows do not reach back to its first uncomputed pair (a fork of an ``n > 1``
-request; a decode instance that received its prompt's KV; a prefix hit the head's cache lacks) does not
-draft: the head lacks the KV of the pairs before.
+Where the rows start later than the head's KV reaches (a decode instance that received its prompt's
+KV; a prefix hit the head's cache lacks; a fork of an ``n > 1`` request; a step whose rows were not
+captured), the head starts again from the first row held: its shadow's first position then stands for
+that pair (``bases``), and it attends to the pairs from there on only -- fewer drafts right, none wrong.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class _Pending:
     k: int  # drafts wanted
     rows: torch.Tensor  # the previous hidden state of each token this forward computes
     drafts: list[int]
-    tokens: list[int]  # the sequence's tokens its pairs read (the prefix cache's keys)
+    tokens: list[int] | None  # the tokens its pairs read (the prefix cache's keys); None: not cached
 
 
 class HeadProposer:
@@ -85,6 +86,7 @@ class HeadProposer:
             max_model_len=self.max_len, graph_mode="eager",
         )  # fmt: skip
         self.shadows: dict[str, Request] = {}
+        self.bases: dict[str, int] = {}  # per shadow: the pair its first position stands for
         self.drafts: dict[str, list[int]] = {}
         self.num_steps = 0  # head forwards run
 
@@ -110,9 +112,13 @@ class HeadProposer:
             going = []
             for i, p in enumerate(batch):
                 p.shadow.num_computed_tokens += p.rows.shape[0]
-                if depth == 0 and self.kv.has_blocks_to_cache(p.shadow.seq_id, p.shadow.num_computed_tokens):
-                    keys = _pair_keys(p.tokens)
-                    self.kv.cache_blocks(p.shadow.seq_id, keys, p.shadow.num_computed_tokens)
+                computed = p.shadow.num_computed_tokens
+                if (
+                    depth == 0
+                    and p.tokens is not None
+                    and self.kv.has_blocks_to_cache(p.shadow.seq_id, computed)
+                ):
+                    self.kv.cache_blocks(p.shadow.seq_id, _pair_keys(p.tokens), computed)
                 if len(p.drafts) < p.k:
                     token = out.sampled[p.shadow.seq_id][0].token_id
                     p.drafts.append(token)
@@ -132,39 +138,44 @@ class HeadProposer:
         """``req``'s shadow set to compute its new pairs (with room for ``k`` drafts), or None."""
         tokens = req.all_token_ids
         known = len(tokens) - req.num_placeholders
-        shadow = self.shadows.get(req.seq_id)
-        done = shadow.num_computed_tokens if shadow is not None else 0
         held = self.hidden.available(req.seq_id)
         if held is None or known < 2:
             return None
+        shadow = self.shadows.get(req.seq_id)
+        base = self.bases.get(req.seq_id, 0)  # the pair the shadow's first position stands for
+        done = base + shadow.num_computed_tokens if shadow is not None else 0
+        if shadow is not None and held[0] > done:  # a gap in the rows: start again from those held
+            self._forget(req.seq_id)
+            shadow = None
         prefix = None
-        if shadow is None and held[0] > 0:  # the target resumed from its prefix cache: so may we
-            prefix = self._cached_pairs(tokens, held[0])
-            if prefix is None:
-                return None
-            done = held[0]
-        if held[0] > done:
-            return None  # the rows before them are gone: no KV in the head for those pairs
-        end = min(held[1], known - 1)  # pairs 0..end-1 have their row and their next token
-        if end < known - 1 or end + k - 1 > self.max_len:
+        if shadow is None:
+            base = done = held[0]
+            if held[0] > 0:  # the target resumed from its prefix cache (or got its prompt's KV)
+                prefix = self._cached_pairs(tokens, held[0])
+                if prefix is not None:  # so does the head, from its own cached blocks
+                    base = 0
+        end = min(held[1], known - 1)  # pairs ..end-1 have their row and their next token
+        if end < known - 1 or end - base + k - 1 > self.max_len:
             k = 0  # the last known token's pair is not computable yet: feed, no drafts
         if end <= done:  # nothing new: draft from the last pair again (its KV rewritten as it was)
-            if k == 0 or end - 1 < held[0]:
+            if k == 0 or end - 1 < max(held[0], base):
                 return None
             done = end - 1
-        if not self.kv.allocate_slots(req.seq_id, end + max(k - 1, 0), prefix, num_computed=done):
+        if not self.kv.allocate_slots(
+            req.seq_id, end - base + max(k - 1, 0), prefix, num_computed=done - base
+        ):
             return None  # the head's pool is full: this sequence's new pairs wait
         rows = self.hidden.take(req.seq_id, done, end)
         if rows is None:
             return None
         if shadow is None:
-            first = tokens[1 : max(req.num_prompt_tokens, 2)]
+            first = tokens[1 + base : max(req.num_prompt_tokens, base + 2)]
             shadow = Request(req.seq_id, req.seq_id, 0, first, _draft_params(req.params))
-            self.shadows[req.seq_id] = shadow
-        shadow.output_token_ids = tokens[1 + shadow.num_prompt_tokens : end + 1]
-        shadow.num_computed_tokens = done
+            self.shadows[req.seq_id], self.bases[req.seq_id] = shadow, base
+        shadow.output_token_ids = tokens[1 + base + shadow.num_prompt_tokens : end + 1]
+        shadow.num_computed_tokens = done - base
         drafts = self.drafts[req.seq_id] = []
-        return _Pending(shadow, k, rows, drafts, tokens[: end + 1])
+        return _Pending(shadow, k, rows, drafts, tokens[: end + 1] if base == 0 else None)
 
     def _cached_pairs(self, tokens: list[int], num: int) -> ComputedPrefix | None:
         """The head's cached blocks of pairs ``0..num-1`` (all of them, whole blocks), or None."""
@@ -180,8 +191,13 @@ class HeadProposer:
         return self.drafts.get(req.seq_id, [])[:k]
 
     def release(self, seq_id: str) -> None:
-        self.kv.free(seq_id)
-        self.shadows.pop(seq_id, None)
+        self._forget(seq_id)
         self.drafts.pop(seq_id, None)
         self.hidden.release(seq_id)
+
+    def _forget(self, seq_id: str) -> None:
+        """Drop a sequence's shadow and its KV in the head."""
+        self.kv.free(seq_id)
+        self.shadows.pop(seq_id, None)
+        self.bases.pop(seq_id, None)
         self.runner.release([seq_id])

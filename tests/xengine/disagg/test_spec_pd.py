@@ -40,3 +40,24 @@ def test_the_decode_side_drafts_from_the_imported_prefix(make_model_dir, tmp_pat
         assert tokens == expected[i], f"prompt {i} differs"
         assert result.num_blocks == len(source.block_ids) > 0
     assert drafter.stats.num_accepted_tokens > 0, drafter.stats
+
+
+def test_an_mtp_head_drafts_on_the_decode_side(make_model_dir, tmp_path_factory) -> None:
+    """The decode side has no hidden states of the prompt (only its KV): its MTP layer starts from the
+    first token it computes, attending to the pairs from there on."""
+    from xengine.tools.mtp_checkpoint import add_mtp_layer
+
+    model = add_mtp_layer(make_model_dir("qwen3_next"), tmp_path_factory.mktemp("mtp-pd"))
+    kw = dict(state_snapshot_interval=32)
+    prefill = make_engine(model, **SETTINGS, **kw)
+    colocated = make_engine(model, **SETTINGS, **kw)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    decode = make_engine(model, **SETTINGS, **kw, speculative_config=spec)
+    prompts = random_prompts([20, 45], seed=13)
+    expected = [_generate(colocated, f"c{i}", p, MAX_TOKENS) for i, p in enumerate(prompts)]
+    for i, prompt in enumerate(prompts):
+        tokens, _, _, _ = _pd(prefill, decode, f"r{i}", prompt)
+        assert tokens == expected[i], f"prompt {i} differs"
+    proposer = decode.scheduler.drafter.proposer
+    assert decode.scheduler.drafter.stats.num_draft_tokens > 0
+    assert proposer.shadows == {} and proposer.kv.block_tables == {}

@@ -36,13 +36,16 @@ class RecordingProposer:
     def __init__(self, inner: Any, verified: OracleProposer | None = None) -> None:
         self.inner, self.verified = inner, verified
         self.seen: dict[tuple[int, ...], list[int]] = {}
+        self.truncated = 0  # drafts of a head that starts past the sequence's first pair (not in seen)
 
     def prepare(self, reqs: list[Request], ks: list[int]) -> None:
         self.inner.prepare(reqs, ks)
 
     def propose(self, req: Request, k: int) -> list[int]:
         drafts = self.inner.propose(req, k)
-        if drafts:
+        if drafts and getattr(self.inner, "bases", {}).get(req.seq_id, 0):
+            self.truncated += 1
+        elif drafts:
             self.seen[tuple(req.all_token_ids)] = drafts
         return self.verified.propose(req, k) if self.verified is not None else drafts
 
