@@ -230,7 +230,12 @@ class Engine:
         spec = config.speculative_config
         if spec.method == "mtp":
             head = load_mtp(self.model, config.model.model, config.model.quantization)
-            geometry = dataclasses.replace(self.model_info, num_layers=1)
+            geometry_of = getattr(self.model, "mtp_kv_info", None)  # a layer unlike the target's first
+            geometry = (
+                geometry_of(self.model_info)
+                if geometry_of is not None
+                else dataclasses.replace(self.model_info, num_layers=1)
+            )
         else:
             if not Path(spec.model).is_dir():
                 raise ValueError(

@@ -32,6 +32,7 @@ Workloads:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -133,6 +134,49 @@ def _decode_tok_s(llm: Any, prompts: list[list[int]], args: argparse.Namespace) 
     return len(prompts) * args.output_len / max(total - first, 1e-9)
 
 
+def _measure(
+    plain: Any, model_dir: Path, size: str, workload: str, method: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One method on one target: per batch, decode tok/s with and without speculation."""
+    from xengine.api.messages import SamplingParams
+    from xengine.llm import LLM
+
+    spec_cfg: dict[str, Any] = {"method": method, "num_speculative_tokens": args.k}
+    if method == "draft_model":
+        spec_cfg["model"] = str(_draft(model_dir, args.draft_layers))
+    elif method in ("eagle", "eagle3"):
+        spec_cfg["model"] = str(_head(method, size))
+    out: dict[str, Any] = {}
+    with LLM(
+        str(model_dir), num_threads=args.num_threads, block_size=16, speculative_config=spec_cfg
+    ) as spec:
+        drafter = spec.engine.scheduler.drafter
+        inner = drafter.proposer
+        for batch in args.batches:
+            print(f"{size} {workload} {method} batch {batch}", file=sys.stderr)
+            prompts = _prompts(plain, "random" if workload == "oracle" else workload, batch, args)
+            if workload == "oracle":
+                greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len + 1, ignore_eos=True)
+                outs = plain.generate(prompts, greedy, use_tqdm=False)
+                conts = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
+                drafter.proposer = _OracleDrafts(inner, conts)
+            base = _decode_tok_s(plain, prompts, args)
+            stats = drafter.stats
+            stats.__init__()  # count the measured runs only
+            fast = _decode_tok_s(spec, prompts, args)
+            drafter.proposer = inner
+            out[str(batch)] = {
+                "target": model_dir.name,
+                "decode_tok_s": round(fast, 1),
+                "decode_tok_s_no_spec": round(base, 1),
+                "speedup": round(fast / base, 3),
+                "mean_accepted_length": round(stats.mean_accepted_length, 3),
+                "acceptance_rate": round(stats.acceptance_rate, 3),
+                "acceptance_per_pos": [round(x, 3) for x in stats.acceptance_per_pos()],
+            }
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-threads", type=int, default=1)
@@ -159,57 +203,20 @@ def main(argv: list[str] | None = None) -> None:
             "workloads": ["repeat", "oracle"],
         },  # fmt: skip
     )
-    from xengine.api.messages import SamplingParams
     from xengine.llm import LLM
 
     results: dict[str, Any] = {}
-    plains: dict[Path, Any] = {}
     for size in args.sizes:
         for workload in args.workloads:
-            for method in args.methods:
-                if workload == "oracle" and method == "ngram":
-                    continue  # prompt lookup has no model to pay for
-                model_dir = _target(method, size, workload)
-                if model_dir not in plains:
-                    plains[model_dir] = LLM(str(model_dir), num_threads=args.num_threads, block_size=16)
-                plain = plains[model_dir]
-                spec_cfg: dict[str, Any] = {"method": method, "num_speculative_tokens": args.k}
-                if method == "draft_model":
-                    spec_cfg["model"] = str(_draft(model_dir, args.draft_layers))
-                elif method in ("eagle", "eagle3"):
-                    spec_cfg["model"] = str(_head(method, size))
-                spec = LLM(
-                    str(model_dir), num_threads=args.num_threads, block_size=16, speculative_config=spec_cfg
-                )
-                drafter = spec.engine.scheduler.drafter
-                for batch in args.batches:
-                    print(f"{size} {workload} {method} batch {batch}", file=sys.stderr)
-                    prompts = _prompts(plain, "random" if workload == "oracle" else workload, batch, args)
-                    if workload == "oracle":
-                        greedy = SamplingParams(
-                            temperature=0.0, max_tokens=args.output_len + 1, ignore_eos=True
-                        )
-                        outs = plain.generate(prompts, greedy, use_tqdm=False)
-                        conts = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
-                        inner = drafter.proposer
-                        drafter.proposer = _OracleDrafts(inner, conts)
-                    base = _decode_tok_s(plain, prompts, args)
-                    stats = drafter.stats
-                    stats.__init__()  # count the measured runs only
-                    fast = _decode_tok_s(spec, prompts, args)
-                    if workload == "oracle":
-                        drafter.proposer = inner
-                    results.setdefault(size, {}).setdefault(workload, {}).setdefault(method, {})[
-                        str(batch)
-                    ] = {
-                        "target": model_dir.name,
-                        "decode_tok_s": round(fast, 1),
-                        "decode_tok_s_no_spec": round(base, 1),
-                        "speedup": round(fast / base, 3),
-                        "mean_accepted_length": round(stats.mean_accepted_length, 3),
-                        "acceptance_rate": round(stats.acceptance_rate, 3),
-                        "acceptance_per_pos": [round(x, 3) for x in stats.acceptance_per_pos()],
-                    }
+            methods = [m for m in args.methods if not (workload == "oracle" and m == "ngram")]
+            for model_dir in dict.fromkeys(_target(m, size, workload) for m in methods):
+                # one target at a time, each engine shut down after its runs (their KV pools add up)
+                with LLM(str(model_dir), num_threads=args.num_threads, block_size=16) as plain:
+                    for method in (m for m in methods if _target(m, size, workload) == model_dir):
+                        entry = _measure(plain, model_dir, size, workload, method, args)
+                        results.setdefault(size, {}).setdefault(workload, {})[method] = entry
+                        gc.collect()
+                gc.collect()
     out = {"machine": describe(args.num_threads), "config": vars(args), "results": results}
     print(json.dumps(out, indent=1))
 

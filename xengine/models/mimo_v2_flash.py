@@ -13,6 +13,7 @@ The two layer kinds' KV geometries differ, so their KV lives in two pools (``kv_
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -25,7 +26,7 @@ from graph.attention_op import unified_attention
 from xengine.layers.linear import Linear, MergedLinear
 from xengine.layers.moe import FusedExperts, GroupedTopkRouter
 from xengine.layers.rotary import RotaryEmbedding
-from xengine.models.decoder import DecoderForCausalLM
+from xengine.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP
 from xengine.models.info import ModelInfo
 from xengine.models.mimo_v2_flash_config import (
     SWA_KV_HEAD_FACTOR,
@@ -33,7 +34,11 @@ from xengine.models.mimo_v2_flash_config import (
     mimo_v2_flash_config_from_hf,
 )
 
-_MTP = re.compile(r"^model\.mtp\.")  # multi-token-prediction layers: this model runs no speculative step
+_MTP = re.compile(r"^model\.mtp\.")  # the multi-token-prediction layers (``mtp.py`` loads them to draft)
+_MTP_LAYER = re.compile(r"^model\.mtp\.layers\.(\d+)\.")
+# MTP layer names that differ from ``mtp.MtpLayer``'s (a decoder block between MTP's own norms)
+_MTP_RENAMES = (("final_layernorm.", "post_norm."), ("pre_mlp_layernorm.", "block.post_attention_layernorm."),
+                ("self_attn.attention_sink_bias", "block.self_attn.sinks"))  # fmt: skip
 _SINK_NAME = ".self_attn.attention_sink_bias"  # the released checkpoints' name of the sinks
 
 
@@ -119,6 +124,33 @@ class MiMoV2FlashForCausalLM(DecoderForCausalLM):
         return RoutedMoeBlock(
             router, FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         )
+
+    def mtp_block(self, kv_index: int) -> nn.Module:
+        """An MTP layer's decoder block: sliding-window attention with sinks (the window layers' shapes and
+        RoPE; KV cache ``kv_index`` of the MTP pool) and the dense MLP."""
+        cfg = self.config
+        window = next(w for w in cfg.sliding_windows if w is not None)
+        block_cfg = dataclasses.replace(cfg, sliding_windows=(window,) * (kv_index + 1))
+        rotary = self._window_rotary()
+        attn = MiMoAttention(block_cfg, rotary, kv_index)
+        return DecoderLayer(block_cfg, rotary, kv_index, DecoderMLP(cfg), attn)
+
+    def mtp_kv_info(self, info: ModelInfo) -> ModelInfo:
+        """The MTP pool's geometry: one sliding-window layer's (twice the KV heads)."""
+        return dataclasses.replace(info, num_layers=1, num_kv_heads=SWA_KV_HEAD_FACTOR * info.num_kv_heads)
+
+    def mtp_weight_name(self, name: str, num_mtp_layers: int) -> tuple[int, str] | None:
+        """``model.mtp.layers.{i}.*`` -> MTP layer ``i``'s name (``mtp.MtpLayer``)."""
+        match = _MTP_LAYER.match(name)
+        if match is None or int(match.group(1)) >= num_mtp_layers:
+            return None
+        rest = name[match.end() :]
+        for theirs, ours in _MTP_RENAMES:
+            if rest.startswith(theirs):
+                return int(match.group(1)), ours + rest.removeprefix(theirs)
+        return int(match.group(1)), rest if rest.startswith(
+            ("enorm.", "hnorm.", "eh_proj.")
+        ) else "block." + rest
 
     def set_max_model_len(self, max_model_len: int) -> None:
         super().set_max_model_len(max_model_len)

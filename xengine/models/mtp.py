@@ -1,5 +1,6 @@
 """Multi-token-prediction (MTP) layers: the draft head some checkpoints ship beside the model
-(DeepSeek-V3's ``num_nextn_predict_layers``, Qwen3-Next's ``mtp.*``), math only.
+(DeepSeek-V3's ``num_nextn_predict_layers``, Qwen3-Next's ``mtp.*``, MiMo-V2-Flash's ``model.mtp.*``),
+math only.
 
 One MTP layer predicts the token after next: at position ``t`` it takes the target's final hidden state
 ``h_t`` (after the final norm, as HF passes it) and the embedding of the token at ``t + 1``,
@@ -8,7 +9,8 @@ One MTP layer predicts the token after next: at position ``t`` it takes the targ
 
 and the target's own head turns ``g_t`` into logits for ``x_{t+2}``. ``block`` is one decoder layer of
 the target's kind (DeepSeek-V3: MLA attention and a MoE block; Qwen3-Next: gated full attention and a
-MoE block) with a KV cache of its own. Drafting further than the layers reach feeds ``g_t`` back in as the
+MoE block; MiMo-V2-Flash: sliding-window attention with sinks and a dense MLP, ``mtp_kv_info`` giving its
+KV geometry) with a KV cache of its own. Drafting further than the layers reach feeds ``g_t`` back in as the
 next hidden state (HF's chaining of MTP depths), with the last layer reused.
 
 A model with MTP layers implements ``mtp_block(kv_index)`` (its decoder layer, always the MoE kind) and
@@ -85,7 +87,7 @@ def load_mtp(target: BaseCausalLM, model_dir: str, quantization: str = "none") -
     if make_block is None or declared == 0:
         raise ValueError(
             f"speculative_config.method mtp needs a checkpoint with multi-token-prediction layers "
-            f"(DeepSeek-V3 num_nextn_predict_layers, Qwen3-Next mtp.*); {model_dir!r} "
+            f"(DeepSeek-V3 num_nextn_predict_layers, Qwen3-Next / MiMo-V2-Flash mtp.*); {model_dir!r} "
             + ("declares none" if make_block is not None else f"is a {type(target).__name__}, which has none")
         )
     ref = target.lm_head.weight

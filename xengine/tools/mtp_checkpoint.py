@@ -1,12 +1,14 @@
 """Random multi-token-prediction layers added to a generated checkpoint, in the checkpoint's own layout:
 DeepSeek-V3's ``model.layers.{num_hidden_layers}.*`` (``enorm``, ``hnorm``, ``eh_proj``,
-``shared_head.norm`` beside a MoE decoder layer; ``num_nextn_predict_layers``) and Qwen3-Next's ``mtp.*``
-(``fc``, ``pre_fc_norm_embedding`` / ``_hidden``, ``norm``, ``layers.0.*``; ``mtp_num_hidden_layers``).
+``shared_head.norm`` beside a MoE decoder layer; ``num_nextn_predict_layers``), Qwen3-Next's ``mtp.*``
+(``fc``, ``pre_fc_norm_embedding`` / ``_hidden``, ``norm``, ``layers.0.*``; ``mtp_num_hidden_layers``) and
+MiMo-V2-Flash's ``model.mtp.layers.0.*`` (``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm`` beside a
+sliding-window layer with ``pre_mlp_layernorm`` and a dense MLP; ``num_nextn_predict_layers``).
 
 ``make_deepseek_with_mtp`` writes a DeepSeek-V3 of 61 dense layers with one: transformers runs MTP
 (``generate(use_mtp=True)``) for DeepSeek-V3 only when the MTP layer is ``model.layers.61``.
 
-    python -m xengine.tools.mtp_checkpoint SRC OUT        # SRC: a make_tiny deepseek_v3 / qwen3_next
+    python -m xengine.tools.mtp_checkpoint SRC OUT        # SRC: make_tiny's deepseek_v3 / qwen3_next / mimo
     python -m xengine.tools.mtp_checkpoint --deepseek61 OUT
 """
 
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_KINDS = ("deepseek_v3", "qwen3_next")
+_KINDS = ("deepseek_v3", "qwen3_next", "mimo_v2_flash")
 
 
 def _mtp_block_weights(config: Any, seed: int) -> dict[str, Any]:
@@ -34,6 +36,9 @@ def _mtp_block_weights(config: Any, seed: int) -> dict[str, Any]:
     cfg.num_hidden_layers = 1
     if cfg.model_type == "deepseek_v3":
         cfg.first_k_dense_replace = 0
+    elif cfg.model_type == "mimo_v2_flash":  # a sliding-window layer with a dense MLP
+        cfg.layer_types = ["sliding_attention"]
+        cfg.mlp_layer_types = ["dense"]
     else:
         cfg.layer_types = ["full_attention"]
         cfg.mlp_only_layers = []
@@ -79,6 +84,16 @@ def add_mtp_layer(src: Path, out: Path, seed: int = 0) -> Path:
         weights.update({layer + k: v for k, v in block.items()})
         weights[layer + "enorm.weight"], weights[layer + "hnorm.weight"] = norm(), norm()
         weights[layer + "shared_head.norm.weight"] = norm()
+        weights[layer + "eh_proj.weight"] = proj
+        hf["num_nextn_predict_layers"] = 1
+    elif config.model_type == "mimo_v2_flash":
+        layer = "model.mtp.layers.0."
+        for k, v in block.items():
+            k = k.replace("post_attention_layernorm.", "pre_mlp_layernorm.")
+            k = k.replace("self_attn.sinks", "self_attn.attention_sink_bias")  # the release's names
+            weights[layer + k] = v
+        weights[layer + "enorm.weight"], weights[layer + "hnorm.weight"] = norm(), norm()
+        weights[layer + "final_layernorm.weight"] = norm()
         weights[layer + "eh_proj.weight"] = proj
         hf["num_nextn_predict_layers"] = 1
     else:
@@ -129,7 +144,9 @@ def make_deepseek_with_mtp(out: Path, num_layers: int = 61, seed: int = 0) -> Pa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", nargs="?", help="a make_tiny deepseek_v3 / qwen3_next checkpoint")
+    parser.add_argument(
+        "src", nargs="?", help="a make_tiny deepseek_v3 / qwen3_next / mimo_v2_flash checkpoint"
+    )
     parser.add_argument("out")
     parser.add_argument("--deepseek61", action="store_true", help="write the 61-layer DeepSeek-V3 instead")
     parser.add_argument("--seed", type=int, default=0)

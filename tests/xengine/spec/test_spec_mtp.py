@@ -9,7 +9,8 @@ rejections) while the MTP layer runs beside it: every draft it made, in every st
 passed through, equals a from-scratch HF computation (the target over the whole sequence, then the MTP
 layer chained ``k`` times) -- so its KV and the hidden rows it read stayed right across accepts,
 rejections, chunked prefill, prefix-cache hits (its own cached blocks), async scheduling and
-preemption. Qwen3-Next (HF has no MTP for it): greedy tokens equal our engine's without speculation."""
+preemption. Qwen3-Next and MiMo-V2-Flash (HF has no MTP for them): greedy tokens equal our engine's
+without speculation."""
 
 from __future__ import annotations
 
@@ -40,8 +41,15 @@ def deepseek_mtp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def qwen3_next_mtp(make_model_dir, tmp_path_factory) -> Path:
-    return add_mtp_layer(make_model_dir("qwen3_next"), tmp_path_factory.mktemp("qwen3-next-mtp"))
+def with_mtp(make_model_dir, tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def _get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = add_mtp_layer(make_model_dir(arch), tmp_path_factory.mktemp(f"{arch}-mtp"))
+        return cache[arch]
+
+    return _get
 
 
 @pytest.fixture(scope="module")
@@ -132,17 +140,15 @@ def test_mtp_state_stays_right_across_accepts_and_rejections(deepseek_mtp, hf, c
     assert mtp.shadows == {} and mtp.kv.block_tables == {} and mtp.hidden.available("0") is None
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_qwen3_next_greedy_equals_the_engine_without_speculation(make_model_dir, qwen3_next_mtp, k) -> None:
+@pytest.mark.parametrize(("arch", "k"), [("qwen3_next", 1), ("qwen3_next", 3), ("mimo_v2_flash", 2)])
+def test_greedy_equals_the_engine_without_speculation(make_model_dir, with_mtp, arch, k) -> None:
+    """Qwen3-Next (recurrent layers) and MiMo-V2-Flash (its MTP layer a sliding-window one with sinks,
+    shorter than the prompts), which HF does not run MTP on."""
     prompts = _prompts()
-    expected = [
-        list(o.outputs[0].token_ids)
-        for o in LLM(str(make_model_dir("qwen3_next")), block_size=16).generate(
-            prompts, GREEDY, use_tqdm=False
-        )
-    ]
+    plain = LLM(str(make_model_dir(arch)), block_size=16)
+    expected = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     spec = {"method": "mtp", "num_speculative_tokens": k}
-    llm = LLM(str(qwen3_next_mtp), block_size=16, speculative_config=spec, **CONFIGS["prefix+chunked"])
+    llm = LLM(str(with_mtp(arch)), block_size=16, speculative_config=spec, **CONFIGS["prefix+chunked"])
     for run in range(2):
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert got == expected, f"run {run}"
