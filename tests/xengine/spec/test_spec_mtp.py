@@ -110,7 +110,11 @@ def test_deepseek_greedy_and_drafts_equal_hf_mtp(deepseek_mtp, hf) -> None:
     assert drafter.stats.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+# the default run keeps preemption (prefix caching and chunked prefill with it) and async; the rest slow
+STATE_CONFIGS = [pytest.param(c, marks=pytest.mark.slow if c == "prefix+chunked" else ()) for c in CONFIGS]
+
+
+@pytest.mark.parametrize("config", STATE_CONFIGS)
 def test_mtp_state_stays_right_across_accepts_and_rejections(deepseek_mtp, hf, config) -> None:
     model, _ = hf
     prompts = _prompts()
@@ -140,7 +144,10 @@ def test_mtp_state_stays_right_across_accepts_and_rejections(deepseek_mtp, hf, c
     assert mtp.shadows == {} and mtp.kv.block_tables == {} and mtp.hidden.available("0") is None
 
 
-@pytest.mark.parametrize(("arch", "k"), [("qwen3_next", 1), ("qwen3_next", 3), ("mimo_v2_flash", 2)])
+@pytest.mark.parametrize(
+    ("arch", "k"),
+    [pytest.param("qwen3_next", 1, marks=pytest.mark.slow), ("qwen3_next", 3), ("mimo_v2_flash", 2)],
+)
 def test_greedy_equals_the_engine_without_speculation(make_model_dir, with_mtp, arch, k) -> None:
     """Qwen3-Next (recurrent layers) and MiMo-V2-Flash (its MTP layer a sliding-window one with sinks,
     shorter than the prompts), which HF does not run MTP on."""

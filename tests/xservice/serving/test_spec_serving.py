@@ -88,3 +88,37 @@ def test_a_request_opts_out_with_speculative_false(served, bigram) -> None:
         model=model, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
     )
     assert drafts() > before
+
+
+def test_an_eagle3_head_served_keeps_the_tokens(make_model_dir, tmp_path_factory) -> None:
+    """``xllm serve`` with an EAGLE-3 head from a folder of its own (``speculative_config.model``): the
+    ``openai`` client streams the tokens of the engine without speculation, and the head drafted."""
+    from xengine.tools.eagle_checkpoint import make_eagle_head
+
+    target = make_model_dir("qwen3")
+    head = make_eagle_head(target, tmp_path_factory.mktemp("eagle3-serve"), "eagle3", aux_layers=[0, 2, 3])
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(head)}
+    prompts = random_prompts([9, 30], seed=92)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = [
+        list(o.outputs[0].token_ids)
+        for o in LLM(str(target), block_size=16).generate(prompts, greedy, use_tqdm=False)
+    ]
+    handle = start_server(target, engine={"speculative_config": spec})
+    try:
+        client = openai.OpenAI(base_url=handle.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        for prompt, want in zip(prompts, expected):
+            stream = client.completions.create(
+                model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            got = [
+                t for chunk in stream for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])
+            ]
+            assert got == want
+        with handle.client() as http:
+            stats = http.get("/v1/admin/stats").json()["spec_decode"]
+        assert stats["method"] == "eagle3" and stats["num_draft_tokens"] > 0
+    finally:
+        handle.stop()
