@@ -46,6 +46,7 @@ from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
 from xengine.spec.draft_model import DraftModelProposer
+from xengine.spec.draft_pool import TargetPool
 from xengine.spec.drafting import Drafter
 from xengine.spec.head_proposer import HeadProposer
 from xengine.spec.hidden_rows import HiddenRows
@@ -216,10 +217,7 @@ class Engine:
                 raise ValueError(
                     f"speculative_config.model {spec.model!r} is not a folder: give the draft's HF folder"
                 )
-            proposer = DraftModelProposer(
-                spec.model, self.platform, self.dtype, config.cache, config.scheduler,
-                self.kv.pool.num_blocks, self.max_model_len, self.model_info.vocab_size,
-            )  # fmt: skip
+            proposer = DraftModelProposer(spec.model, self._target_pool(config), self.model_info.vocab_size)
         elif spec.method in ("mtp", "eagle", "eagle3"):
             proposer = self._head_proposer(config)
         return Drafter(spec, self.max_model_len, proposer)
@@ -247,10 +245,18 @@ class Engine:
         if spec.method == "eagle3":  # the layers the target captures, not its final hidden state
             source = lambda: self.model.model.aux_hidden  # noqa: E731
         self.runner.hidden_rows = HiddenRows(source)
-        return HeadProposer(
-            head, self.runner.hidden_rows, self.platform, self.dtype, config.cache, config.scheduler,
-            self.kv.pool.num_blocks, self.max_model_len, geometry,
-        )  # fmt: skip
+        return HeadProposer(head, self.runner.hidden_rows, self._target_pool(config), geometry)
+
+    def _target_pool(self, config: EngineConfig) -> TargetPool:
+        """What a proposer's own KV pool copies from this engine's."""
+        return TargetPool(
+            self.platform,
+            self.dtype,
+            config.cache,
+            config.scheduler,
+            self.kv.pool.num_blocks,
+            self.max_model_len,
+        )
 
     def _check_stateful(self, graph_mode: str) -> None:
         """A model with recurrent layers runs on one process, without whole-step graphs, for now: refuse

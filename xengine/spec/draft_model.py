@@ -16,20 +16,14 @@ masses, which the rejection sampler takes as they are (``verify.py``).
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgspec
-import torch
 
-from ops.platforms import Platform
-from xengine.api.config import CacheConfig, SchedulerConfig
 from xengine.api.messages import SamplingParams
-from xengine.kv_setup import build_kv
 from xengine.models.info import read_model_info
 from xengine.models.loader import load_model
 from xengine.request import Request
-from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.plan import ScheduledSeq, SchedulePlan
+from xengine.spec.draft_pool import TargetPool, build_draft_pool
 from xengine.state_setup import state_shapes
 
 
@@ -51,41 +45,22 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class DraftModelProposer:
-    def __init__(
-        self,
-        model_dir: str,
-        platform: Platform,
-        dtype: torch.dtype,
-        cache: CacheConfig,
-        scheduler: SchedulerConfig,
-        num_blocks: int,
-        max_model_len: int,
-        vocab_size: int,
-    ) -> None:
-        """``num_blocks``, ``max_model_len``, ``vocab_size``: the target's pool, context and vocabulary."""
+    def __init__(self, model_dir: str, target: TargetPool, vocab_size: int) -> None:
+        """``target``: the target's pool; ``vocab_size``: its vocabulary."""
         info = read_model_info(model_dir)
         if info.vocab_size != vocab_size:
             raise ValueError(
                 f"speculative_config.model {model_dir!r} has a vocabulary of {info.vocab_size} ids, the "
                 f"target {vocab_size}: a draft model must share the target's tokenizer"
             )
-        self.model = load_model(model_dir, dtype, platform.torch_device())
+        self.model = load_model(model_dir, target.dtype, target.platform.torch_device())
         if state_shapes(self.model):
             raise ValueError(
                 "speculative_config.model: a draft model with recurrent layers is not supported yet"
             )
-        max_len = min(max_model_len, info.max_position_embeddings)
-        cache = dataclasses.replace(
-            cache, kv_layout="paged", enable_prefix_caching=False, num_blocks=num_blocks, hybrid_kv="off"
-        )
-        kv = build_kv(cache, scheduler, info, dtype, platform, max_len)
-        self.max_len = kv.max_model_len
-        self.model.set_max_model_len(self.max_len)
-        self.kv = kv.manager
-        self.runner = ModelRunner(
-            self.model, kv.kv_caches, kv.layout, platform, kv.spec.block_size, list(info.eos_token_ids),
-            max_model_len=self.max_len, graph_mode="eager",
-        )  # fmt: skip
+        max_len = min(target.max_model_len, info.max_position_embeddings)
+        pool = build_draft_pool(self.model, info, target, max_len, prefix_caching=False)
+        self.kv, self.runner, self.max_len = pool.kv, pool.runner, pool.max_len
         self.shadows: dict[str, Request] = {}
         self.drafts: dict[str, list[int]] = {}
         self.num_steps = 0  # draft-model forwards run

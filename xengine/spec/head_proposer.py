@@ -32,15 +32,12 @@ import dataclasses
 import torch
 
 from memory.kv_cache_manager import ComputedPrefix
-from ops.platforms import Platform
-from xengine.api.config import CacheConfig, SchedulerConfig
-from xengine.kv_setup import build_kv
 from xengine.models.draft_head import DraftHeadModel
 from xengine.models.info import ModelInfo
 from xengine.request import Request
-from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.plan import ScheduledSeq, SchedulePlan
 from xengine.spec.draft_model import _draft_params
+from xengine.spec.draft_pool import TargetPool, build_draft_pool
 from xengine.spec.hidden_rows import HiddenRows
 
 
@@ -60,31 +57,13 @@ class _Pending:
 
 
 class HeadProposer:
-    def __init__(
-        self,
-        head: DraftHeadModel,
-        hidden: HiddenRows,
-        platform: Platform,
-        dtype: torch.dtype,
-        cache: CacheConfig,
-        scheduler: SchedulerConfig,
-        num_blocks: int,
-        max_model_len: int,
-        info: ModelInfo,
-    ) -> None:
-        """``hidden``: the rows the target's runner keeps; ``num_blocks``, ``max_model_len``: the target's
-        pool and context; ``info``: the head's KV geometry (its pool holds ``info.num_layers`` layers)."""
+    def __init__(self, head: DraftHeadModel, hidden: HiddenRows, target: TargetPool, info: ModelInfo) -> None:
+        """``hidden``: the rows the target's runner keeps; ``target``: the target's pool; ``info``: the
+        head's KV geometry (its pool holds ``info.num_layers`` layers)."""
         self.head = head
         self.hidden = hidden
-        cache = dataclasses.replace(cache, kv_layout="paged", num_blocks=num_blocks, hybrid_kv="off")
-        kv = build_kv(cache, scheduler, info, dtype, platform, max_model_len)
-        self.max_len = kv.max_model_len
-        head.set_max_model_len(self.max_len)
-        self.kv = kv.manager
-        self.runner = ModelRunner(
-            head, kv.kv_caches, kv.layout, platform, kv.spec.block_size, list(info.eos_token_ids),
-            max_model_len=self.max_len, graph_mode="eager",
-        )  # fmt: skip
+        pool = build_draft_pool(head, info, target, target.max_model_len, prefix_caching=True)
+        self.kv, self.runner, self.max_len = pool.kv, pool.runner, pool.max_len
         self.shadows: dict[str, Request] = {}
         self.bases: dict[str, int] = {}  # per shadow: the pair its first position stands for
         self.drafts: dict[str, list[int]] = {}

@@ -51,3 +51,19 @@ class RecordingProposer:
 
     def release(self, seq_id: str) -> None:
         self.inner.release(seq_id)
+
+
+def run_with_oracle(
+    llm: Any, prompts: list[list[int]], expected: list[list[int]], params: Any
+) -> RecordingProposer:
+    """Generate ``prompts`` twice (the second run meets a warm prefix cache) with ``llm``'s model proposer
+    running and an oracle over ``expected`` deciding what is verified; every output must be ``expected``,
+    and the drafts verified must have been partly accepted. Returns the recording."""
+    drafter = llm.engine.scheduler.drafter
+    oracle = OracleProposer({tuple(p): e for p, e in zip(prompts, expected)}, llm.engine.vocab_size)
+    drafter.proposer = rec = RecordingProposer(drafter.proposer, oracle)
+    for run in range(2):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected, f"run {run}"
+    assert 0 < drafter.stats.num_accepted_tokens < drafter.stats.num_draft_tokens
+    return rec

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.xengine.conftest import assert_engine_idle, random_prompts
-from tests.xengine.spec.oracle import OracleProposer, RecordingProposer
+from tests.xengine.spec.oracle import run_with_oracle
 from xengine.api.messages import SamplingParams
 from xengine.llm import LLM
 from xengine.tools.eagle_checkpoint import make_eagle_head
@@ -151,14 +151,8 @@ def test_head_drafts_equal_the_reference_across_accepts_and_rejections(
     spec = {"method": method, "num_speculative_tokens": 3, "model": str(heads[method])}
     llm = LLM(str(target), block_size=16, speculative_config=spec, **CONFIGS[config])
     engine = llm.engine
-    drafter = engine.scheduler.drafter
-    oracle = OracleProposer({tuple(p): e for p, e in zip(prompts, expected)}, engine.vocab_size)
-    drafter.proposer = rec = RecordingProposer(drafter.proposer, oracle)
     free = engine.kv.num_free_blocks
-    for run in range(2):
-        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outputs] == expected, f"run {run}"
-    assert 0 < drafter.stats.num_accepted_tokens < drafter.stats.num_draft_tokens
+    rec = run_with_oracle(llm, prompts, expected, GREEDY)
     reference = _Reference(target, heads[method], method)
     states = list(rec.seen.items())
     assert len(states) > 20

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.xengine.conftest import assert_engine_idle, random_prompts
-from tests.xengine.spec.oracle import OracleProposer, RecordingProposer
+from tests.xengine.spec.oracle import RecordingProposer, run_with_oracle
 from xengine.api.messages import SamplingParams
 from xengine.llm import LLM
 from xengine.tools.mtp_checkpoint import add_mtp_layer, make_deepseek_with_mtp
@@ -127,14 +127,8 @@ def test_mtp_state_stays_right_across_accepts_and_rejections(deepseek_mtp, hf, c
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     llm = LLM(str(deepseek_mtp), block_size=16, speculative_config=spec, **CONFIGS[config])
     engine = llm.engine
-    drafter = engine.scheduler.drafter
-    oracle = OracleProposer({tuple(p): e for p, e in zip(prompts, expected)}, engine.vocab_size)
-    drafter.proposer = rec = RecordingProposer(drafter.proposer, oracle)
     free = engine.kv.num_free_blocks
-    for run in range(2):  # the second run resumes from the prefix cache: the MTP's cached blocks too
-        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outputs] == expected, f"run {run}"
-    assert 0 < drafter.stats.num_accepted_tokens < drafter.stats.num_draft_tokens
+    rec = run_with_oracle(llm, prompts, expected, GREEDY)
     states = list(rec.seen.items())
     assert len(states) > 20
     for tokens, drafts in states[:: max(len(states) // 12, 1)]:
