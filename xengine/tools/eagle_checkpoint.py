@@ -53,9 +53,14 @@ def make_eagle_head(
     layer = _layer(hf, seed)
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
-            "rope_scaling", "hidden_act", "eos_token_id", "bos_token_id")  # fmt: skip
+            "rope_scaling", "eos_token_id", "bos_token_id")  # fmt: skip
     config: dict[str, Any] = {k: hf[k] for k in keys if hf.get(k) is not None}
-    config.update(model_type="llama", num_hidden_layers=1, torch_dtype="float32")
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values()):  # per layer type
+        config["rope_parameters"] = rope.get("full_attention") or next(
+            v for v in rope.values() if isinstance(v, dict)
+        )
+    config.update(model_type="llama", num_hidden_layers=1, torch_dtype="float32", hidden_act="silu")
     weights: dict[str, Any] = {}
     if method == "eagle":
         config["architectures"] = ["LlamaForCausalLM"]

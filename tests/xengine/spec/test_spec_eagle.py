@@ -174,3 +174,24 @@ def test_heads_that_do_not_fit_the_target_are_refused(make_model_dir, heads, tmp
         LLM(str(make_model_dir("qwen3")), speculative_config={**spec, "model": "/no/such/head"})
     with pytest.raises(ValueError, match="needs speculative_config.model"):
         LLM(str(make_model_dir("qwen3")), speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mimo_v2_flash"])
+def test_an_eagle_head_on_other_targets_keeps_their_greedy_tokens(make_model_dir, tmp_path, arch) -> None:
+    """EAGLE-1 over Llama, Gemma 3 (sliding windows, scaled embeddings) and MiMo-V2-Flash (hybrid pools)
+    targets: greedy tokens equal the target's without speculation, and the head drafted. EAGLE-3 on
+    Gemma 3, whose layers are not captured, is refused rather than left idle."""
+    target = make_model_dir(arch)
+    head = make_eagle_head(target, tmp_path / "head", "eagle")
+    prompts = _prompts()
+    plain = LLM(str(target), block_size=16)
+    expected = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    spec = {"method": "eagle", "num_speculative_tokens": 2, "model": str(head)}
+    llm = LLM(str(target), block_size=16, speculative_config=spec, enable_prefix_caching=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected
+    assert llm.engine.scheduler.drafter.stats.num_draft_tokens > 0
+    if arch == "gemma3":
+        eagle3 = make_eagle_head(target, tmp_path / "head3", "eagle3")
+        with pytest.raises(ValueError, match="eagle3 reads the target's layers"):
+            LLM(str(target), speculative_config={**spec, "method": "eagle3", "model": str(eagle3)})
