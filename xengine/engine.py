@@ -31,6 +31,7 @@ from xengine.api.messages import (
 from xengine.beam.catalog import CatalogRegistry
 from xengine.colocation.interrupter import Interrupter, note_arrival
 from xengine.colocation.resume import StepResumer
+from xengine.disagg.head_transfer import HeadTransfer, head_fingerprint
 from xengine.disagg.hybrid_transfer import StateTransfer, WindowTransfer
 from xengine.disagg.kv_transfer import KVTransferManager
 from xengine.kv_setup import KVSetup, build_kv
@@ -303,8 +304,24 @@ class Engine:
             window = WindowTransfer(kv.manager.window, [kv.kv_caches[i] for i in sorted(kv.window_layers)])
         if states is not None:
             state = StateTransfer(states.slots, [t for ts in states.pool.layers.values() for t in ts])
+        head = None
+        drafter = self.scheduler.drafter
+        if (
+            drafter is not None
+            and isinstance(drafter.proposer, HeadProposer)
+            and config.cache.enable_prefix_caching
+        ):
+            proposer = drafter.proposer  # its KV of the prompt goes with the prompt's (head_transfer.py)
+            head_id = head_fingerprint(config.speculative_config.method, proposer.head)
+            head = HeadTransfer(proposer.kv, proposer.caches, head_id)
         return KVTransferManager(
-            self.kv, full, kv.spec, port_range=config.cache.transfer_ports(), window=window, states=state
+            self.kv,
+            full,
+            kv.spec,
+            port_range=config.cache.transfer_ports(),
+            window=window,
+            states=state,
+            head=head,
         )
 
     def _describe(self, config: EngineConfig, info: ModelInfo, model_dir: str, kv: KVSetup) -> EngineInfo:
@@ -467,18 +484,24 @@ class Engine:
                 "layer slides or is recurrent); serve it on instances that prefill and decode"
             )
 
-    def kv_export(self, export_id: str, token_ids: list[int]) -> KVExportInfo:
+    def kv_export(
+        self, export_id: str, token_ids: list[int], next_token_id: int | None = None
+    ) -> KVExportInfo:
+        """Pin the prompt ``token_ids``'s cached blocks for a decode instance (``next_token_id``: the
+        token the prefill sampled; a draft head's blocks of the prompt go along when it is given)."""
         self._check_transferable()
-        return self.kv_transfer.export(export_id, token_ids)
+        return self.kv_transfer.export(export_id, token_ids, next_token_id)
 
-    def kv_import(self, source: KVExportInfo, token_ids: list[int], pin_id: str) -> KVImportResult:
+    def kv_import(
+        self, source: KVExportInfo, token_ids: list[int], pin_id: str, next_token_id: int | None = None
+    ) -> KVImportResult:
         self._check_transferable()
         if self.parallel is not None:
             raise ValueError(
                 "KV import into an expert-parallel instance is not supported yet (its workers would not "
                 "receive the blocks); run decode instances with expert_parallel_size 1"
             )
-        return self.kv_transfer.import_(source, token_ids, pin_id)
+        return self.kv_transfer.import_(source, token_ids, pin_id, next_token_id)
 
     def kv_release(self, pin_id: str) -> bool:
         return self.kv_transfer.release(pin_id)

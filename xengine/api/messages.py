@@ -341,6 +341,8 @@ class KVExportInfo(msgspec.Struct, kw_only=True):
     # a query after those blocks needs; the blocks are then as many as every layer kind can resume from
     window: WindowExportMsg | None = None
     state: StateExportMsg | None = None
+    # speculative decoding with a draft head (``xengine/disagg/head_transfer.py``): its KV of the prompt
+    head: HeadExportMsg | None = None
 
 
 class WindowExportMsg(msgspec.Struct, kw_only=True):
@@ -362,6 +364,17 @@ class StateExportMsg(msgspec.Struct, kw_only=True):
     slot: int
 
 
+class HeadExportMsg(msgspec.Struct, kw_only=True):
+    """A draft head's blocks of the exported prompt (the pairs of hidden state and next token it read
+    while the prompt was prefilled), as many as the full-attention blocks exported."""
+
+    head_id: str  # which head computed them: an importer with another head ignores them
+    layer_addrs: list[int]
+    num_blocks: int
+    block_bytes: int
+    block_ids: list[int]
+
+
 class KVImportResult(msgspec.Struct, kw_only=True):
     num_blocks: int  # leading whole prompt blocks now pinned on the importer
     num_hit_blocks: int  # of those, already in its prefix cache (not transferred)
@@ -371,6 +384,8 @@ class KVImportResult(msgspec.Struct, kw_only=True):
     num_window_blocks: int = 0  # sliding-window blocks transferred (hybrid models)
     num_window_bytes: int = 0
     num_state_bytes: int = 0  # recurrent state snapshot bytes transferred
+    num_head_blocks: int = 0  # a draft head's prompt blocks transferred (speculative decoding)
+    num_head_bytes: int = 0
 
 
 class KVExport(msgspec.Struct, tag="kv_export", kw_only=True):
@@ -379,6 +394,7 @@ class KVExport(msgspec.Struct, tag="kv_export", kw_only=True):
     call_id: int
     export_id: str
     token_ids: list[int]
+    next_token_id: int | None = None  # the token the prefill sampled (keys a draft head's last block)
 
 
 class KVImport(msgspec.Struct, tag="kv_import", kw_only=True):
@@ -389,6 +405,7 @@ class KVImport(msgspec.Struct, tag="kv_import", kw_only=True):
     source: KVExportInfo
     token_ids: list[int]
     pin_id: str
+    next_token_id: int | None = None  # as in ``KVExport``
 
 
 class KVRelease(msgspec.Struct, tag="kv_release", kw_only=True):

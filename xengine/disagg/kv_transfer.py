@@ -20,6 +20,7 @@ from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
 from memory.kv_layout import KVCacheSpec
 from memory.transfer import KVRegion, KVTransferAgent
 from xengine.api.messages import KVExportInfo, KVImportResult
+from xengine.disagg.head_transfer import HeadTransfer
 from xengine.disagg.hybrid_transfer import HybridPin, HybridReadStats, StateTransfer, WindowTransfer
 
 DEFAULT_PIN_TIMEOUT_S = 60.0
@@ -31,6 +32,7 @@ class _Pin:
     deadline: float
     until_admitted: bool  # import pins end when the request of the same id is admitted
     hybrid: HybridPin | None = None  # window blocks and a state snapshot (hybrid models)
+    head_blocks: list[int] | None = None  # a draft head's blocks of the prompt (speculative decoding)
 
 
 class KVTransferManager:
@@ -44,12 +46,15 @@ class KVTransferManager:
         port_range: tuple[int, int] | None = None,
         window: WindowTransfer | None = None,
         states: StateTransfer | None = None,
+        head: HeadTransfer | None = None,
     ) -> None:
         """``kv_caches``: the full-attention layers' tensors; ``window`` / ``states``: a hybrid model's
-        sliding-window pool and recurrent state pool, sent beside them (``hybrid_transfer.py``)."""
+        sliding-window pool and recurrent state pool, sent beside them (``hybrid_transfer.py``); ``head``:
+        a draft head's pool (``head_transfer.py``)."""
         self.kv = kv
         self.window = window
         self.states = states
+        self.head = head
         self.kv_caches = kv_caches
         self.spec = spec
         self.host = host
@@ -64,7 +69,7 @@ class KVTransferManager:
         """Create the transfer agent (registers the KV memory) if it does not exist yet."""
         if self._agent is None:
             agent = KVTransferAgent(self.kv_caches, self.host, self.port_range)
-            for part in (self.window, self.states):
+            for part in (self.window, self.states, self.head):
                 if part is not None:
                     part.register(agent)
             self._agent = agent
@@ -82,8 +87,9 @@ class KVTransferManager:
 
     # ------------------------------------------------------------------ prefill side
 
-    def export(self, export_id: str, token_ids: list[int]) -> KVExportInfo:
-        """Pin the cached whole blocks of ``token_ids`` and describe them for a peer."""
+    def export(self, export_id: str, token_ids: list[int], next_token_id: int | None = None) -> KVExportInfo:
+        """Pin the cached whole blocks of ``token_ids`` and describe them for a peer (with a draft head's
+        blocks of them; ``next_token_id``: the token the prefill sampled, which keys the last one)."""
         agent = self.start()
         self.expire()
         if export_id in self._pins:
@@ -99,11 +105,17 @@ class KVTransferManager:
         if block_ids and self.states is not None:
             state = self.states.export(block_ids[-1])
             hybrid.state_slot = state.slot
-        self._pin(export_id, block_ids, until_admitted=False, hybrid=hybrid)
+        head, head_blocks = None, None
+        if self.head is not None:
+            head, head_blocks = self.head.export(
+                agent.region.session, token_ids, next_token_id, len(block_ids)
+            )
+        self._pin(export_id, block_ids, until_admitted=False, hybrid=hybrid, head_blocks=head_blocks)
         s, region = self.spec, agent.region
         return KVExportInfo(
             window=window,
             state=state,
+            head=head,
             session=region.session,
             layer_addrs=list(region.layer_addrs),
             num_blocks=region.num_blocks,
@@ -118,8 +130,11 @@ class KVTransferManager:
 
     # ------------------------------------------------------------------ decode side
 
-    def import_(self, source: KVExportInfo, token_ids: list[int], pin_id: str) -> KVImportResult:
-        """Make the prompt's leading whole blocks local (transferring only misses) and pin them."""
+    def import_(
+        self, source: KVExportInfo, token_ids: list[int], pin_id: str, next_token_id: int | None = None
+    ) -> KVImportResult:
+        """Make the prompt's leading whole blocks local (transferring only misses) and pin them (a draft
+        head's blocks too, when the exporter sent its head's and this instance runs the same head)."""
         t0 = time.perf_counter()
         agent = self.start()
         self.expire()
@@ -149,8 +164,19 @@ class KVTransferManager:
             except BaseException:
                 self.kv.pool.free(list(reversed(block_ids)))
                 raise
-        self._pin(pin_id, block_ids, until_admitted=True, locked=True, hybrid=hybrid)
-        num_bytes = stats.num_bytes + extra.num_window_bytes + extra.num_state_bytes
+        head_blocks, num_head, head_bytes = None, 0, 0
+        if source.head is not None and self.head is not None and len(block_ids) == len(source.head.block_ids):
+            try:
+                head_blocks, num_head, head_bytes = self.head.import_(
+                    agent, source.session, source.head, token_ids, next_token_id
+                )
+            except BaseException:
+                self.kv.pool.free(list(reversed(block_ids)))
+                self._release_hybrid(hybrid)
+                raise
+        pin = dict(hybrid=hybrid, head_blocks=head_blocks)
+        self._pin(pin_id, block_ids, until_admitted=True, locked=True, **pin)
+        num_bytes = stats.num_bytes + extra.num_window_bytes + extra.num_state_bytes + head_bytes
         self.num_blocks_imported += stats.num_blocks
         self.num_bytes_imported += num_bytes
         return KVImportResult(
@@ -162,6 +188,8 @@ class KVTransferManager:
             num_window_blocks=extra.num_window_blocks,
             num_window_bytes=extra.num_window_bytes,
             num_state_bytes=extra.num_state_bytes,
+            num_head_blocks=num_head,
+            num_head_bytes=head_bytes,
         )
 
     def _import_hybrid(
@@ -210,11 +238,12 @@ class KVTransferManager:
         until_admitted: bool,
         locked: bool = False,
         hybrid: HybridPin | None = None,
+        head_blocks: list[int] | None = None,
     ) -> None:
         if not locked:
             self.kv.pool.touch(block_ids)
         deadline = time.monotonic() + self.pin_timeout_s
-        self._pins[pin_id] = _Pin(block_ids, deadline, until_admitted, hybrid)
+        self._pins[pin_id] = _Pin(block_ids, deadline, until_admitted, hybrid, head_blocks)
 
     def release(self, pin_id: str) -> bool:
         """Drop the pin ``pin_id``; False when there was none."""
@@ -222,12 +251,17 @@ class KVTransferManager:
         if pin is None:
             return False
         self.kv.pool.free(list(reversed(pin.block_ids)))
-        if pin.hybrid is not None:
-            if self.window is not None:
-                self.window.release(pin.hybrid.window_blocks)
-            if self.states is not None:
-                self.states.release(pin.hybrid.state_slot)
+        self._release_hybrid(pin.hybrid)
+        if pin.head_blocks and self.head is not None:
+            self.head.release(pin.head_blocks)
         return True
+
+    def _release_hybrid(self, hybrid: HybridPin | None) -> None:
+        if hybrid is not None:
+            if self.window is not None:
+                self.window.release(hybrid.window_blocks)
+            if self.states is not None:
+                self.states.release(hybrid.state_slot)
 
     def release_admitted(self, admitted: set[str] | dict[str, object]) -> None:
         """Drop import pins whose request now holds its own references (it was admitted)."""

@@ -257,10 +257,12 @@ class EngineProc:
         """PD KV transfer (``xengine/disagg/kv_transfer.py``); a failure is reported, not fatal."""
         try:
             if isinstance(msg, KVExport):
-                info = self._engine.kv_export(msg.export_id, list(msg.token_ids))
+                info = self._engine.kv_export(msg.export_id, list(msg.token_ids), msg.next_token_id)
                 return UtilityResult(call_id=msg.call_id, kv_export=info)
             if isinstance(msg, KVImport):
-                result = self._engine.kv_import(msg.source, list(msg.token_ids), msg.pin_id)
+                result = self._engine.kv_import(
+                    msg.source, list(msg.token_ids), msg.pin_id, msg.next_token_id
+                )
                 return UtilityResult(call_id=msg.call_id, kv_import=result)
             return UtilityResult(call_id=msg.call_id, ok=self._engine.kv_release(msg.export_id))
         except Exception as e:  # noqa: BLE001

@@ -445,7 +445,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
             self.waiting.remove(req)
         self.kv.free(req.seq_id)
         if self.drafter is not None:
-            self.drafter.release(req.seq_id)
+            self.drafter.finish(req)
         strip_placeholders(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = finish_reason

@@ -33,7 +33,8 @@ class TargetPool:
 class DraftPool:
     kv: KVCacheManager
     runner: ModelRunner
-    max_len: int  # the longest sequence it holds
+    max_len: int
+    caches: list[torch.Tensor]  # one paged tensor per layer  # the longest sequence it holds
 
 
 def build_draft_pool(
@@ -54,4 +55,4 @@ def build_draft_pool(
         model, kv.kv_caches, kv.layout, target.platform, kv.spec.block_size, list(info.eos_token_ids),
         max_model_len=kv.max_model_len, graph_mode="eager",
     )  # fmt: skip
-    return DraftPool(kv.manager, runner, kv.max_model_len)
+    return DraftPool(kv.manager, runner, kv.max_model_len, kv.kv_caches)

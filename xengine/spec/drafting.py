@@ -81,6 +81,14 @@ class Drafter:
     def release(self, seq_id: str) -> None:
         self.proposer.release(seq_id)
 
+    def finish(self, req: Request) -> None:
+        """``req`` ended; a draft head first reads the pairs it has left (``HeadProposer.finish``)."""
+        finish = getattr(self.proposer, "finish", None)
+        if finish is not None:
+            finish(req)
+        else:
+            self.proposer.release(req.seq_id)
+
     def enabled_for(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
         return not limit or num_running <= limit

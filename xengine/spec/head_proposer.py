@@ -16,7 +16,7 @@ Each sequence has a shadow ``Request`` over its tokens from the second on: shado
 pair ``(h_t, x_{t+1})`` (the head's attention positions are the target's, shifted by one: RoPE sees the
 same distances), with KV in the head's pool for its computed pairs. Draft pairs are written past them
 and overwritten by the pairs a verification keeps, so nothing is rolled back. With prefix caching the
-head's pool caches its blocks too, keyed by every token their pairs read (``_pair_keys``): a sequence
+head's pool caches its blocks too, keyed by every token their pairs read (``pair_keys``): a sequence
 that resumes from the target's prefix cache resumes from the head's.
 
 Where the rows start later than the head's KV reaches (a decode instance that received its prompt's
@@ -41,7 +41,7 @@ from xengine.spec.draft_pool import TargetPool, build_draft_pool
 from xengine.spec.hidden_rows import HiddenRows
 
 
-def _pair_keys(tokens: list[int]) -> list[int]:
+def pair_keys(tokens: list[int]) -> list[int]:
     """Prefix-cache keys of the pairs of ``tokens`` (one fewer): pair ``t`` keyed by ``x_{t+1}``, the
     first by ``x_0`` and ``x_1`` together, so a block's path spells every token its pairs depend on."""
     return [tokens[1] + ((tokens[0] + 1) << 32)] + tokens[2:]
@@ -53,7 +53,7 @@ class _Pending:
     k: int  # drafts wanted
     rows: torch.Tensor  # the previous hidden state of each token this forward computes
     drafts: list[int]
-    tokens: list[int] | None  # the tokens its pairs read (the prefix cache's keys); None: not cached
+    keys: list[int] | None  # the tokens its pairs read, as the prefix cache keys them; None: not cached
 
 
 class HeadProposer:
@@ -64,6 +64,7 @@ class HeadProposer:
         self.hidden = hidden
         pool = build_draft_pool(head, info, target, target.max_model_len, prefix_caching=True)
         self.kv, self.runner, self.max_len = pool.kv, pool.runner, pool.max_len
+        self.caches = pool.caches  # the head's KV tensors (a PD export hands out their blocks)
         self.shadows: dict[str, Request] = {}
         self.bases: dict[str, int] = {}  # per shadow: the pair its first position stands for
         self.drafts: dict[str, list[int]] = {}
@@ -73,8 +74,27 @@ class HeadProposer:
         """Feed each of ``reqs`` its new pairs and draft up to ``ks[i]`` tokens (``propose`` reads them)."""
         self.drafts = {}
         self.hidden.keep_only({r.seq_id for r in reqs})
-        batch = [p for p in (self._new_pairs(req, k) for req, k in zip(reqs, ks)) if p is not None]
-        depth = 0
+        self._run([p for p in (self._new_pairs(req, k) for req, k in zip(reqs, ks)) if p is not None])
+
+    def finish(self, req: Request) -> None:
+        """``req`` ended: feed the pairs it still has when they complete a block the head's cache keeps
+        (a prefill instance's prompt, for the decode instance that imports it: ``disagg/head_transfer.py``),
+        then release it."""
+        held = self.hidden.available(req.seq_id)
+        if held is not None and self.kv.prefix_cache is not None:
+            shadow = self.shadows.get(req.seq_id)
+            done = self.bases.get(req.seq_id, 0) + shadow.num_computed_tokens if shadow is not None else 0
+            end = min(held[1], req.num_tokens - req.num_placeholders - 1)
+            bs = self.kv.block_size
+            if end // bs > done // bs and (shadow is None or held[0] <= done):
+                pending = self._new_pairs(req, 0)
+                if pending is not None:
+                    self._run([pending])
+        self.release(req.seq_id)
+
+    def _run(self, batch: list[_Pending]) -> None:
+        """Forward ``batch``'s pairs through the head, then each of its drafts (one depth per forward)."""
+        pending, depth = list(batch), 0
         while batch:
             plan = SchedulePlan(
                 seqs=[ScheduledSeq(p.shadow, p.rows.shape[0], p.k > len(p.drafts)) for p in batch],
@@ -94,10 +114,10 @@ class HeadProposer:
                 computed = p.shadow.num_computed_tokens
                 if (
                     depth == 0
-                    and p.tokens is not None
+                    and p.keys is not None
                     and self.kv.has_blocks_to_cache(p.shadow.seq_id, computed)
                 ):
-                    self.kv.cache_blocks(p.shadow.seq_id, _pair_keys(p.tokens), computed)
+                    self.kv.cache_blocks(p.shadow.seq_id, pair_keys(p.keys), computed)
                 if len(p.drafts) < p.k:
                     token = out.sampled[p.shadow.seq_id][0].token_id
                     p.drafts.append(token)
@@ -107,10 +127,9 @@ class HeadProposer:
                         going.append(p)
             batch = going
             depth += 1
-        for seq_id, drafts in self.drafts.items():  # the draft pairs' KV is scratch, overwritten later
-            shadow = self.shadows[seq_id]
-            shadow.num_computed_tokens -= len(drafts) - 1 if drafts else 0
-            del shadow.output_token_ids[len(shadow.output_token_ids) - len(drafts) :]
+        for p in pending:  # the draft pairs' KV is scratch, overwritten later
+            p.shadow.num_computed_tokens -= len(p.drafts) - 1 if p.drafts else 0
+            del p.shadow.output_token_ids[len(p.shadow.output_token_ids) - len(p.drafts) :]
         self.head.prev_hidden = self.head.out_hidden = None
 
     def _new_pairs(self, req: Request, k: int) -> _Pending | None:
@@ -130,7 +149,7 @@ class HeadProposer:
         if shadow is None:
             base = done = held[0]
             if held[0] > 0:  # the target resumed from its prefix cache (or got its prompt's KV)
-                prefix = self._cached_pairs(tokens, held[0])
+                prefix = self._cached_pairs(req.cache_token_ids, held[0])
                 if prefix is not None:  # so does the head, from its own cached blocks
                     base = 0
         end = min(held[1], known - 1)  # pairs ..end-1 have their row and their next token
@@ -154,14 +173,14 @@ class HeadProposer:
         shadow.output_token_ids = tokens[1 + base + shadow.num_prompt_tokens : end + 1]
         shadow.num_computed_tokens = done - base
         drafts = self.drafts[req.seq_id] = []
-        return _Pending(shadow, k, rows, drafts, tokens[: end + 1] if base == 0 else None)
+        return _Pending(shadow, k, rows, drafts, req.cache_token_ids[: end + 1] if base == 0 else None)
 
     def _cached_pairs(self, tokens: list[int], num: int) -> ComputedPrefix | None:
         """The head's cached blocks of pairs ``0..num-1`` (all of them, whole blocks), or None."""
         bs = self.kv.block_size
         if num % bs or num + 1 > len(tokens):
             return None
-        hit = self.kv.get_computed_prefix(_pair_keys(tokens[: num + 1]) + [-1])  # -1: leaves none to compute
+        hit = self.kv.get_computed_prefix(pair_keys(tokens[: num + 1]) + [-1])  # -1: leaves none to compute
         if hit.num_tokens < num:
             return None
         return ComputedPrefix(hit.block_ids[: num // bs], num)

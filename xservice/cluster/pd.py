@@ -65,11 +65,16 @@ MAX_KV_ATTEMPTS = 3  # exports / imports tried before the decode side recomputes
 _KV_ERRORS = (EngineDeadError, RuntimeError, TimeoutError, asyncio.TimeoutError)
 
 
+def empty_import_counts() -> dict[str, int]:
+    return {"blocks": 0, "hit_blocks": 0, "bytes": 0, "head_blocks": 0}
+
+
 @dataclass
 class _Export:
     client: RemoteEngineClient
     export_id: str
     info: KVExportInfo
+    next_token_id: int | None  # the prefill's token: keys a draft head's blocks of the prompt
 
 
 @dataclass
@@ -156,7 +161,7 @@ class PDDispatcher:
                 async for delta in self._decode(req, sub, generated, client, cached):
                     yield delta
                 return
-            export = await self._export(req, client)
+            export = await self._export(req, client, generated[0])
             decode, sub_id = await self._import(req, export, target)
             sub = pool.continuation(req, generated, sub_id)
             assert sub is not None  # the first token did not finish the request
@@ -296,7 +301,9 @@ class PDDispatcher:
 
     # ------------------------------------------------------------------ KV handoff
 
-    async def _export(self, req: AddRequest, client: RemoteEngineClient | None) -> _Export | None:
+    async def _export(
+        self, req: AddRequest, client: RemoteEngineClient | None, first: int | None
+    ) -> _Export | None:
         """Pin the prompt's KV on ``client`` (or, after a failure, on a prefill instance that redoes the
         prefill for it); None when no prefill instance can provide it (the decode side recomputes)."""
         kv_only = msgspec.structs.replace(
@@ -315,8 +322,8 @@ class PDDispatcher:
                     continue
             export_id = f"{req.req_id}~x{attempt}"
             try:
-                info = await client.kv_export(export_id, _kv_ids(req), KV_CALL_TIMEOUT_S)
-                return _Export(client, export_id, info)
+                info = await client.kv_export(export_id, _kv_ids(req), KV_CALL_TIMEOUT_S, first)
+                return _Export(client, export_id, info, first)
             except _KV_ERRORS as e:
                 logger.info(
                     "KV export of %s from %s failed (%s); redoing the prefill", req.req_id, client.name, e
@@ -342,7 +349,9 @@ class PDDispatcher:
                 pin_id = f"{req.req_id}~{sub_id}"
                 try:
                     with self.pool.track(req.req_id, decode, pin_id, routed=False):
-                        result = await decode.kv_import(export.info, _kv_ids(req), pin_id, KV_CALL_TIMEOUT_S)
+                        result = await decode.kv_import(
+                            export.info, _kv_ids(req), pin_id, KV_CALL_TIMEOUT_S, export.next_token_id
+                        )
                 except EngineDeadError:
                     continue  # the decode instance died: another one imports
                 except _KV_ERRORS as e:  # the source is gone or broken: redo the prefill elsewhere
@@ -351,25 +360,26 @@ class PDDispatcher:
                     num_failed += 1
                     self.counters.num_prefill_retries += 1
                     retry = num_failed < MAX_KV_ATTEMPTS and self._pick_prefill(not_=export.client)
-                    export = await self._export(req, None) if retry else None
+                    first = export.next_token_id
+                    export = await self._export(req, None, first) if retry else None
                     continue
                 await self._after_kv_import(req, export.client, decode, result)
                 self._release(export)
                 export = None
-                self._count_import(
-                    decode.name, result.num_transferred_blocks, result.num_hit_blocks, result.num_bytes
-                )
+                self._count_import(decode.name, result)
                 return decode, sub_id
         finally:
             if export is not None:  # cancelled (client gone) or failed: P's pin is not needed
                 self._release(export)
         raise AssertionError("unreachable")
 
-    def _count_import(self, name: str, blocks: int, hit_blocks: int, num_bytes: int) -> None:
-        counts = self.imported.setdefault(name, {"blocks": 0, "hit_blocks": 0, "bytes": 0})
-        counts["blocks"] += blocks
-        counts["hit_blocks"] += hit_blocks
-        counts["bytes"] += num_bytes
+    def _count_import(self, name: str, result: KVImportResult) -> None:
+        """Per decode instance: blocks transferred and hit, bytes moved, a draft head's blocks moved."""
+        counts = self.imported.setdefault(name, empty_import_counts())
+        counts["blocks"] += result.num_transferred_blocks
+        counts["hit_blocks"] += result.num_hit_blocks
+        counts["bytes"] += result.num_bytes
+        counts["head_blocks"] += result.num_head_blocks
 
     def _release(self, export: _Export) -> None:
         """Drop P's export pin in the background (it also expires on P by itself)."""

@@ -44,7 +44,7 @@ from xservice.cluster.continuation import continue_request
 from xservice.cluster.dynamic_pd import DynamicPD
 from xservice.cluster.eviction import Evictions
 from xservice.cluster.kv_index import prompt_block_hashes
-from xservice.cluster.pd import PDDispatcher
+from xservice.cluster.pd import PDDispatcher, empty_import_counts
 from xservice.cluster.registry import InstanceRegistry, InstanceState
 from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.cluster.stats_sum import sum_engine_stats
@@ -455,9 +455,7 @@ class InstancePool:
                     "num_kv_blocks_indexed": self.registry.kv_index.num_blocks(name),
                     "num_inflight": self._inflight.get(name, 0),
                     "num_routed": self.num_routed.get(name, 0),
-                    "kv_imported": dict(
-                        self.pd.imported.get(name, {"blocks": 0, "hit_blocks": 0, "bytes": 0})
-                    ),
+                    "kv_imported": dict(self.pd.imported.get(name, empty_import_counts())),
                 }
             )
         return out

@@ -226,21 +226,38 @@ class EngineClient:
             raise RuntimeError(f"listing catalogs failed: {result.error}")
         return list(result.catalogs or [])
 
-    async def kv_export(self, export_id: str, token_ids: list[int], timeout_s: float = 30.0) -> KVExportInfo:
-        """PD, prefill side: pin the prompt's cached whole blocks under ``export_id`` and describe them."""
+    async def kv_export(
+        self, export_id: str, token_ids: list[int], timeout_s: float = 30.0, next_token_id: int | None = None
+    ) -> KVExportInfo:
+        """PD, prefill side: pin the prompt's cached whole blocks under ``export_id`` and describe them
+        (``next_token_id``: the token the prefill sampled; it keys a draft head's blocks of the prompt)."""
         result = await self._call_msg(
-            lambda call_id: KVExport(call_id=call_id, export_id=export_id, token_ids=token_ids), timeout_s
+            lambda call_id: KVExport(
+                call_id=call_id, export_id=export_id, token_ids=token_ids, next_token_id=next_token_id
+            ),
+            timeout_s,
         )
         if not result.ok or result.kv_export is None:
             raise RuntimeError(f"KV export failed: {result.error}")
         return result.kv_export
 
     async def kv_import(
-        self, source: KVExportInfo, token_ids: list[int], pin_id: str, timeout_s: float = 60.0
+        self,
+        source: KVExportInfo,
+        token_ids: list[int],
+        pin_id: str,
+        timeout_s: float = 60.0,
+        next_token_id: int | None = None,
     ) -> KVImportResult:
         """PD, decode side: pull the prompt blocks it lacks from ``source`` and pin them for ``pin_id``."""
         result = await self._call_msg(
-            lambda call_id: KVImport(call_id=call_id, source=source, token_ids=token_ids, pin_id=pin_id),
+            lambda call_id: KVImport(
+                call_id=call_id,
+                source=source,
+                token_ids=token_ids,
+                pin_id=pin_id,
+                next_token_id=next_token_id,
+            ),
             timeout_s,
         )
         if not result.ok or result.kv_import is None:

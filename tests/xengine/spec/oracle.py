@@ -52,6 +52,13 @@ class RecordingProposer:
     def release(self, seq_id: str) -> None:
         self.inner.release(seq_id)
 
+    def finish(self, req: Request) -> None:
+        finish = getattr(self.inner, "finish", None)
+        if finish is not None:
+            finish(req)
+        else:
+            self.inner.release(req.seq_id)
+
 
 def run_with_oracle(
     llm: Any, prompts: list[list[int]], expected: list[list[int]], params: Any
