@@ -43,6 +43,13 @@ def test_translate_flags(stand_in, monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert hard == ["--enable-prompt-embeds"]
     _, _, _, soft = stand_in.translate_args("m", ["--max-logprobs", "151936"])
     assert list(soft) == ["--max-logprobs"]
+    # speculative decoding: passed on (the same JSON) unless it names a draft or head that is not here
+    monkeypatch.setattr(stand_in, "_xllm_flags", lambda: frozenset({"--speculative-config"}))
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3}'
+    flags, _, hard, _ = stand_in.translate_args("m", ["--speculative-config", ngram])
+    assert flags == ["--speculative-config", ngram] and hard == []
+    hub = '{"method": "eagle3", "model": "org/eagle3-head", "num_speculative_tokens": 3}'
+    assert stand_in.translate_args("m", ["--speculative-config", hub])[2] == ["--speculative-config"]
     with pytest.raises(ValueError, match="--no-such-flag"):  # a new vLLM flag must be put in a table
         stand_in.translate_args("m", ["--no-such-flag"])
 

@@ -230,10 +230,11 @@ class Engine:
         if spec.method == "mtp":
             head = load_mtp(self.model, config.model.model, config.model.quantization)
             geometry_of = getattr(self.model, "mtp_kv_info", None)  # a layer unlike the target's first
+            depths = head.num_depths  # one KV layer per MTP layer
             geometry = (
-                geometry_of(self.model_info)
+                geometry_of(self.model_info, depths)
                 if geometry_of is not None
-                else dataclasses.replace(self.model_info, num_layers=1)
+                else dataclasses.replace(self.model_info, num_layers=depths)
             )
         else:
             if not Path(spec.model).is_dir():

@@ -54,6 +54,11 @@ class DraftHeadModel(nn.Module):
     def target(self) -> BaseCausalLM:
         return self._target[0]
 
+    @property
+    def num_depths(self) -> int:
+        """Layers chained at one position (an MTP checkpoint's depths: ``mtp.py``); 1 for EAGLE heads."""
+        return getattr(self.head, "num_depths", 1)
+
     def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         assert self.prev_hidden is not None and self.prev_hidden.shape[0] == input_ids.shape[0]
         embeds = self.target.model.embed_tokens(input_ids)

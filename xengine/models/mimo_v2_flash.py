@@ -135,9 +135,11 @@ class MiMoV2FlashForCausalLM(DecoderForCausalLM):
         attn = MiMoAttention(block_cfg, rotary, kv_index)
         return DecoderLayer(block_cfg, rotary, kv_index, DecoderMLP(cfg), attn)
 
-    def mtp_kv_info(self, info: ModelInfo) -> ModelInfo:
-        """The MTP pool's geometry: one sliding-window layer's (twice the KV heads)."""
-        return dataclasses.replace(info, num_layers=1, num_kv_heads=SWA_KV_HEAD_FACTOR * info.num_kv_heads)
+    def mtp_kv_info(self, info: ModelInfo, num_layers: int) -> ModelInfo:
+        """The MTP pool's geometry: ``num_layers`` sliding-window layers' (twice the KV heads)."""
+        return dataclasses.replace(
+            info, num_layers=num_layers, num_kv_heads=SWA_KV_HEAD_FACTOR * info.num_kv_heads
+        )
 
     def mtp_weight_name(self, name: str, num_mtp_layers: int) -> tuple[int, str] | None:
         """``model.mtp.layers.{i}.*`` -> MTP layer ``i``'s name (``mtp.MtpLayer``)."""

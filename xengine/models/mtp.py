@@ -10,8 +10,14 @@ One MTP layer predicts the token after next: at position ``t`` it takes the targ
 and the target's own head turns ``g_t`` into logits for ``x_{t+2}``. ``block`` is one decoder layer of
 the target's kind (DeepSeek-V3: MLA attention and a MoE block; Qwen3-Next: gated full attention and a
 MoE block; MiMo-V2-Flash: sliding-window attention with sinks and a dense MLP, ``mtp_kv_info`` giving its
-KV geometry) with a KV cache of its own. Drafting further than the layers reach feeds ``g_t`` back in as the
-next hidden state (HF's chaining of MTP depths), with the last layer reused.
+KV geometry) with a KV cache of its own.
+
+A checkpoint with ``L`` layers chains them (HF's ``MtpModel``, DeepSeek-V3's design; MiMo ships three):
+layer ``i`` reads, at position ``t``, layer ``i - 1``'s output there (the target's hidden state for the
+first) and the token at ``t + i + 1`` -- the drafts so far where the known tokens end -- and drafts the
+token after it. Each layer keeps KV for every position, so each runs over a sequence's new positions
+(``head_proposer.py``). Drafting further than the layers reach runs the last layer one position on,
+feeding its output back in.
 
 A model with MTP layers implements ``mtp_block(kv_index)`` (its decoder layer, always the MoE kind) and
 ``mtp_weight_name(name, num_layers)`` (where a checkpoint tensor goes: ``(layer, name in MtpLayer)``, or
@@ -61,6 +67,7 @@ class MtpHead(nn.Module):
     def __init__(self, layers: list[MtpLayer]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.num_depths = len(layers)
 
     def forward(
         self, positions: torch.Tensor, embeds: torch.Tensor, prev_hidden: torch.Tensor, depth: int
@@ -80,8 +87,9 @@ def num_mtp_layers(hf_config: dict) -> int:
 
 
 def load_mtp(target: BaseCausalLM, model_dir: str, quantization: str = "none") -> DraftHeadModel:
-    """The first MTP layer of ``model_dir``'s checkpoint beside ``target`` (loaded from the same folder),
-    in the target's dtype and on its device. ``ValueError`` when the model or checkpoint has none."""
+    """The MTP layers of ``model_dir``'s checkpoint beside ``target`` (loaded from the same folder), in
+    the target's dtype and on its device: depth ``i`` of the chain is layer ``i`` (KV cache ``i`` of the
+    head's pool). ``ValueError`` when the model or checkpoint has none."""
     declared = num_mtp_layers(read_hf_config(model_dir))
     make_block = getattr(target, "mtp_block", None)
     if make_block is None or declared == 0:
@@ -93,29 +101,36 @@ def load_mtp(target: BaseCausalLM, model_dir: str, quantization: str = "none") -
     ref = target.lm_head.weight
     cfg = target.config
     with torch.device("meta"):
-        layer = MtpLayer(cfg.hidden_size, cfg.rms_norm_eps, make_block(0))
-    layer = layer.to(dtype=ref.dtype).to_empty(device=ref.device)
-    make_weights_input_major(layer)
-    weights = _mtp_weights(target, safetensors_files(model_dir), declared)
-    WeightLoader(layer).load(weights)
+        head = MtpHead([MtpLayer(cfg.hidden_size, cfg.rms_norm_eps, make_block(i)) for i in range(declared)])
+    head = head.to(dtype=ref.dtype).to_empty(device=ref.device)
+    make_weights_input_major(head)
+    WeightLoader(head).load(_mtp_weights(target, safetensors_files(model_dir), declared))
     after = getattr(target, "mtp_after_load", None)
-    if after is not None:
-        after(layer)
-    layer.eval()
-    layer.requires_grad_(False)
-    pack_linears(layer, quantization)
-    return DraftHeadModel(target, MtpHead([layer]))
+    for layer in head.layers:
+        if after is not None:
+            after(layer)
+    head.eval()
+    head.requires_grad_(False)
+    pack_linears(head, quantization)
+    return DraftHeadModel(target, head)
 
 
 def _mtp_weights(
     target: BaseCausalLM, files: list[str], num_layers: int
 ) -> Iterable[tuple[str, torch.Tensor]]:
-    """The first MTP layer's tensors, named as in ``MtpLayer`` (the target decides the mapping)."""
-    found = False
+    """The MTP layers' tensors, named as in ``MtpHead`` (the target decides the mapping; a tensor its
+    mapping gives layer -1 is every layer's: Qwen3-Next's ``mtp.fc`` and norms beside its layers)."""
+    seen: set[int] = set()
     for name, tensor in iterate_weights(files):
         where = target.mtp_weight_name(name, num_layers)  # type: ignore[attr-defined]
-        if where is not None and where[0] == 0:
-            found = True
-            yield where[1], tensor
-    if not found:
-        raise ValueError("the checkpoint declares MTP layers but holds none of their weights")
+        if where is None:
+            continue
+        layers = range(num_layers) if where[0] == -1 else [where[0]]
+        seen.update(layers)
+        for i in layers:
+            yield f"layers.{i}.{where[1]}", tensor
+    missing = sorted(set(range(num_layers)) - seen)
+    if missing:
+        raise ValueError(
+            f"the checkpoint declares {num_layers} MTP layers but holds no weights of layer(s) {missing}"
+        )

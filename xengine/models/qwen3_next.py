@@ -158,10 +158,11 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
         return Qwen3NextLayer(cfg, self.model.rotary, kv_index)
 
     def mtp_weight_name(self, name: str, num_mtp_layers: int) -> tuple[int, str] | None:
-        """``mtp.fc`` / ``mtp.pre_fc_norm_*`` / ``mtp.norm`` (one head) and ``mtp.layers.{i}.*``."""
+        """``mtp.fc`` / ``mtp.pre_fc_norm_*`` / ``mtp.norm`` (shared by every layer: -1) and
+        ``mtp.layers.{i}.*``."""
         for prefix, ours in _MTP_NAMES.items():
             if name.startswith(prefix):
-                return 0, ours + name.removeprefix(prefix)
+                return -1, ours + name.removeprefix(prefix)
         if not name.startswith("mtp.layers."):
             return None
         index, _, rest = name.removeprefix("mtp.layers.").partition(".")

@@ -51,7 +51,11 @@ def pair_keys(tokens: list[int]) -> list[int]:
 class _Pending:
     shadow: Request
     k: int  # drafts wanted
-    rows: torch.Tensor  # the previous hidden state of each token this forward computes
+    tokens: list[int]  # the sequence's tokens (known ones)
+    start: int  # the first pair (absolute) this pass computes
+    end: int  # the pairs ``start..end-1`` have their row and their next token
+    final: int  # after this pass, every depth's KV is final before this pair
+    rows: torch.Tensor  # the previous depth's hidden state of each pair this depth computes
     drafts: list[int]
     keys: list[int] | None  # the tokens its pairs read, as the prefix cache keys them; None: not cached
 
@@ -59,9 +63,10 @@ class _Pending:
 class HeadProposer:
     def __init__(self, head: DraftHeadModel, hidden: HiddenRows, target: TargetPool, info: ModelInfo) -> None:
         """``hidden``: the rows the target's runner keeps; ``target``: the target's pool; ``info``: the
-        head's KV geometry (its pool holds ``info.num_layers`` layers)."""
+        head's KV geometry (its pool holds ``info.num_layers`` layers: one per depth of an MTP chain)."""
         self.head = head
         self.hidden = hidden
+        self.depths = head.num_depths  # layers chained at one position (MTP); further drafts advance
         pool = build_draft_pool(head, info, target, target.max_model_len, prefix_caching=True)
         self.kv, self.runner, self.max_len = pool.kv, pool.runner, pool.max_len
         self.caches = pool.caches  # the head's KV tensors (a PD export hands out their blocks)
@@ -80,60 +85,83 @@ class HeadProposer:
         """``req`` ended: feed the pairs it still has when they complete a block the head's cache keeps
         (a prefill instance's prompt, for the decode instance that imports it: ``disagg/head_transfer.py``),
         then release it."""
-        held = self.hidden.available(req.seq_id)
-        if held is not None and self.kv.prefix_cache is not None:
-            shadow = self.shadows.get(req.seq_id)
-            done = self.bases.get(req.seq_id, 0) + shadow.num_computed_tokens if shadow is not None else 0
-            end = min(held[1], req.num_tokens - req.num_placeholders - 1)
-            bs = self.kv.block_size
-            if end // bs > done // bs and (shadow is None or held[0] <= done):
-                pending = self._new_pairs(req, 0)
-                if pending is not None:
-                    self._run([pending])
+        if self.kv.prefix_cache is not None:
+            p = self._new_pairs(req, 0)
+            base = self.bases.get(req.seq_id, 0)
+            if (
+                p is not None
+                and p.keys is not None
+                and self.kv.has_blocks_to_cache(req.seq_id, p.final - base)
+            ):
+                self._run([p])
         self.release(req.seq_id)
 
     def _run(self, batch: list[_Pending]) -> None:
-        """Forward ``batch``'s pairs through the head, then each of its drafts (one depth per forward)."""
+        """Run ``batch`` through the head, one depth per forward. Depth ``i`` below the chain's layers runs
+        layer ``i`` over the pass's pairs with the tokens shifted by ``i`` (the drafts so far past the
+        known ones, as HF's MTP chain); each further depth runs the last layer one position on."""
         pending, depth = list(batch), 0
         while batch:
+            views, going = [], []
+            for p in batch:
+                view = self._view(p, depth)
+                if view is not None:
+                    views.append((p, *view))
+            if not views:
+                break
             plan = SchedulePlan(
-                seqs=[ScheduledSeq(p.shadow, p.rows.shape[0], p.k > len(p.drafts)) for p in batch],
-                block_tables={p.shadow.seq_id: self.kv.get_block_table(p.shadow.seq_id) for p in batch},
+                seqs=[ScheduledSeq(v, n, sample) for _, v, n, sample in views],
+                block_tables={v.seq_id: self.kv.get_block_table(p.shadow.seq_id) for p, v, _, _ in views},
             )
-            plan.num_batched_tokens = sum(x.num_new_tokens for x in plan.seqs)
+            plan.num_batched_tokens = sum(n for _, _, n, _ in views)
             self.head.depth = depth
-            self.head.prev_hidden = torch.cat([p.rows for p in batch])
+            self.head.prev_hidden = torch.cat([p.rows[:n] for p, _, n, _ in views])
             out = self.runner.execute(plan)
             self.num_steps += 1
-            assert self.head.out_hidden is not None
-            ends = torch.tensor([x.num_new_tokens for x in plan.seqs]).cumsum(0) - 1
-            last = self.head.out_hidden[ends.to(self.head.out_hidden.device)]
-            going = []
-            for i, p in enumerate(batch):
-                p.shadow.num_computed_tokens += p.rows.shape[0]
-                computed = p.shadow.num_computed_tokens
-                if (
-                    depth == 0
-                    and p.keys is not None
-                    and self.kv.has_blocks_to_cache(p.shadow.seq_id, computed)
-                ):
-                    self.kv.cache_blocks(p.shadow.seq_id, pair_keys(p.keys), computed)
-                if len(p.drafts) < p.k:
-                    token = out.sampled[p.shadow.seq_id][0].token_id
-                    p.drafts.append(token)
-                    p.shadow.output_token_ids.append(token)
-                    if len(p.drafts) < p.k:
-                        p.rows = last[i : i + 1]
-                        going.append(p)
+            chain = self.head.out_hidden
+            assert chain is not None
+            offset = 0
+            for p, view, n, sample in views:
+                p.rows, offset = chain[offset : offset + n], offset + n
+                if sample:
+                    p.drafts.append(out.sampled[view.seq_id][0].token_id)
+                if depth + 1 < self.depths or len(p.drafts) < p.k:
+                    going.append(p)
             batch = going
             depth += 1
-        for p in pending:  # the draft pairs' KV is scratch, overwritten later
-            p.shadow.num_computed_tokens -= len(p.drafts) - 1 if p.drafts else 0
-            del p.shadow.output_token_ids[len(p.shadow.output_token_ids) - len(p.drafts) :]
+        for p in pending:
+            shadow, base = p.shadow, self.bases[p.shadow.seq_id]
+            shadow.num_computed_tokens = p.final - base
+            if p.keys is not None and self.kv.has_blocks_to_cache(shadow.seq_id, p.final - base):
+                self.kv.cache_blocks(shadow.seq_id, pair_keys(p.keys), p.final - base)
         self.head.prev_hidden = self.head.out_hidden = None
 
+    def _view(self, p: _Pending, depth: int) -> tuple[Request, int, bool] | None:
+        """What depth ``depth`` computes for ``p``: a request over the shadow's block table whose token at
+        position ``t`` is the one pair ``t`` reads at that depth, the pairs to compute, whether to draft."""
+        base, layer = self.bases[p.shadow.seq_id], min(depth, self.depths - 1)
+        if depth < self.depths:  # the pass's pairs, with the drafts so far where the tokens run out
+            drafting = p.k > 0 and len(p.drafts) >= depth
+            first, last = p.start, p.end if drafting else p.end - depth
+            sample = drafting and len(p.drafts) < p.k
+        else:  # one pair on, from the last draft
+            first = last = p.end + depth - self.depths
+            last += 1
+            sample = True
+            if p.rows.shape[0] > 1:
+                p.rows = p.rows[-1:]
+        if last <= first:
+            return None
+        tokens = p.tokens[1 + base + layer : p.end + 1] + p.drafts[:depth]
+        split = max(p.shadow.num_prompt_tokens - layer, 1)
+        view = Request(f"{p.shadow.seq_id}@{layer}", p.shadow.req_id, 0, tokens[:split], p.shadow.params)
+        view.output_token_ids = tokens[split:]
+        view.num_computed_tokens = first - base
+        return view, last - first, sample
+
     def _new_pairs(self, req: Request, k: int) -> _Pending | None:
-        """``req``'s shadow set to compute its new pairs (with room for ``k`` drafts), or None."""
+        """``req``'s pass: its new pairs (and those a deeper depth must compute again) with room for ``k``
+        drafts, or None when there is nothing to compute."""
         tokens = req.all_token_ids
         known = len(tokens) - req.num_placeholders
         held = self.hidden.available(req.seq_id)
@@ -141,39 +169,37 @@ class HeadProposer:
             return None
         shadow = self.shadows.get(req.seq_id)
         base = self.bases.get(req.seq_id, 0)  # the pair the shadow's first position stands for
-        done = base + shadow.num_computed_tokens if shadow is not None else 0
-        if shadow is not None and held[0] > done:  # a gap in the rows: start again from those held
+        final = base + shadow.num_computed_tokens if shadow is not None else 0
+        if shadow is not None and held[0] > final:  # a gap in the rows: start again from those held
             self._forget(req.seq_id)
             shadow = None
         prefix = None
         if shadow is None:
-            base = done = held[0]
+            base = final = held[0]
             if held[0] > 0:  # the target resumed from its prefix cache (or got its prompt's KV)
                 prefix = self._cached_pairs(req.cache_token_ids, held[0])
                 if prefix is not None:  # so does the head, from its own cached blocks
                     base = 0
         end = min(held[1], known - 1)  # pairs ..end-1 have their row and their next token
-        if end < known - 1 or end - base + k - 1 > self.max_len:
-            k = 0  # the last known token's pair is not computable yet: feed, no drafts
-        if end <= done:  # nothing new: draft from the last pair again (its KV rewritten as it was)
-            if k == 0 or end - 1 < max(held[0], base):
-                return None
-            done = end - 1
-        if not self.kv.allocate_slots(
-            req.seq_id, end - base + max(k - 1, 0), prefix, num_computed=done - base
-        ):
+        extra = max(k - self.depths, 0)  # pairs past the last known one (drafts beyond the chain)
+        if end < known - 1 or end - base + extra > self.max_len:
+            k = extra = 0  # the last known token's pair is not computable yet: feed, no drafts
+        start = min(final, end - 1) if k else final  # drafting reads the last pair again
+        if end <= start or start < held[0]:
+            return None
+        if not self.kv.allocate_slots(req.seq_id, end - base + extra, prefix, num_computed=start - base):
             return None  # the head's pool is full: this sequence's new pairs wait
-        rows = self.hidden.take(req.seq_id, done, end)
+        new_final = max(final, end - self.depths + 1)
+        rows = self.hidden.take(req.seq_id, start, end, keep_from=min(new_final, end - 1))
         if rows is None:
             return None
         if shadow is None:
             first = tokens[1 + base : max(req.num_prompt_tokens, base + 2)]
             shadow = Request(req.seq_id, req.seq_id, 0, first, _draft_params(req.params))
             self.shadows[req.seq_id], self.bases[req.seq_id] = shadow, base
-        shadow.output_token_ids = tokens[1 + base + shadow.num_prompt_tokens : end + 1]
-        shadow.num_computed_tokens = done - base
         drafts = self.drafts[req.seq_id] = []
-        return _Pending(shadow, k, rows, drafts, req.cache_token_ids[: end + 1] if base == 0 else None)
+        keys = req.cache_token_ids[: end + 1] if base == 0 else None
+        return _Pending(shadow, k, tokens[:known], start, end, new_final, rows, drafts, keys)
 
     def _cached_pairs(self, tokens: list[int], num: int) -> ComputedPrefix | None:
         """The head's cached blocks of pairs ``0..num-1`` (all of them, whole blocks), or None."""
@@ -198,4 +224,4 @@ class HeadProposer:
         self.kv.free(seq_id)
         self.shadows.pop(seq_id, None)
         self.bases.pop(seq_id, None)
-        self.runner.release([seq_id])
+        self.runner.release([f"{seq_id}@{layer}" for layer in range(self.depths)])

@@ -67,16 +67,17 @@ class HiddenRows:
                 else:
                     self._seqs[s.req.seq_id] = _Rows(s.start, [rows])
 
-    def take(self, seq_id: str, start: int, end: int) -> torch.Tensor | None:
-        """Rows ``start..end`` of ``seq_id``, or None if any is missing. The rows before ``end - 1`` are
-        dropped (the last is kept: a draft from the same tokens again reads it)."""
+    def take(self, seq_id: str, start: int, end: int, keep_from: int | None = None) -> torch.Tensor | None:
+        """Rows ``start..end`` of ``seq_id``, or None if any is missing. The rows before ``keep_from``
+        (default ``end - 1``: a draft from the same tokens again reads the last) are dropped."""
+        keep_from = end - 1 if keep_from is None else keep_from
         with self._lock:
             held = self._seqs.get(seq_id)
-            if held is None or held.start > start or held.end < end or start >= end:
+            if held is None or held.start > start or held.end < end or start >= end or keep_from < start:
                 return None
             rows = torch.cat(held.rows) if len(held.rows) > 1 else held.rows[0]
             taken = rows[start - held.start : end - held.start]
-            self._seqs[seq_id] = _Rows(end - 1, [rows[end - 1 - held.start :]])
+            self._seqs[seq_id] = _Rows(keep_from, [rows[keep_from - held.start :]])
             return taken
 
     def available(self, seq_id: str) -> tuple[int, int] | None:

@@ -8,8 +8,8 @@ sliding-window layer with ``pre_mlp_layernorm`` and a dense MLP; ``num_nextn_pre
 ``make_deepseek_with_mtp`` writes a DeepSeek-V3 of 61 dense layers with one: transformers runs MTP
 (``generate(use_mtp=True)``) for DeepSeek-V3 only when the MTP layer is ``model.layers.61``.
 
-    python -m xengine.tools.mtp_checkpoint SRC OUT        # SRC: make_tiny's deepseek_v3 / qwen3_next / mimo
-    python -m xengine.tools.mtp_checkpoint --deepseek61 OUT
+    python -m xengine.tools.mtp_checkpoint SRC OUT [--layers N]   # SRC: make_tiny's deepseek_v3 / qwen3_next / mimo
+    python -m xengine.tools.mtp_checkpoint --deepseek61 OUT [--layers N]
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ def _mtp_block_weights(config: Any, seed: int) -> dict[str, Any]:
     return {k[len(prefix) :]: v.clone() for k, v in state.items() if k.startswith(prefix)}
 
 
-def add_mtp_layer(src: Path, out: Path, seed: int = 0) -> Path:
-    """``src`` (a deepseek_v3 or qwen3_next checkpoint) copied to ``out`` with one random MTP layer."""
+def add_mtp_layer(src: Path, out: Path, seed: int = 0, num_layers: int = 1) -> Path:
+    """``src`` (a deepseek_v3, qwen3_next or mimo_v2_flash checkpoint) copied to ``out`` with
+    ``num_layers`` random MTP layers (Qwen3-Next: its ``fc`` and norms shared by them)."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
@@ -69,7 +70,7 @@ def add_mtp_layer(src: Path, out: Path, seed: int = 0) -> Path:
         if f.is_file() and f.name != "model.safetensors":
             shutil.copy(f, out / f.name)
     weights = load_file(str(src / "model.safetensors"))
-    block = _mtp_block_weights(config, seed + 100)
+    blocks = [_mtp_block_weights(config, seed + 100 + 10 * i) for i in range(num_layers)]
     gen = torch.Generator().manual_seed(seed + 101)
     size, std = config.hidden_size, config.initializer_range
     centre = 0.0 if config.model_type == "qwen3_next" else 1.0  # Qwen3-Next's norms scale by 1 + weight
@@ -77,32 +78,36 @@ def add_mtp_layer(src: Path, out: Path, seed: int = 0) -> Path:
     def norm() -> Any:
         return centre + 0.1 * torch.randn(size, generator=gen)
 
-    proj = std * torch.randn(size, 2 * size, generator=gen)
+    def proj() -> Any:
+        return std * torch.randn(size, 2 * size, generator=gen)
+
     hf = json.loads((src / "config.json").read_text())
-    if config.model_type == "deepseek_v3":
-        layer = f"model.layers.{config.num_hidden_layers}."
-        weights.update({layer + k: v for k, v in block.items()})
-        weights[layer + "enorm.weight"], weights[layer + "hnorm.weight"] = norm(), norm()
-        weights[layer + "shared_head.norm.weight"] = norm()
-        weights[layer + "eh_proj.weight"] = proj
-        hf["num_nextn_predict_layers"] = 1
-    elif config.model_type == "mimo_v2_flash":
-        layer = "model.mtp.layers.0."
-        for k, v in block.items():
-            k = k.replace("post_attention_layernorm.", "pre_mlp_layernorm.")
-            k = k.replace("self_attn.sinks", "self_attn.attention_sink_bias")  # the release's names
-            weights[layer + k] = v
-        weights[layer + "enorm.weight"], weights[layer + "hnorm.weight"] = norm(), norm()
-        weights[layer + "final_layernorm.weight"] = norm()
-        weights[layer + "eh_proj.weight"] = proj
-        hf["num_nextn_predict_layers"] = 1
-    else:
-        weights.update({"mtp.layers.0." + k: v for k, v in block.items()})
+    for i, block in enumerate(blocks):
+        if config.model_type == "deepseek_v3":
+            layer = f"model.layers.{config.num_hidden_layers + i}."
+            weights.update({layer + k: v for k, v in block.items()})
+            weights[layer + "enorm.weight"], weights[layer + "hnorm.weight"] = norm(), norm()
+            weights[layer + "shared_head.norm.weight"] = norm()
+            weights[layer + "eh_proj.weight"] = proj()
+            hf["num_nextn_predict_layers"] = num_layers
+        elif config.model_type == "mimo_v2_flash":
+            layer = f"model.mtp.layers.{i}."
+            for k, v in block.items():
+                k = k.replace("post_attention_layernorm.", "pre_mlp_layernorm.")
+                k = k.replace("self_attn.sinks", "self_attn.attention_sink_bias")  # the release's names
+                weights[layer + k] = v
+            weights[layer + "enorm.weight"], weights[layer + "hnorm.weight"] = norm(), norm()
+            weights[layer + "final_layernorm.weight"] = norm()
+            weights[layer + "eh_proj.weight"] = proj()
+            hf["num_nextn_predict_layers"] = num_layers
+        else:
+            weights.update({f"mtp.layers.{i}." + k: v for k, v in block.items()})
+            hf["mtp_num_hidden_layers"] = num_layers
+    if config.model_type == "qwen3_next":
         weights["mtp.pre_fc_norm_embedding.weight"] = norm()
         weights["mtp.pre_fc_norm_hidden.weight"] = norm()
         weights["mtp.norm.weight"] = norm()
-        weights["mtp.fc.weight"] = proj
-        hf["mtp_num_hidden_layers"] = 1
+        weights["mtp.fc.weight"] = proj()
     save_file(
         {k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), {"format": "pt"}
     )
@@ -110,9 +115,9 @@ def add_mtp_layer(src: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def make_deepseek_with_mtp(out: Path, num_layers: int = 61, seed: int = 0) -> Path:
-    """A tiny DeepSeek-V3 of ``num_layers`` dense layers (make_tiny's shapes and tokenizer) with one MTP
-    layer (MoE) after them."""
+def make_deepseek_with_mtp(out: Path, num_layers: int = 61, seed: int = 0, num_mtp_layers: int = 1) -> Path:
+    """A tiny DeepSeek-V3 of ``num_layers`` dense layers (make_tiny's shapes and tokenizer) with
+    ``num_mtp_layers`` MTP layers (MoE) after them."""
     import tempfile
 
     import torch
@@ -139,7 +144,7 @@ def make_deepseek_with_mtp(out: Path, num_layers: int = 61, seed: int = 0) -> Pa
         for f in base.iterdir():  # tokenizer and generation config
             if f.is_file() and f.name not in ("config.json", "model.safetensors"):
                 shutil.copy(f, deep / f.name)
-        return add_mtp_layer(deep, Path(out), seed)
+        return add_mtp_layer(deep, Path(out), seed, num_mtp_layers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out")
     parser.add_argument("--deepseek61", action="store_true", help="write the 61-layer DeepSeek-V3 instead")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=1, help="MTP layers to write (default 1; MiMo ships 3)")
     args = parser.parse_args(argv)
     if args.deepseek61:
-        path = make_deepseek_with_mtp(Path(args.out), seed=args.seed)
+        path = make_deepseek_with_mtp(Path(args.out), seed=args.seed, num_mtp_layers=args.layers)
     elif args.src:
-        path = add_mtp_layer(Path(args.src), Path(args.out), args.seed)
+        path = add_mtp_layer(Path(args.src), Path(args.out), args.seed, args.layers)
     else:
         parser.error("give SRC, or --deepseek61")
     print(f"wrote {path}", file=sys.stderr)

@@ -105,10 +105,10 @@ SOFT_FEATURE_FLAGS: dict[str, str] = {
 # Flags whose feature is what the whole module tests: the server is not started and every test there
 # errors with "xllm-missing: <feature>".
 HARD_FEATURE_FLAGS: dict[str, str] = {
+    "--speculative-config": "speculative decoding with a draft model or head from the model hub (none here)",
     "--enable-prompt-embeds": "prompt embeddings as input",
     "--tool-server": "MCP / built-in tool servers for /v1/responses",
     "--reasoning-config": "thinking-token budgets (reasoning config)",
-    "--speculative-config": "speculative decoding",
     "--limit-mm-per-prompt": "multimodal inputs",
     "--chat-template-content-format": "multimodal content formatting",
     "--skip-tokenizer-init": "serving without a tokenizer",
@@ -177,6 +177,13 @@ def translate_args(model: str, vllm_args: list[str]) -> tuple[list[str], str, li
             soft[flag] = f"tool-call parser '{value}'"
         elif flag == "--max-logprobs" and int(value) <= MAX_LOGPROBS:
             continue  # within xllm's cap: the same behaviour
+        elif flag == "--speculative-config":  # the same JSON; a draft or head from the hub is not here
+            if "--speculative-config" not in _xllm_flags():
+                soft[flag] = "xllm serve --speculative-config"
+            elif _speculative_runs_here(value):
+                out += [flag, value]
+            else:
+                hard.append(flag)
         elif flag in SAME_FLAGS or flag in RENAMED_FLAGS:
             name, fixed = RENAMED_FLAGS.get(flag, (flag, None))
             if name not in _xllm_flags():  # an older xllm tree (the "before" run)
@@ -192,6 +199,17 @@ def translate_args(model: str, vllm_args: list[str]) -> tuple[list[str], str, li
         else:
             raise ValueError(f"vLLM server flag {flag} is in no table of ci/vllm_compat/stand_in/utils.py")
     return out, served, hard, soft
+
+
+def _speculative_runs_here(value: str) -> bool:
+    """Whether a ``--speculative-config`` JSON names nothing this machine lacks: n-gram, the checkpoint's
+    own MTP layers, or a draft / head folder that exists."""
+    try:
+        spec = json.loads(value)
+    except ValueError:
+        return True  # xllm serve refuses it with its own message
+    model = spec.get("model") if isinstance(spec, dict) else None
+    return model is None or Path(str(model)).is_dir()
 
 
 def _flag_arity(args: list[str], i: int) -> int:

@@ -67,7 +67,9 @@ def test_a_draft_head_gets_the_prompt_with_its_kv(make_model_dir, tmp_path_facto
     else:
         spec["model"] = str(make_eagle_head(model, tmp_path_factory.mktemp("eagle-pd"), "eagle"))
     kw = dict(state_snapshot_interval=32) if recurrent else {}
-    prefill, decode, colocated = (make_engine(model, **SETTINGS, **kw, speculative_config=spec) for _ in range(3))
+    prefill, decode, colocated = (
+        make_engine(model, **SETTINGS, **kw, speculative_config=spec) for _ in range(3)
+    )
     recorders = []
     for engine in (decode, colocated):
         drafter = engine.scheduler.drafter
@@ -92,7 +94,9 @@ def test_a_draft_head_gets_the_prompt_with_its_kv(make_model_dir, tmp_path_facto
     assert proposer.shadows == {} and proposer.kv.block_tables == {}
 
 
-def test_a_decode_side_with_another_head_starts_from_its_first_token(make_model_dir, tmp_path_factory) -> None:
+def test_a_decode_side_with_another_head_starts_from_its_first_token(
+    make_model_dir, tmp_path_factory
+) -> None:
     """A prefill instance without speculation sends no head blocks, and an importer running another
     head ignores them: its head starts from the first token it computes (fewer drafts right, none
     wrong)."""

@@ -42,12 +42,13 @@ def deepseek_mtp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def with_mtp(make_model_dir, tmp_path_factory):
-    cache: dict[str, Path] = {}
+    cache: dict[tuple[str, int], Path] = {}
 
-    def _get(arch: str) -> Path:
-        if arch not in cache:
-            cache[arch] = add_mtp_layer(make_model_dir(arch), tmp_path_factory.mktemp(f"{arch}-mtp"))
-        return cache[arch]
+    def _get(arch: str, layers: int = 1) -> Path:
+        if (arch, layers) not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}-mtp{layers}")
+            cache[arch, layers] = add_mtp_layer(make_model_dir(arch), out, num_layers=layers)
+        return cache[arch, layers]
 
     return _get
 
@@ -67,21 +68,46 @@ def _prompts() -> list[list[int]]:
     return prompts + [prompts[2][:35] + p for p in random_prompts([4, 12], seed=32)]  # shared prefixes
 
 
+@pytest.fixture(scope="module")
+def deepseek_mtp2(tmp_path_factory) -> Path:
+    return make_deepseek_with_mtp(tmp_path_factory.mktemp("deepseek61-mtp2"), num_mtp_layers=2)
+
+
+@pytest.fixture(scope="module")
+def hf2(deepseek_mtp2):
+    """HF's DeepSeek-V3 and its ``MtpModel`` of two chained layers (HF finds MTP weights by the model's
+    ``_keys_to_ignore_on_load_unexpected`` patterns, which name ``model.layers.61`` only: the second
+    layer's pattern is added)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    model = AutoModelForCausalLM.from_pretrained(deepseek_mtp2, dtype=torch.float32).eval()
+    model._keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*", r"model\.layers\.62.*"]
+    return model, MtpModel.from_pretrained(model).eval()
+
+
 @torch.no_grad()
 def _hf_drafts(hf, tokens: list[int], k: int) -> list[int]:
     """HF's MTP drafts for ``tokens`` from scratch: the target's final hidden states over all of them,
-    then the MTP layer over the pairs (hidden at t, token at t + 1), chained ``k`` times."""
+    then the MTP layers as ``MtpModel.forward`` chains them -- layer ``i`` over the pairs (layer
+    ``i - 1``'s output at t, the token at t + i + 1, the drafts so far past the known ones) -- and past
+    the layers, the last one again one position on."""
     model, mtp = hf
     ids = torch.tensor([tokens])
     hidden = model(ids, output_hidden_states=True).hidden_states[-1][:, :-1]
     inputs, drafts = ids[:, 1:], []
-    for _ in range(k):
-        positions = torch.arange(1, inputs.shape[1] + 1)[None]
-        out = mtp.forward_layer(0, hidden, positions, None, input_ids=inputs)
-        token = int(mtp._project_to_logits(out[:, -1]).argmax(-1))
-        drafts.append(token)
-        inputs = torch.cat([inputs, torch.tensor([[token]])], dim=1)
-        hidden = torch.cat([hidden, out[:, -1:]], dim=1)
+    positions = torch.arange(1, inputs.shape[1] + 1)[None]
+    for depth in range(k):
+        layer = min(depth, len(mtp.layers) - 1)
+        out = mtp.forward_layer(layer, hidden, positions, None, input_ids=inputs)
+        token = torch.tensor([[int(mtp._project_to_logits(out[:, -1]).argmax(-1))]])
+        drafts.append(int(token))
+        if depth + 1 < len(mtp.layers):  # the next layer: the same positions, the tokens one on
+            inputs, positions, hidden = torch.cat([inputs[:, 1:], token], 1), positions + 1, out
+        else:  # the last layer again, one position on
+            inputs = torch.cat([inputs, token], dim=1)
+            positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
+            hidden = torch.cat([hidden, out[:, -1:]], dim=1)
     return drafts
 
 
@@ -139,22 +165,54 @@ def test_mtp_state_stays_right_across_accepts_and_rejections(deepseek_mtp, hf, c
 
 
 @pytest.mark.parametrize(
-    ("arch", "k"),
-    [pytest.param("qwen3_next", 1, marks=pytest.mark.slow), ("qwen3_next", 3), ("mimo_v2_flash", 2)],
+    ("arch", "k", "layers"),
+    [
+        pytest.param("qwen3_next", 1, 1, marks=pytest.mark.slow),
+        ("qwen3_next", 3, 2),
+        ("mimo_v2_flash", 4, 3),
+    ],
 )
-def test_greedy_equals_the_engine_without_speculation(make_model_dir, with_mtp, arch, k) -> None:
-    """Qwen3-Next (recurrent layers) and MiMo-V2-Flash (its MTP layer a sliding-window one with sinks,
-    shorter than the prompts), which HF does not run MTP on."""
+def test_greedy_equals_the_engine_without_speculation(make_model_dir, with_mtp, arch, k, layers) -> None:
+    """Qwen3-Next (recurrent layers; two MTP layers sharing its ``fc`` and norms) and MiMo-V2-Flash (three
+    chained MTP layers as it ships, sliding-window ones with sinks, shorter than the prompts; ``k`` past
+    them), which HF does not run MTP on."""
     prompts = _prompts()
     plain = LLM(str(make_model_dir(arch)), block_size=16)
     expected = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     spec = {"method": "mtp", "num_speculative_tokens": k}
-    llm = LLM(str(with_mtp(arch)), block_size=16, speculative_config=spec, **CONFIGS["prefix+chunked"])
+    llm = LLM(
+        str(with_mtp(arch, layers)), block_size=16, speculative_config=spec, **CONFIGS["prefix+chunked"]
+    )
     for run in range(2):
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert got == expected, f"run {run}"
     stats = llm.engine.scheduler.drafter.stats
     assert stats.num_draft_tokens > 0 and len(stats.proposed_per_pos) == k
+    assert len(llm.engine.scheduler.drafter.proposer.caches) == layers  # KV of every layer
+
+
+@pytest.mark.parametrize("config", [pytest.param("async", marks=pytest.mark.slow), "preempt"])
+def test_chained_mtp_layers_draft_as_hf_chains_them(deepseek_mtp2, hf2, config) -> None:
+    """Two MTP layers and ``k = 3`` (the last layer once more): every draft made while an oracle drives
+    accepts and rejections (so the second layer's KV at the last positions, computed from drafts, is
+    recomputed from the tokens kept) and prefix-cache hits equals HF's from-scratch chain."""
+    model, _ = hf2
+    prompts = _prompts()
+    expected = [
+        model.generate(
+            torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    llm = LLM(str(deepseek_mtp2), block_size=16, speculative_config=spec, **CONFIGS[config])
+    free = llm.engine.kv.num_free_blocks
+    rec = run_with_oracle(llm, prompts, expected, GREEDY)
+    states = list(rec.seen.items())
+    assert len(states) > 20 and len(rec.inner.caches) == 2
+    for tokens, drafts in states[:: max(len(states) // 12, 1)]:
+        assert drafts == _hf_drafts(hf2, list(tokens), len(drafts)), f"{len(tokens)} tokens"
+    assert_engine_idle(llm.engine, free)
 
 
 def test_mtp_without_mtp_layers_is_refused(make_model_dir) -> None:
