@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ops.platforms import resolve_platform, set_platform
-from xengine.api.config import EngineConfig
+from xengine.api.config import CacheConfig, EngineConfig
 from xengine.api.messages import (
     AddRequest,
     CatalogInfo,
@@ -36,6 +36,7 @@ from xengine.disagg.hybrid_transfer import StateTransfer, WindowTransfer
 from xengine.disagg.kv_transfer import KVTransferManager
 from xengine.kv_setup import KVSetup, build_kv
 from xengine.models.eagle import load_eagle
+from xengine.models.emulated import EmulatedLM, emulated_info
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
 from xengine.models.loader import load_model, resolve_dtype
 from xengine.models.mtp import load_mtp
@@ -94,6 +95,7 @@ class Engine:
         if not model_dir or not Path(model_dir).is_dir():
             raise ValueError(f"model folder not found: {model_dir!r}; pass a local Hugging Face model folder")
         self.platform = resolve_platform(config.device.device)
+        self.platform.configure(config.device.device_profile)
         set_platform(self.platform)
         self.platform.set_num_threads(config.device.num_threads)
         self.model_info = info = read_model_info(model_dir)
@@ -109,11 +111,16 @@ class Engine:
 
     def _load(self, config: EngineConfig, info: ModelInfo, model_dir: str) -> None:
         """Weights, KV memory, runner, scheduler: everything of the instance after its processes exist."""
-        self.dtype = resolve_dtype(self.platform, config.model.dtype, info.torch_dtype)
-        self.model = load_model(
-            model_dir, self.dtype, self.platform.torch_device(), config.model.quantization
-        )
         cache = config.cache
+        if self.platform.capabilities.emulated:  # a timed stand-in of one small KV layer (emulated.py)
+            cache, info = self._emulated(config), emulated_info(info)
+            self.dtype = torch.float32
+            self.model: torch.nn.Module = EmulatedLM(info.vocab_size, config.model.seed)
+        else:
+            self.dtype = resolve_dtype(self.platform, config.model.dtype, info.torch_dtype)
+            self.model = load_model(
+                model_dir, self.dtype, self.platform.torch_device(), config.model.quantization
+            )
         if self.parallel is not None:
             cache = self.parallel.check_model_and_cache(cache)
         max_len = config.model.max_model_len or min(info.max_position_embeddings, _MAX_DEFAULT_LEN)
@@ -196,6 +203,25 @@ class Engine:
             model_dir, info.vocab_size, list(info.eos_token_ids), config.structured_outputs
         )
         self.info = self._describe(config, info, model_dir, kv)
+
+    def _emulated(self, config: EngineConfig) -> CacheConfig:
+        """The cache settings of an emulated instance (its pool as large as the profile's device holds,
+        unless set); refuses what the stand-in model cannot stand in for."""
+        spec, cache = config.speculative_config, config.cache
+        blocker = None
+        if self.parallel is not None:
+            blocker = "expert parallelism"
+        elif spec.enabled and spec.method != "ngram":
+            blocker = f"speculative_config.method {spec.method} (its draft reads the real model; ngram runs)"
+        elif cache.kv_cache_dtype != "auto":
+            blocker = f"cache.kv_cache_dtype {cache.kv_cache_dtype}"
+        if blocker is not None:
+            raise ValueError(f"device emulated does not emulate {blocker}; leave it out or run a real device")
+        if cache.num_blocks is not None:
+            return cache
+        profile = getattr(self.platform, "profile", None)
+        capacity = profile.kv_capacity_tokens if profile is not None else 65536
+        return dataclasses.replace(cache, num_blocks=-(-capacity // cache.block_size))
 
     def _drafter(self, config: EngineConfig) -> Drafter | None:
         """Speculative decoding's drafts (``xengine/spec/``), or None when it is off; refuses the

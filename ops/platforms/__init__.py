@@ -8,6 +8,7 @@ from __future__ import annotations
 from ops.platforms.base import Capabilities, Platform
 from ops.platforms.cpu import CpuPlatform
 from ops.platforms.cuda import CudaPlatform
+from ops.platforms.emulated import EmulatedPlatform
 from ops.platforms.npu import NpuPlatform
 from xengine.api.envs import DEVICE
 
@@ -22,6 +23,8 @@ __all__ = [
 
 # Detection order: the first available wins.
 _PLATFORMS: dict[str, type[Platform]] = {"npu": NpuPlatform, "cuda": CudaPlatform, "cpu": CpuPlatform}
+# Never detected, only asked for: an accelerator emulated from a device profile (``emulated.py``).
+_EXPLICIT: dict[str, type[Platform]] = {"emulated": EmulatedPlatform}
 ENV_DEVICE = DEVICE.name
 
 _current: Platform | None = None
@@ -29,7 +32,7 @@ _current: Platform | None = None
 
 def platform_names() -> list[str]:
     """Names accepted by ``resolve_platform``."""
-    return list(_PLATFORMS)
+    return [*_PLATFORMS, *_EXPLICIT]
 
 
 def resolve_platform(device: str | None = None) -> Platform:
@@ -43,11 +46,11 @@ def resolve_platform(device: str | None = None) -> Platform:
                 return cls()
         return CpuPlatform()
     name = requested.strip().lower().split(":", 1)[0]
-    cls = _PLATFORMS.get(name)
+    cls = _PLATFORMS.get(name) or _EXPLICIT.get(name)
     source = "device argument" if device else f"${ENV_DEVICE}"
     if cls is None:
         raise ValueError(
-            f"unknown device {requested!r} (from {source}); choose one of: {', '.join(_PLATFORMS)}"
+            f"unknown device {requested!r} (from {source}); choose one of: {', '.join(platform_names())}"
         )
     if not cls.is_available():
         raise ValueError(

@@ -24,6 +24,7 @@ class Capabilities:
     default_graph_mode: str = "eager"  # what execution.graph_mode "auto" picks: eager | partial | full
     default_async_scheduling: bool = False  # what execution.async_scheduling "auto" picks
     default_encode_overlap: bool = False  # what execution.encode_overlap "auto" picks
+    emulated: bool = False  # the forward is a timed stand-in (``emulated.py``), not the model's math
 
 
 class Platform(ABC):
@@ -56,6 +57,17 @@ class Platform(ABC):
     @abstractmethod
     def total_memory_bytes(self) -> int:
         """Total memory of the current device (host RAM on CPU)."""
+
+    def configure(self, device_profile: str | None) -> None:
+        """Settings beyond the device's name: a device profile is only the emulated platform's."""
+        if device_profile:
+            raise ValueError(
+                f"device.device_profile is for --device emulated; device {self.name!r} runs the model itself"
+            )
+
+    def emulate_step(self, query_lens: list[int], seq_lens: list[int], started: float) -> None:  # noqa: B027
+        """After a step's forward (its sequences' new tokens and contexts; when it started): nothing on a
+        real device; the emulated one waits out the step's predicted time."""
 
     def set_num_threads(self, n: int | None) -> None:
         """Set host intra-op threads; ``None`` keeps torch's default."""

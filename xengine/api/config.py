@@ -225,7 +225,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: str | None = _f(None, "cpu | cuda | npu (default: XLLM_DEVICE, then detection).")
+    device: str | None = _f(
+        None,
+        "cpu | cuda | npu | emulated (default: XLLM_DEVICE, then detection). emulated: an accelerator "
+        "whose steps take the time device_profile predicts, with a stand-in model emitting pseudo tokens "
+        "(docs/emulated.md).",
+    )
+    device_profile: str | None = _f(
+        None,
+        "A device profile (JSON: step time against tokens, batch and context) for device emulated; "
+        "measure one with `xllm profile engine --model DIR`.",
+    )
     num_threads: int | None = _f(
         None,
         "CPU threads of the model forward (torch intra-op / OpenMP) in the engine. The engine's host "

@@ -230,6 +230,7 @@ class ModelRunner:
         logits = (
             self.model.compute_logits(hidden[inputs.logits_indices]) if len(inputs.logits_indices) else None
         )
+        self.platform.emulate_step(inputs.meta.query_lens_cpu, inputs.meta.seq_lens_cpu, t0)
         self.platform.synchronize()
         out = StepOutput(forward_s=time.perf_counter() - t0)
         if step.prompt_rows is not None:  # prompt logprobs / embeddings of the prompt positions computed

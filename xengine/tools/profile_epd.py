@@ -46,22 +46,34 @@ BANDWIDTH_BYTES = 64 * 1024 * 1024
 
 
 class StageBench:
-    """One engine (synchronous steps, no prefix cache) and the probes that time its stages."""
+    """One engine (synchronous steps, no prefix cache) and the probes that time its stages.
+
+    ``image_size`` None: a text model, timed without image probes (``profile_engine.py``);
+    ``timed``: the ``StepTiming`` field a probe reports (``total_s``: the whole engine step;
+    ``forward_s``: the model forward and logits, what a device does)."""
 
     def __init__(
-        self, model_dir: str, image_size: tuple[int, int], num_threads: int | None, seed: int = 0
+        self,
+        model_dir: str,
+        image_size: tuple[int, int] | None,
+        num_threads: int | None,
+        seed: int = 0,
+        timed: str = "total_s",
+        **engine: Any,
     ) -> None:
         fields: dict[str, Any] = {
             "num_threads": num_threads, "async_scheduling": False, "enable_prefix_caching": False,
             "max_num_seqs": 256, "max_num_batched_tokens": 1 << 16,
             "encode_scheduling": "stage", "max_encode_images": 1024, "max_encode_tokens": 1 << 24,
+            **engine,
         }  # fmt: skip
-        builder = ChatImageBuilder.from_dir(model_dir)
-        if builder is None:
+        builder = ChatImageBuilder.from_dir(model_dir) if image_size is not None else None
+        if builder is None and image_size is not None:
             raise ValueError(
                 f"{model_dir} is not a vision-language model (no image processor / image_token_id)"
             )
         self.builder = builder
+        self.timed = timed
         self.llm = LLM(model_dir, **_known_fields(fields))
         self.engine = self.llm.engine
         self.image_size = image_size
@@ -71,6 +83,9 @@ class StageBench:
         self._decodes: list[str] = []
         self._decode_shape = (0, 0)
         self._ids = 0
+        if builder is None:
+            self.encode_mode = "none"
+            return
         probe = self._image_request()
         self.image: ImageInput = probe.images[0]
         stage = getattr(self.engine.scheduler, "encode_stage", None)
@@ -90,6 +105,7 @@ class StageBench:
         """A one-image chat prompt with a fresh random image (a new content hash: no cache hit)."""
         from PIL import Image
 
+        assert self.builder is not None
         w, h = self.image_size
         pixels = self.rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         buf = io.BytesIO()
@@ -105,7 +121,7 @@ class StageBench:
         self.engine.step()
         timing = self.engine.last_step_timing
         assert timing is not None
-        return timing.total_s
+        return float(getattr(timing, self.timed))
 
     def clear(self) -> None:
         """Abort everything running (the decodes) and step until the engine is empty."""

@@ -16,10 +16,11 @@ from typing import Any
 
 from xservice.cluster.epd.workload import parse_image_size, parse_rate
 from xservice.commands.common import EXIT_USAGE, CliError
+from xservice.commands.profile_engine import register_profile_engine
 
 
 def register_profile(subparsers: Any) -> None:
-    p = subparsers.add_parser("profile", help="profilers (epd)", description="Profilers.")
+    p = subparsers.add_parser("profile", help="profilers (epd, engine)", description="Profilers.")
     tools = p.add_subparsers(title="profile commands", metavar="COMMAND")
     e = tools.add_parser(
         "epd",
@@ -64,6 +65,7 @@ def register_profile(subparsers: Any) -> None:
     )
     e.add_argument("--json", action="store_true", help="print the report as JSON")
     e.set_defaults(run=run_profile_epd)
+    register_profile_engine(tools)
     p.set_defaults(run=lambda _args: (p.print_help(sys.stderr), EXIT_USAGE)[1])
 
 
