@@ -40,8 +40,8 @@ SOURCES = [
     p for p in BENCHMARKS.rglob("*.py") if not any(x.startswith(".") for x in p.relative_to(BENCHMARKS).parts)
 ]
 MODULES = sorted(_module_name(p) for p in SOURCES)
-PROGRAMS = sorted(
-    _module_name(p).removeprefix("benchmarks.")
+PROGRAMS = sorted(  # a package's ``__main__`` is run as the package: ``-m benchmarks.cluster_sim``
+    _module_name(p).removeprefix("benchmarks.").removesuffix(".__main__")
     for p in SOURCES
     if 'if __name__ == "__main__":' in p.read_text()
 )
