@@ -41,6 +41,8 @@ class SimConfig:
     max_seqs: int = 256
     tick_s: float = 0.5  # the flip planner's period
     shortlist: int = 16
+    step_host_ms: float = 0.0  # an engine's host work per step (scheduling, sampling, outputs)
+    request_overhead_ms: float = 0.0  # a request's way in (HTTP, tokenizing, routing) before it queues
     policy: dict = field(default_factory=dict)  # DynamicPDPolicy keyword arguments
 
 
@@ -74,7 +76,10 @@ class Cluster:
             raise ValueError("a P/D split needs 1 <= num_prefill < num_instances")
         self.config, self.profile = config, profile
         role = lambda i: "mixed" if config.mode == "colocated" else (PREFILL if i < p else DECODE)  # noqa: E731
-        self.instances = [SimInstance(i, profile, role(i), config.budget, config.max_seqs) for i in range(n)]
+        self.instances = [
+            SimInstance(i, profile, role(i), config.budget, config.max_seqs, host_ms=config.step_host_ms)
+            for i in range(n)
+        ]
         self.slo = SLO(config.ttft_slo_s, config.tpot_slo_s)
         self.ttft, self.tpot = seeded_predictors(profile)
         self.dynamic = DynamicPDPolicy(**config.policy) if config.mode == "dynamic" else None
@@ -96,8 +101,9 @@ class Cluster:
     def run(self, trace: list[SimRequest]) -> dict[int, RequestRecord]:
         arrivals = iter(trace)
         first = next(arrivals, None)
+        delay = self.config.request_overhead_ms / 1000
         if first is not None:
-            self._push(first.arrival, _ARRIVE, first.rid)
+            self._push(first.arrival + delay, _ARRIVE, first.rid)
             self.records[first.rid] = RequestRecord(first)
         if self.dynamic is not None:
             self._push(self.config.tick_s, _TICK, 0)
@@ -109,7 +115,7 @@ class Cluster:
                 nxt = next(arrivals, None)
                 if nxt is not None:
                     self.records[nxt.rid] = RequestRecord(nxt)
-                    self._push(nxt.arrival, _ARRIVE, nxt.rid)
+                    self._push(nxt.arrival + delay, _ARRIVE, nxt.rid)
             elif kind == _STEP:
                 pending -= self._step_done(self.instances[a])
             elif kind == _JOIN:

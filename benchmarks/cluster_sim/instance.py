@@ -45,10 +45,12 @@ class SimInstance:
         budget: int = 2048,
         max_seqs: int = 256,
         capacity_tokens: int | None = None,
+        host_ms: float = 0.0,
     ) -> None:
         self.index, self.name = index, f"i{index}"
         self.profile, self.role, self.origin = profile, role, role
         self.budget, self.max_seqs = budget, max_seqs
+        self.host_s = host_ms / 1000  # host work of each step, beside the device's
         self.capacity = capacity_tokens or profile.kv_capacity_tokens
         self.queue: deque[_Prefill] = deque()  # admitted prompts, FCFS
         self.waiting: deque[_Prefill] = deque()  # not admitted yet (KV)
@@ -127,7 +129,7 @@ class SimInstance:
         seqs = self.num_decoding + len(chunks)
         prof = self.profile
         ms = prof.base_ms + prof.tokens_cost_ms(tokens) + prof.seq_us * seqs / 1000
-        duration = ms / 1000 + prof.attention_ns * pairs * 1e-9
+        duration = ms / 1000 + prof.attention_ns * pairs * 1e-9 + self.host_s
         self._step = (self.num_decoding, chunks)
         self.busy = True
         self.busy_s += duration

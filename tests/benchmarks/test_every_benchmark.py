@@ -27,7 +27,10 @@ NO_SMOKE = {
 SMOKE_MODEL_ARCH = {"encode_stage": "qwen2_vl", "epd_ttft": "qwen2_vl", "moe_ep": "qwen3_moe"}  # else qwen3
 # the slowest smokes (15-40 s each) run with ``-m slow``: what they drive is tested in the default run
 # elsewhere (the cluster, PD, EP and engine-mode tests; engine_modes by test_bench_programs.py too)
-SLOW_SMOKE = {"cluster_failover", "engine_modes", "dynamic_pd", "moe_ep", "pd_transfer", "offline.hybrid_pd"}
+SLOW_SMOKE = {
+    "cluster_failover", "engine_modes", "dynamic_pd", "moe_ep", "pd_transfer", "offline.hybrid_pd",
+    "cluster_sim.validate",  # an emulated cluster: tests/xservice/cluster/test_cluster_emulated.py runs one
+}  # fmt: skip
 
 
 def _module_name(path: Path) -> str:

@@ -1,0 +1,191 @@
+"""The simulator against a real emulated cluster on one trace: TTFT and TPOT p50 / p90 of each, and the
+simulator's relative error.
+
+An ``xllm serve`` cluster of ``--instances`` emulated engines (``--device emulated`` with ``--profile``;
+colocated, or ``--num-prefill`` prefill instances and the rest decode, PD over Mooncake) plays the
+trace open-loop through the ``benchmarks/serving`` client (streaming completions of exactly the trace's
+prompt lengths, ``max_tokens`` its output lengths, ``ignore_eos``); the simulator runs the same
+requests at the same arrival times with the same profile, budget and batch limit, and with what it
+leaves out measured apart from the trace first (``calibrate``: nine requests one at a time on the idle
+cluster give a request's way in and out, and an engine's host work per step).
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.cluster_sim.validate --instances 4 --requests 150
+
+The emulated side includes what the simulator leaves out (the service, HTTP, the engines' host work
+between steps, processes sharing this machine's cores): the error says how much that matters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import yaml
+
+from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
+from benchmarks.cluster_sim.cluster import Cluster, SimConfig
+from benchmarks.cluster_sim.trace import LengthMix, SimRequest, make_trace
+from benchmarks.server_process import free_port, run_server
+from benchmarks.serving.client import RequestSpec, send_request
+from benchmarks.serving.dataset import load_tokenizer, normal_token_ids, random_prompt
+from benchmarks.smoke import add_smoke_flag, parse_args
+from ops.platforms.cpu_features import cpu_features
+from ops.platforms.device_profile import load_profile
+
+MODEL_NAME = "xllm-sim-validate"
+DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "validation-accelerator.json"
+BUDGET, MAX_SEQS, BLOCKS, BLOCK = 2048, 64, 1024, 16
+SMOKE = {"requests": 12, "instances": 2, "rate": 4.0}
+
+
+def prompts_for(model: str, trace: list[SimRequest], seed: int) -> tuple[list[SimRequest], list[str]]:
+    """A prompt text per request of the trace's length; the trace with the texts' exact token counts."""
+    tok = load_tokenizer(model)
+    pool, rng = normal_token_ids(tok), random.Random(seed)
+    texts, exact = [], []
+    for r in trace:
+        text = random_prompt(tok, pool, r.prompt, rng)
+        texts.append(text)
+        exact.append(
+            SimRequest(r.rid, r.arrival, len(tok.encode(text, add_special_tokens=False).ids), r.output)
+        )
+    return exact, texts
+
+
+def cluster_config(model: str, profile: str, args: argparse.Namespace, port: int) -> dict:
+    if args.num_prefill:
+        names = [f"p{i}:prefill" for i in range(args.num_prefill)]
+        names += [f"d{i}:decode" for i in range(args.instances - args.num_prefill)]
+    else:
+        names = [f"m{i}:mixed" for i in range(args.instances)]
+    return {
+        "model": {"model": model, "max_model_len": 1100, "seed": 0, "served_model_name": MODEL_NAME},
+        "cache": {"block_size": BLOCK, "num_blocks": BLOCKS},
+        "scheduler": {"max_num_seqs": MAX_SEQS, "max_num_batched_tokens": BUDGET},
+        "device": {"device": "emulated", "device_profile": profile},
+        "service": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "cluster": {"launch": {"instances": ",".join(names)}, "registry": {"store": "embedded"}},
+    }
+
+
+async def calibrate(base_url: str, model: str, profile, length: int, seed: int) -> dict[str, float]:
+    """What the simulator leaves out, measured apart from the trace: requests one at a time on the idle
+    cluster; TTFT beyond the profile's prefill is a request's way in and out, TPOT beyond its decode
+    step is an engine's host work per step."""
+    lone = [SimRequest(i, 0.0, length, 16) for i in range(9)]
+    exact, texts = prompts_for(model, lone, seed + 7919)
+    ways, hosts = [], []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for r, text in zip(exact, texts):
+            rec = await send_request(
+                session, RequestSpec(base_url, "completions", MODEL_NAME, text, r.prompt, r.output)
+            )
+            if not rec.success or rec.tpot_s is None:
+                raise RuntimeError(f"calibration request failed: {rec.error}")
+            ways.append(rec.ttft_s - profile.step_seconds([r.prompt], [r.prompt]))
+            hosts.append(rec.tpot_s - profile.step_seconds([1], [r.prompt + 8]))
+    return {
+        # the least of them: a first token whose text the detokenizer holds back (a partial character)
+        # reaches the client a step later, which is the token's, not the way's
+        "request_overhead_ms": round(max(0.0, float(np.min(ways[1:]))) * 1000, 3),
+        "step_host_ms": round(max(0.0, float(np.median(hosts[1:]))) * 1000, 3),
+    }
+
+
+async def play(base_url: str, trace: list[SimRequest], texts: list[str]) -> list:
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+
+        async def one(r: SimRequest, text: str):
+            await asyncio.sleep(max(0.0, t0 + r.arrival - time.perf_counter()))
+            spec = RequestSpec(base_url, "completions", MODEL_NAME, text, r.prompt, r.output)
+            return await send_request(session, spec)
+
+        return list(await asyncio.gather(*(one(r, t) for r, t in zip(trace, texts))))
+
+
+def _pcts(values: list[float]) -> dict[str, float]:
+    p50, p90 = np.percentile(values, [50, 90]) if values else (0.0, 0.0)
+    return {"p50": round(float(p50), 5), "p90": round(float(p90), 5)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_checkpoint_args(ap)
+    ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--num-prefill", type=int, default=0, help="prefill instances (0: all colocated)")
+    ap.add_argument("--requests", type=int, default=150)
+    ap.add_argument("--rate", type=float, default=6.0, help="requests per second (Poisson)")
+    ap.add_argument("--prompt-median", type=float, default=256)
+    ap.add_argument("--output-median", type=float, default=32)
+    ap.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    ap.add_argument("--seed", type=int, default=0)
+    add_smoke_flag(ap)
+    args = parse_args(ap, argv, SMOKE)
+    model = resolve_checkpoint(args)
+    profile = load_profile(args.profile)
+    raw = make_trace(
+        "steady", args.requests, args.rate, args.seed, LengthMix(args.prompt_median, args.output_median), 1024
+    )
+    trace, texts = prompts_for(model, raw, args.seed)
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "cluster.yaml"
+        config.write_text(
+            yaml.safe_dump(cluster_config(model, str(Path(args.profile).resolve()), args, port))
+        )
+        cmd = [sys.executable, "-m", "xservice", "serve", "--config", str(config)]
+        with run_server(cmd, port, name="emulated-cluster") as base_url:
+            calibration = asyncio.run(calibrate(base_url, model, profile, int(args.prompt_median), args.seed))
+            records = asyncio.run(play(base_url, trace, texts))
+    failed = [r.error for r in records if not r.success]
+    real_ttft = [r.ttft_s for r in records if r.success]
+    real_tpot = [r.tpot_s for r in records if r.success and r.tpot_s is not None]
+    mode = "static" if args.num_prefill else "colocated"
+    cluster = Cluster(
+        SimConfig(mode, args.instances, args.num_prefill, budget=BUDGET, max_seqs=MAX_SEQS, **calibration),
+        profile.__class__(**{**profile.__dict__, "kv_capacity_tokens": BLOCKS * BLOCK}),
+    )
+    sim = cluster.run(trace)
+    sim_ttft = [r.first_token - r.req.arrival for r in sim.values() if r.first_token is not None]
+    sim_tpot = [
+        (r.end - r.first_token) / (r.req.output - 1) for r in sim.values() if r.end and r.req.output > 1
+    ]
+    real = {"ttft_s": _pcts(real_ttft), "tpot_s": _pcts(real_tpot)}
+    simulated = {"ttft_s": _pcts(sim_ttft), "tpot_s": _pcts(sim_tpot)}
+    errors = {
+        f"{metric}_{q}": round((simulated[metric][q] - real[metric][q]) / real[metric][q], 4)
+        for metric in ("ttft_s", "tpot_s")
+        for q in ("p50", "p90")
+        if real[metric][q]
+    }
+    out = {
+        "instances": args.instances,
+        "mode": mode if not args.num_prefill else f"{args.num_prefill}P{args.instances - args.num_prefill}D",
+        "requests": args.requests,
+        "rate": args.rate,
+        "profile": profile.name,
+        "host_cpu": cpu_features().model_name,
+        "calibration": calibration,
+        "emulated": real,
+        "simulated": simulated,
+        "relative_error": errors,
+        "failed": len(failed),
+        "first_error": failed[0] if failed else None,
+    }
+    print(json.dumps(out, indent=2))
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
