@@ -133,7 +133,11 @@ def cluster_config(model: str, dep: Deployment, index: int, args: argparse.Names
             "kv_transfer_port_range": f"{first}-{first + KV_PORTS_PER_DEPLOYMENT - 1}",
         },
         "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
-        "device": {"device": "cpu", "num_threads": 1},
+        "device": (
+            {"device": "emulated", "device_profile": str(Path(args.emulated).resolve())}
+            if args.emulated
+            else {"device": "cpu", "num_threads": 1}
+        ),
         "service": {"host": "127.0.0.1", "port": dep.port, "log_level": "warning"},
         "cluster": cluster,
     }
@@ -285,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--emulated",
+        metavar="PROFILE",
+        help="run every instance on an emulated accelerator of this device profile (docs/emulated.md): "
+        "each its own device, however few cores this machine has",
+    )
     add_smoke_flag(p)
     return p
 
@@ -336,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             "slo_ms": {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms},  # phases may set their own
             "instances": args.instances,
             "threads_per_instance": 1,
+            "emulated": args.emulated,
             "store": args.store,
             "model": model,
             "dynamic_start": f"{args.dynamic_start}P{args.instances - args.dynamic_start}D",

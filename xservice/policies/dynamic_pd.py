@@ -133,6 +133,7 @@ class DynamicPDPolicy:
         sustain_s: float = 1.0,
         pressure: float = 0.8,
         capacity_pressure: float = 0.9,
+        load_factor: float = 1.25,
     ) -> None:
         if min_decode < 1 or min_prefill < 1:
             raise ValueError("min_decode and min_prefill must be >= 1")
@@ -145,6 +146,9 @@ class DynamicPDPolicy:
         self.sustain_s = sustain_s
         self.pressure = pressure  # idle-prefill flips need a decode batch at this share of the TPOT SLO
         self.capacity_pressure = capacity_pressure  # decode KV committed at this share: flip P→D
+        # ... and that slow by its load: at least this times the step its device takes for one sequence
+        # (a device whose lone decode step is near the SLO is not helped by more decode instances)
+        self.load_factor = load_factor
 
     # ------------------------------------------------------------------ hysteresis
 
@@ -272,10 +276,7 @@ class DynamicPDPolicy:
         ]
         # decode under pressure: some decode-side batch already takes a good share of the TPOT SLO
         # (an idle prefill side alone is no reason to flip when decode copes)
-        decode_busy = any(
-            i.num_decoding > 0 and (i.observed_step_s or 0.0) >= self.pressure * slo.tpot_s
-            for i in decode_side
-        )
+        decode_busy = any(self._under_pressure(i, slo) for i in decode_side)
         idle = [
             i
             for i in prefill_side
@@ -338,6 +339,18 @@ class DynamicPDPolicy:
                 )
                 return [Flip(pick.name, DECODE, reason(pick))]
         return []
+
+    def _under_pressure(self, inst: PDInstance, slo: SLO) -> bool:
+        """A decode batch at ``pressure`` of the TPOT SLO because of its load (more decode instances would
+        shorten it), not because of its device's floor: its step predicted for one sequence of its mean
+        context times ``load_factor`` stays under what it observes."""
+        observed = inst.observed_step_s or 0.0
+        if inst.num_decoding == 0 or observed < self.pressure * slo.tpot_s:
+            return False
+        if inst.tpot is None or not inst.tpot.ready:
+            return True
+        floor = inst.tpot.predict(1, inst.decode_tokens // inst.num_decoding)
+        return observed >= self.load_factor * floor
 
 
 def _direction(to_role: str) -> str:

@@ -308,6 +308,32 @@ def test_idle_prefill_flips_to_decode_only_while_decode_is_busy() -> None:
     assert policy.plan_flips(SLO_, coping, FlipHistory(), NOW) == []
 
 
+def test_a_decode_step_slow_by_its_device_is_no_reason_to_flip_an_idle_prefill() -> None:
+    """A device whose lone decode step is near the SLO: a batch at 90% of it is no pressure more decode
+    instances would relieve; the same step time with a lone-sequence floor of a third of it is."""
+    policy = DynamicPDPolicy(min_prefill=1, idle_utilization=0.2)
+
+    def tpot(step_s: float) -> TPOTPredictor:
+        p = TPOTPredictor()
+        for batch, ctx in ((1, 100), (2, 200), (4, 400), (8, 800), (16, 1600)):
+            p.observe(batch, ctx, step_s, seed=True)  # flat: the device's floor, whatever the batch
+        return p
+
+    base = [
+        inst("p0", PREFILL, PREFILL, prefill_utilization=0.8),
+        inst("p1", PREFILL, PREFILL, prefill_utilization=0.1),
+        inst("d1", DECODE, DECODE),
+    ]
+    slow_device = inst(
+        "d0", DECODE, DECODE, num_decoding=5, decode_tokens=500, observed_step_s=0.045, tpot=tpot(0.044)
+    )
+    assert policy.plan_flips(SLO_, base + [slow_device], FlipHistory(), NOW) == []
+    loaded = inst(
+        "d0", DECODE, DECODE, num_decoding=5, decode_tokens=500, observed_step_s=0.045, tpot=tpot(0.015)
+    )
+    assert [f.name for f in policy.plan_flips(SLO_, base + [loaded], FlipHistory(), NOW)] == ["p1"]
+
+
 def test_never_fewer_than_min_prefill() -> None:
     policy = DynamicPDPolicy(min_prefill=1)
     instances = [
