@@ -81,6 +81,24 @@ def block_ranges(
     return src_addrs, dst_addrs, lengths
 
 
+class ExtraKV:
+    """Paged KV tensors beside an agent's own (``[2, num_blocks, block_size, H, D]`` per layer: a
+    sliding-window pool, a draft head's pool) that peers read blocks of: registered with the agent on
+    first use, described as a region of their own."""
+
+    def __init__(self, caches: list[torch.Tensor]) -> None:
+        self.caches = caches
+        self.addrs: list[int] = []
+
+    def register(self, agent: KVTransferAgent) -> None:
+        if not self.addrs:
+            self.addrs = [agent.register_buffer(t) for t in self.caches]
+
+    def region(self, session: str) -> KVRegion:
+        first = self.caches[0]
+        return KVRegion(session, self.addrs, first.shape[1], first[0, 0].nbytes)
+
+
 def check_port_range(port_range: tuple[int, int]) -> tuple[int, int]:
     """``(first, last)`` inclusive, as Mooncake accepts it; raises ``ValueError`` otherwise."""
     lo, hi = (int(p) for p in port_range)

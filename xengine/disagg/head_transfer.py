@@ -22,7 +22,7 @@ import hashlib
 import torch
 
 from memory.kv_cache_manager import KVCacheManager
-from memory.transfer import KVRegion, KVTransferAgent, block_ranges
+from memory.transfer import ExtraKV, KVRegion, KVTransferAgent, block_ranges
 from xengine.api.messages import HeadExportMsg
 from xengine.spec.head_proposer import pair_keys
 
@@ -38,22 +38,13 @@ def head_fingerprint(method: str, head: torch.nn.Module) -> str:
     return f"{method}:{digest.hexdigest()[:16]}"
 
 
-class HeadTransfer:
+class HeadTransfer(ExtraKV):
     """The draft head's pool's side of an export / import."""
 
     def __init__(self, kv: KVCacheManager, caches: list[torch.Tensor], head_id: str) -> None:
+        super().__init__(caches)  # the head's layers' tensors
         self.kv = kv  # the head's pool (prefix caching on: it keys blocks by ``pair_keys``)
-        self.caches = caches  # its layers' tensors ``[2, num_blocks, block_size, H, D]``
         self.head_id = head_id
-        self.addrs: list[int] = []
-
-    def register(self, agent: KVTransferAgent) -> None:
-        if not self.addrs:
-            self.addrs = [agent.register_buffer(t) for t in self.caches]
-
-    def region(self, session: str) -> KVRegion:
-        first = self.caches[0]
-        return KVRegion(session, self.addrs, first.shape[1], first[0, 0].nbytes)
 
     def _keys(self, token_ids: list[int], next_token_id: int | None, num_blocks: int) -> list[int] | None:
         """The keys of the pairs of ``num_blocks`` whole blocks, or None when the tokens do not reach

@@ -23,7 +23,7 @@ import torch
 
 from memory.recurrent_state import RecurrentStateSlots
 from memory.sliding_window import NULL_BLOCK, SlidingWindowBlocks
-from memory.transfer import KVRegion, KVTransferAgent, block_ranges
+from memory.transfer import ExtraKV, KVRegion, KVTransferAgent, block_ranges
 from xengine.api.messages import StateExportMsg, WindowExportMsg
 
 
@@ -42,21 +42,12 @@ class HybridReadStats:
     num_state_bytes: int = 0
 
 
-class WindowTransfer:
+class WindowTransfer(ExtraKV):
     """The sliding-window pool's side of an export / import."""
 
     def __init__(self, window: SlidingWindowBlocks, caches: list[torch.Tensor]) -> None:
+        super().__init__(caches)  # the window layers' tensors
         self.window = window
-        self.caches = caches  # the window layers' tensors ``[2, num_blocks, block_size, H, D]``
-        self.addrs: list[int] = []
-
-    def register(self, agent: KVTransferAgent) -> None:
-        if not self.addrs:
-            self.addrs = [agent.register_buffer(t) for t in self.caches]
-
-    def region(self, session: str) -> KVRegion:
-        first = self.caches[0]
-        return KVRegion(session, self.addrs, first.shape[1], first[0, 0].nbytes)
 
     def export(self, session: str, full_blocks: list[int]) -> tuple[WindowExportMsg, list[int]]:
         """Describe (and pin) the window blocks a query after ``full_blocks`` reads."""

@@ -86,6 +86,16 @@ def hf2(deepseek_mtp2):
     return model, MtpModel.from_pretrained(model).eval()
 
 
+def _hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    """HF's plain greedy continuation of each prompt (``MAX_TOKENS`` tokens)."""
+    return [
+        model.generate(
+            torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
+
+
 @torch.no_grad()
 def _hf_drafts(hf, tokens: list[int], k: int) -> list[int]:
     """HF's MTP drafts for ``tokens`` from scratch: the target's final hidden states over all of them,
@@ -142,14 +152,8 @@ STATE_CONFIGS = [pytest.param(c, marks=pytest.mark.slow if c == "prefix+chunked"
 
 @pytest.mark.parametrize("config", STATE_CONFIGS)
 def test_mtp_state_stays_right_across_accepts_and_rejections(deepseek_mtp, hf, config) -> None:
-    model, _ = hf
     prompts = _prompts()
-    expected = [
-        model.generate(
-            torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False
-        )[0, len(p) :].tolist()
-        for p in prompts
-    ]
+    expected = _hf_greedy(hf[0], prompts)
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     llm = LLM(str(deepseek_mtp), block_size=16, speculative_config=spec, **CONFIGS[config])
     engine = llm.engine
@@ -196,14 +200,8 @@ def test_chained_mtp_layers_draft_as_hf_chains_them(deepseek_mtp2, hf2, config) 
     """Two MTP layers and ``k = 3`` (the last layer once more): every draft made while an oracle drives
     accepts and rejections (so the second layer's KV at the last positions, computed from drafts, is
     recomputed from the tokens kept) and prefix-cache hits equals HF's from-scratch chain."""
-    model, _ = hf2
     prompts = _prompts()
-    expected = [
-        model.generate(
-            torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False
-        )[0, len(p) :].tolist()
-        for p in prompts
-    ]
+    expected = _hf_greedy(hf2[0], prompts)
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     llm = LLM(str(deepseek_mtp2), block_size=16, speculative_config=spec, **CONFIGS[config])
     free = llm.engine.kv.num_free_blocks
