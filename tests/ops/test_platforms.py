@@ -56,7 +56,7 @@ def test_current_platform_is_cached_and_settable() -> None:
         assert current_platform() is mine
     finally:
         set_platform(None)
-    assert platforms.platform_names() == ["npu", "cuda", "cpu"]
+    assert platforms.platform_names() == ["npu", "cuda", "cpu", "emulated"]  # emulated: only when asked for
 
 
 def test_registry_falls_back_to_reference_and_prefers_platform_ops() -> None:

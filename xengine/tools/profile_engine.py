@@ -1,4 +1,5 @@
-"""Engine side of ``xllm profile engine``: time a model's engine steps on this machine and fit a device
+"""Engine side of ``xllm profile engine`` (run as ``python -m xengine.tools.profile_engine``: the service's
+command stays out of the engine's packages): time a model's engine steps on this machine and fit a device
 profile (``ops/platforms/device_profile.py``) that an emulated instance (``--device emulated``) and the
 cluster simulator replay.
 
@@ -135,3 +136,40 @@ def profile_engine(
             "samples": samples,
         },
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--model DIR --name NAME [--num-threads N] [--repeats R] [--max-tokens T] [--out FILE]``: progress
+    and the fit's summary on stderr; the profile to ``--out`` or stdout."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="Measure engine steps here and fit a device profile.")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--num-threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+
+    def progress(line: str) -> None:
+        print(f"[profile] {line}", file=sys.stderr, flush=True)
+
+    profile = profile_engine(args.model, args.name, args.num_threads, args.repeats, args.max_tokens, progress)
+    m = profile.measured
+    progress(
+        f"fit: base {profile.base_ms:.2f} ms, attention {profile.attention_ns:.3f} ns/pair; "
+        f"error median {m['median_abs_rel_error']:.1%}, max {m['max_abs_rel_error']:.1%}"
+    )
+    if args.out:
+        Path(args.out).write_text(profile.to_json())
+        progress(f"wrote {args.out}")
+    else:
+        sys.stdout.write(profile.to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

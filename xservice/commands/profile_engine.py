@@ -1,9 +1,11 @@
 """``xllm profile engine``: measure a model's engine steps on this machine and write the device profile
 an emulated instance (``--device emulated --device-profile FILE``) and the cluster simulator replay
-(``xengine/tools/profile_engine.py``; docs/emulated.md)."""
+(``xengine/tools/profile_engine.py``, run in a child process as ``profile epd`` runs its tool;
+docs/emulated.md)."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,22 +37,12 @@ def run_profile_engine(args: Any) -> int:
         raise CliError(f"--model {args.model!r}: no config.json there; pass a model folder")
     if args.num_threads < 1 or args.repeats < 1 or args.max_tokens < 16:
         raise CliError("--num-threads and --repeats must be >= 1, --max-tokens >= 16")
-    from xengine.tools.profile_engine import profile_engine
-
-    def progress(line: str) -> None:
-        print(f"[profile] {line}", file=sys.stderr, flush=True)
-
     name = args.name or Path(args.model).resolve().name
-    profile = profile_engine(args.model, name, args.num_threads, args.repeats, args.max_tokens, progress)
-    text = profile.to_json()
-    m = profile.measured
-    progress(
-        f"fit: base {profile.base_ms:.2f} ms, attention {profile.attention_ns:.3f} ns/pair; "
-        f"error median {m['median_abs_rel_error']:.1%}, max {m['max_abs_rel_error']:.1%}"
-    )
+    cmd = [
+        sys.executable, "-m", "xengine.tools.profile_engine", "--model", args.model, "--name", name,
+        "--num-threads", str(args.num_threads), "--repeats", str(args.repeats),
+        "--max-tokens", str(args.max_tokens),
+    ]  # fmt: skip
     if args.out:
-        Path(args.out).write_text(text)
-        progress(f"wrote {args.out}")
-    else:
-        sys.stdout.write(text)
-    return 0
+        cmd += ["--out", args.out]
+    return subprocess.run(cmd, check=False).returncode  # the engine in a child: progress streams through
