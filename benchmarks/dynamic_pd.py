@@ -4,20 +4,22 @@ The trace has two phases played back to back with Poisson arrivals: (A) prefill-
 short outputs), then (B) decode-heavy (short prompts, long outputs). Each configuration is a real
 ``xllm serve`` cluster of the same ``--instances`` engines (1 thread each), roles in a real etcd
 (``--store embedded``: the service's own store), KV over Mooncake, requests through the
-``benchmarks/serving`` client: ``static`` with P prefill + (N - P) decode instances for every P of ``--static``, and
-``dynamic`` (``cluster.pd.mode: dynamic``) starting from ``--dynamic-start`` prefill instances.
-A request attains the SLO when its TTFT and its TPOT both meet theirs (a failed request does not).
+``benchmarks/serving`` client: ``static`` with P prefill + (N - P) decode instances for every P of ``--static``
+(``all``: 1 .. N-1), ``dynamic`` (``cluster.pd.mode: dynamic``) starting from ``--dynamic-start`` prefill
+instances, and ``colocated`` (every instance mixed). A request attains the SLO when its TTFT and its
+TPOT both meet theirs (a failed request does not); goodput is the requests attaining it per second.
+Arrivals are Poisson, or gamma with ``--burstiness`` (its shape: under 1 is bursty).
 
-All configurations are up at once (idle ones cost nothing) and play ``--rounds`` rounds: each round
-is a fresh trace (new prompts, so no prefix-cache hit carries over), played against every
+``--concurrent`` configurations are up at once (idle ones cost nothing; default all, fewer where
+their engines would not fit in memory) and play ``--rounds`` rounds: each round is a fresh trace (new prompts, so no prefix-cache hit carries over), played against every
 configuration in turn, the order rotated per round, so slow spells of a shared machine spread over
 all of them. Dynamic PD's roles are reset to its start split before each round (operator flips, then
 the flip cooldown). A configuration's ``slo_attainment`` is the median over its rounds.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.dynamic_pd --size small
 
-prints ``{"trace": {...}, "static": [{"num_prefill": P, "num_decode": D, "slo_attainment": x}, ...],
-"dynamic": {"slo_attainment": y, "num_flips": n, "flips": [...], ...}}``; every flip with its
+prints ``{"trace": {...}, "static": [{"num_prefill": P, "num_decode": D, "slo_attainment": x, "goodput": g},
+...], "dynamic": {"slo_attainment": y, "goodput": g, "num_flips": n, ...}, "colocated": {...}}``; every flip with its
 direction and its time from the trace start (``trace.phase_switch_s``: when phase B's arrivals begin;
 ``docs/dynamic_pd.md``).
 """
@@ -64,12 +66,14 @@ class Request:
 
 @dataclass
 class Deployment:
-    num_prefill: int
+    num_prefill: int  # 0: colocated (every instance mixed)
     dynamic: bool
     port: int = 0
 
     @property
     def label(self) -> str:
+        if not self.num_prefill:
+            return "colocated"
         return f"{'dynamic' if self.dynamic else 'static'}-{self.num_prefill}P"
 
     @property
@@ -87,13 +91,16 @@ def parse_phase(text: str) -> dict[str, float]:
     return out
 
 
-def build_trace(tokenizer_dir: str, phases: list[dict[str, float]], seed: int) -> list[tuple[float, Request]]:
-    """(send time from the start, request) for every request of every phase, in order."""
+def build_trace(
+    tokenizer_dir: str, phases: list[dict[str, float]], seed: int, burstiness: float = 1.0
+) -> list[tuple[float, Request]]:
+    """(send time from the start, request) for every request of every phase, in order; gaps are gamma
+    with shape ``burstiness`` (1: Poisson) and the phase's mean rate."""
     rng = random.Random(seed)
     trace, t = [], 0.0
     for i, ph in enumerate(phases):
         for text, n in random_prompts(tokenizer_dir, int(ph["n"]), int(ph["in"]), seed=seed + i):
-            t += rng.expovariate(ph["rate"])
+            t += rng.gammavariate(burstiness, 1.0 / (burstiness * ph["rate"]))
             trace.append((t, Request(text, n, int(ph["out"]), {"ttft": ph["ttft"], "tpot": ph["tpot"]})))
     return trace
 
@@ -102,8 +109,9 @@ def cluster_config(model: str, dep: Deployment, index: int, args: argparse.Names
     names = [f"p{i}" for i in range(dep.num_prefill)] + [
         f"d{i}" for i in range(args.instances - dep.num_prefill)
     ]
+    roles = {"p": "prefill", "d": "decode"} if dep.num_prefill else {"d": "mixed"}
     cluster: dict[str, Any] = {
-        "launch": {"instances": ",".join(f"{n}:{'prefill' if n[0] == 'p' else 'decode'}" for n in names)},
+        "launch": {"instances": ",".join(f"{n}:{roles[n[0]]}" for n in names)},
         "slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
         "pd": {
             "mode": "dynamic" if dep.dynamic else "static",
@@ -225,6 +233,7 @@ def run_round(dep: Deployment, trace: list, warm: list, switch_s: float, args: a
     records, duration, wall0 = asyncio.run(play(base_url, trace))
     out: dict[str, Any] = {"duration_s": round(duration, 1)}
     out.update(summarize(records, args.phases))
+    out["goodput"] = round(out["slo_attainment"] * len(records) / duration, 3) if duration > 0 else 0.0
     if dep.dynamic:
         full = httpx.get(dep.admin, timeout=10).json()
         doc = full["dynamic_pd"]
@@ -251,6 +260,7 @@ def aggregate(dep: Deployment, rounds: list[dict], args: argparse.Namespace) -> 
         "num_decode": args.instances - dep.num_prefill,
         "slo_attainment": med(r["slo_attainment"] for r in rounds),
         "slo_attainment_rounds": [round(r["slo_attainment"], 3) for r in rounds],
+        "goodput": med(r["goodput"] for r in rounds),
         "phase_A_attainment": med(r["phase_A"]["slo_attainment"] for r in rounds),
         "phase_B_attainment": med(r["phase_B"]["slo_attainment"] for r in rounds),
         "failed": sum(r["failed"] for r in rounds),
@@ -280,7 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-b", default="n=32,in=24,out=128,rate=4", help="decode-heavy phase")
     p.add_argument("--ttft-slo-ms", type=float, default=300.0)
     p.add_argument("--tpot-slo-ms", type=float, default=40.0)
-    p.add_argument("--static", default="1,2,3", help="prefill instance counts of the static splits")
+    p.add_argument(
+        "--static", default="all", help="prefill instance counts of the static splits (all: 1 .. N-1)"
+    )
+    p.add_argument("--no-colocated", action="store_true", help="leave out the colocated deployment")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
+    p.add_argument("--concurrent", type=int, default=0, help="deployments up at once (0: all)")
     p.add_argument("--dynamic-start", type=int, default=2, help="prefill instances dynamic PD starts with")
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--flip-cooldown-s", type=float, default=3.0)
@@ -300,11 +315,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_deployments(model: str, deps: list[Deployment], args: argparse.Namespace) -> tuple[dict, dict]:
-    """Start every deployment at once, play ``--rounds`` rounds; (calibration, results by label)."""
+    """Every deployment, ``--concurrent`` at a time, plays ``--rounds`` rounds; (calibration, results by
+    label)."""
+    size = args.concurrent or len(deps)
+    calibration: dict = {}
+    results: dict[str, list[dict]] = {}
+    for first in range(0, len(deps), size):
+        group = deps[first : first + size]
+        print(f"deployments up: {', '.join(d.label for d in group)}", file=sys.stderr, flush=True)
+        cal, res = _run_group(model, group, first, args)
+        calibration = calibration or cal
+        results.update(res)
+    return calibration, results
+
+
+def _run_group(
+    model: str, deps: list[Deployment], offset: int, args: argparse.Namespace
+) -> tuple[dict, dict]:
+    """Start ``deps`` at once, play ``--rounds`` rounds over them."""
     warm_phases = [{**ph, "n": 4.0, "rate": 20.0} for ph in args.phases]
     with contextlib.ExitStack() as stack:
         args.etcd_endpoint = stack.enter_context(run_etcd()) if args.store == "etcd" else ""
-        for i, dep in enumerate(deps):
+        for i, dep in enumerate(deps, start=offset):
             dep.port = free_port()
             path = Path(tempfile.mkstemp(prefix="xllm-dynpd-", suffix=".yaml")[1])
             path.write_text(yaml.safe_dump(cluster_config(model, dep, i, args)))
@@ -312,10 +344,11 @@ def run_deployments(model: str, deps: list[Deployment], args: argparse.Namespace
             cmd = [sys.executable, "-m", "xservice", "serve", "--config", str(path)]
             env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
             stack.enter_context(run_server(cmd, dep.port, env=env, name=f"xllm-{dep.label}"))
-        calibration = wait_profiled(deps[-1], args.instances)
+        dynamic = [d for d in deps if d.dynamic]
+        calibration = wait_profiled(dynamic[0], args.instances) if dynamic else {}
         results: dict[str, list[dict]] = {d.label: [] for d in deps}
         for r in range(args.rounds):
-            trace = build_trace(model, args.phases, args.seed + 1000 * r)
+            trace = build_trace(model, args.phases, args.seed + 1000 * r, args.burstiness)
             warm = build_trace(model, warm_phases, args.seed + 1000 * r + 500)
             switch_s = trace[int(args.phases[0]["n"])][0]
             for k in range(len(deps)):
@@ -332,11 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_checkpoint(args)
     slo = {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms}
     args.phases = [{**slo, **parse_phase(args.phase_a)}, {**slo, **parse_phase(args.phase_b)}]
-    deps = [Deployment(int(n), False) for n in args.static.split(",") if n]
+    counts = (
+        range(1, args.instances) if args.static == "all" else [int(n) for n in args.static.split(",") if n]
+    )
+    deps = [Deployment(n, False) for n in counts]
+    if not args.no_colocated:
+        deps.append(Deployment(0, False))
     deps.append(Deployment(args.dynamic_start, True))
     calibration, results = run_deployments(model, deps, args)
-    static = [aggregate(d, results[d.label], args) for d in deps if not d.dynamic]
+    static = [aggregate(d, results[d.label], args) for d in deps if d.num_prefill and not d.dynamic]
     dynamic = aggregate(deps[-1], results[deps[-1].label], args)
+    colocated = [aggregate(d, results[d.label], args) for d in deps if not d.num_prefill]
     best = max(static, key=lambda s: s["slo_attainment"], default=None)
     result = {
         "trace": {
@@ -352,10 +391,12 @@ def main(argv: list[str] | None = None) -> int:
             "dynamic_start": f"{args.dynamic_start}P{args.instances - args.dynamic_start}D",
             "min_decode": args.min_decode,
             "flip_cooldown_s": args.flip_cooldown_s,
+            "burstiness": args.burstiness,
         },
         "calibration": calibration,
         "static": static,
         "dynamic": dynamic,
+        "colocated": colocated[0] if colocated else None,
         "best_static": f"{best['num_prefill']}P{best['num_decode']}D" if best else None,
         "dynamic_vs_best_static": dynamic["slo_attainment"] - best["slo_attainment"] if best else None,
     }

@@ -142,6 +142,12 @@ class ServiceConfig:
     max_image_bytes: int = _f(20 * 1024 * 1024, "Largest encoded image accepted in a request.")
     max_image_pixels: int = _f(40_000_000, "Largest decoded image (width * height) accepted in a request.")
     max_images_per_request: int = _f(16, "Most images accepted in one chat request.")
+    record_trace: str = _f(
+        "",
+        "Append one JSON line per finished request (arrival, prompt and output tokens, TTFT, TPOT) to this "
+        "file: a served trace the cluster simulator replays (python -m benchmarks.cluster_sim --replay FILE). "
+        "Empty: off.",
+    )
 
     def with_api_key(self) -> ServiceConfig:
         """This config with its API key resolved: ``api_key``, else ``api_key_file``, else ``$XLLM_API_KEY``."""

@@ -4,6 +4,11 @@ dynamic PD -- and the results as JSON.
 
     python -m benchmarks.cluster_sim --instances 64 --requests 100000 --trace shifting
     python -m benchmarks.cluster_sim --instances 500 --requests 1000000 --trace bursty --splits 5
+    python -m benchmarks.cluster_sim --instances 4 --replay trace.jsonl   # a run the service recorded
+
+``--replay FILE`` plays a trace the service recorded (``service.record_trace``: arrival, prompt and
+output tokens of every finished request) instead of a generated one, and reports the recorded TTFT
+and TPOT percentiles beside the simulated ones (``recorded``).
 
 ``--rate`` defaults to 70% of what the instances can serve by the profile (a steady mix at 32
 sequences per decode step); ``--profile`` to ``profiles/illustrative-accelerator.json`` (illustrative,
@@ -18,12 +23,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.cluster_sim.cluster import Cluster, SimConfig
 from benchmarks.cluster_sim.metrics import summarize
-from benchmarks.cluster_sim.trace import TRACES, LengthMix, make_trace
+from benchmarks.cluster_sim.trace import TRACES, LengthMix, SimRequest, make_trace
 from benchmarks.smoke import add_smoke_flag, parse_args
 from ops.platforms.cpu_features import cpu_features
 from ops.platforms.device_profile import DeviceProfile, load_profile
+from xservice.serving.trace_record import TraceRecord, load_trace
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "illustrative-accelerator.json"
 
@@ -43,6 +51,30 @@ def splits(instances: int, count: int) -> list[int]:
     return sorted(
         {max(1, min(instances - 1, round(instances * (k + 1) / (count + 1)))) for k in range(count)}
     )
+
+
+def replayed(records: list[TraceRecord]) -> list[SimRequest]:
+    """A recorded trace as simulator requests, arrivals from the first one's."""
+    if not records:
+        raise SystemExit("--replay: the trace has no records")
+    t0 = records[0].arrival
+    return [
+        SimRequest(i, r.arrival - t0, max(1, r.prompt_tokens), max(1, r.output_tokens))
+        for i, r in enumerate(records)
+    ]
+
+
+def recorded_latency(records: list[TraceRecord]) -> dict:
+    def pcts(values: list[float]) -> dict[str, float]:
+        if not values:
+            return {}
+        p50, p90, p99 = np.percentile(values, [50, 90, 99])
+        return {"p50": round(float(p50), 4), "p90": round(float(p90), 4), "p99": round(float(p99), 4)}
+
+    return {
+        "ttft_s": pcts([r.ttft_s for r in records if r.ttft_s is not None]),
+        "tpot_s": pcts([r.tpot_s for r in records if r.tpot_s is not None]),
+    }
 
 
 def run_one(config: SimConfig, profile: DeviceProfile, trace) -> dict:
@@ -65,13 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", type=int, default=7, help="static splits tried (evenly spread; all if fewer)")
     ap.add_argument("--modes", default="colocated,static,dynamic")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replay", metavar="FILE", help="a trace the service recorded (service.record_trace)")
     add_smoke_flag(ap)
     args = parse_args(ap, argv, {"instances": 4, "requests": 300, "splits": 2})
     profile = load_profile(args.profile)
     mix = LengthMix(args.prompt_median, args.output_median)
     rate = args.rate or default_rate(profile, args.instances, mix)
     t0 = time.perf_counter()
-    trace = make_trace(args.trace, args.requests, rate, args.seed, mix)
+    recorded = load_trace(args.replay) if args.replay else None
+    if recorded is not None:
+        trace = replayed(recorded)
+        args.requests = len(trace)
+        rate = len(trace) / max(trace[-1].arrival, 1e-9)
+    else:
+        trace = make_trace(args.trace, args.requests, rate, args.seed, mix)
     base = dict(
         num_instances=args.instances, ttft_slo_s=args.ttft_slo_ms / 1000, tpot_slo_s=args.tpot_slo_ms / 1000
     )
@@ -84,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         "slo_ms": {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms},
         "host_cpu": cpu_features().model_name,
     }
+    if recorded is not None:
+        out["trace"] = f"replay of {args.replay}"
+        out["recorded"] = recorded_latency(recorded)
     if "colocated" in modes:
         out["colocated"] = run_one(SimConfig("colocated", **base), profile, trace)
         print(f"[sim] colocated: {out['colocated']['slo_attainment']:.3f}", file=sys.stderr, flush=True)

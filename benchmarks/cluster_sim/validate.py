@@ -11,6 +11,15 @@ cluster give a request's way in and out, and an engine's host work per step).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.cluster_sim.validate --instances 4 --requests 150
 
+``--device cpu`` runs real CPU engines (one thread each) instead, with ``--profile`` measured from the
+same model by ``xllm profile engine``; ``--dynamic-start P`` runs dynamic PD from P prefill instances
+(``DynamicPDPolicy`` in both); ``--phase`` (twice: ``n=..,in=..,out=..,rate=..``) plays fixed-length
+phases back to back instead of the log-normal trace -- the 4-engine dynamic-PD trace of
+``benchmarks/dynamic_pd.py``:
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.cluster_sim.validate --device cpu --profile PROFILE.json \
+        --dynamic-start 2 --phase n=48,in=480,out=4,rate=12 --phase n=32,in=24,out=128,rate=4
+
 The emulated side includes what the simulator leaves out (the service, HTTP, the engines' host work
 between steps, processes sharing this machine's cores): the error says how much that matters.
 """
@@ -27,6 +36,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import httpx
 import numpy as np
 import yaml
 
@@ -61,19 +71,42 @@ def prompts_for(model: str, trace: list[SimRequest], seed: int) -> tuple[list[Si
 
 
 def cluster_config(model: str, profile: str, args: argparse.Namespace, port: int) -> dict:
-    if args.num_prefill:
+    cluster: dict = {"registry": {"store": "embedded"}}
+    if args.dynamic_start:
+        names = [f"p{i}:prefill" for i in range(args.dynamic_start)]
+        names += [f"d{i}:decode" for i in range(args.instances - args.dynamic_start)]
+        cluster["pd"] = {"mode": "dynamic", "min_decode_instances": 1, "min_prefill_instances": 1}
+        cluster["slo"] = {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}
+    elif args.num_prefill:
         names = [f"p{i}:prefill" for i in range(args.num_prefill)]
         names += [f"d{i}:decode" for i in range(args.instances - args.num_prefill)]
     else:
         names = [f"m{i}:mixed" for i in range(args.instances)]
+    cluster["launch"] = {"instances": ",".join(names)}
+    device = (
+        {"device": "cpu", "num_threads": 1}
+        if args.device == "cpu"
+        else {"device": "emulated", "device_profile": profile}
+    )
     return {
         "model": {"model": model, "max_model_len": 1100, "seed": 0, "served_model_name": MODEL_NAME},
         "cache": {"block_size": BLOCK, "num_blocks": BLOCKS},
         "scheduler": {"max_num_seqs": MAX_SEQS, "max_num_batched_tokens": BUDGET},
-        "device": {"device": "emulated", "device_profile": profile},
+        "device": device,
         "service": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
-        "cluster": {"launch": {"instances": ",".join(names)}, "registry": {"store": "embedded"}},
+        "cluster": cluster,
     }
+
+
+def phase_trace(phases: list[str], seed: int) -> list[SimRequest]:
+    """Fixed-length phases back to back, Poisson arrivals at each phase's rate."""
+    rng, out, t = random.Random(seed), [], 0.0
+    for text in phases:
+        ph = {k: float(v) for k, v in (item.split("=") for item in text.split(","))}
+        for _ in range(int(ph["n"])):
+            t += rng.expovariate(ph["rate"])
+            out.append(SimRequest(len(out), t, int(ph["in"]), int(ph["out"])))
+    return out
 
 
 async def calibrate(base_url: str, model: str, profile, length: int, seed: int) -> dict[str, float]:
@@ -129,13 +162,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-median", type=float, default=256)
     ap.add_argument("--output-median", type=float, default=32)
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    ap.add_argument("--device", choices=["emulated", "cpu"], default="emulated")
+    ap.add_argument(
+        "--dynamic-start", type=int, default=0, help="dynamic PD from this many prefill instances"
+    )
+    ap.add_argument("--ttft-slo-ms", type=float, default=300.0, help="dynamic PD's TTFT SLO")
+    ap.add_argument("--tpot-slo-ms", type=float, default=40.0, help="dynamic PD's TPOT SLO")
+    ap.add_argument("--phase", action="append", help="n=..,in=..,out=..,rate=.. (repeat; replaces the trace)")
     ap.add_argument("--seed", type=int, default=0)
     add_smoke_flag(ap)
     args = parse_args(ap, argv, SMOKE)
     model = resolve_checkpoint(args)
     profile = load_profile(args.profile)
-    raw = make_trace(
-        "steady", args.requests, args.rate, args.seed, LengthMix(args.prompt_median, args.output_median), 1024
+    raw = (
+        phase_trace(args.phase, args.seed)
+        if args.phase
+        else make_trace(
+            "steady",
+            args.requests,
+            args.rate,
+            args.seed,
+            LengthMix(args.prompt_median, args.output_median),
+            1024,
+        )
     )
     trace, texts = prompts_for(model, raw, args.seed)
     port = free_port()
@@ -145,15 +194,21 @@ def main(argv: list[str] | None = None) -> int:
             yaml.safe_dump(cluster_config(model, str(Path(args.profile).resolve()), args, port))
         )
         cmd = [sys.executable, "-m", "xservice", "serve", "--config", str(config)]
-        with run_server(cmd, port, name="emulated-cluster") as base_url:
+        with run_server(cmd, port, name=f"{args.device}-cluster") as base_url:
             calibration = asyncio.run(calibrate(base_url, model, profile, int(args.prompt_median), args.seed))
             records = asyncio.run(play(base_url, trace, texts))
+            admin = httpx.get(f"{base_url.removesuffix('/v1')}/v1/admin/instances", timeout=10).json()
+    measured_flips = (
+        sum(admin.get("dynamic_pd", {}).get("num_flips", {}).values()) if args.dynamic_start else 0
+    )
     failed = [r.error for r in records if not r.success]
     real_ttft = [r.ttft_s for r in records if r.success]
     real_tpot = [r.tpot_s for r in records if r.success and r.tpot_s is not None]
-    mode = "static" if args.num_prefill else "colocated"
+    mode = "dynamic" if args.dynamic_start else "static" if args.num_prefill else "colocated"
+    slo = {"ttft_slo_s": args.ttft_slo_ms / 1000, "tpot_slo_s": args.tpot_slo_ms / 1000}
+    split = args.dynamic_start or args.num_prefill
     cluster = Cluster(
-        SimConfig(mode, args.instances, args.num_prefill, budget=BUDGET, max_seqs=MAX_SEQS, **calibration),
+        SimConfig(mode, args.instances, split, budget=BUDGET, max_seqs=MAX_SEQS, **slo, **calibration),
         profile.__class__(**{**profile.__dict__, "kv_capacity_tokens": BLOCKS * BLOCK}),
     )
     sim = cluster.run(trace)
@@ -161,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     sim_tpot = [
         (r.end - r.first_token) / (r.req.output - 1) for r in sim.values() if r.end and r.req.output > 1
     ]
-    real = {"ttft_s": _pcts(real_ttft), "tpot_s": _pcts(real_tpot)}
+    real = {"ttft_s": _pcts(real_ttft), "tpot_s": _pcts(real_tpot)}  # the cluster run (emulated or cpu)
     simulated = {"ttft_s": _pcts(sim_ttft), "tpot_s": _pcts(sim_tpot)}
     errors = {
         f"{metric}_{q}": round((simulated[metric][q] - real[metric][q]) / real[metric][q], 4)
@@ -171,13 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = {
         "instances": args.instances,
-        "mode": mode if not args.num_prefill else f"{args.num_prefill}P{args.instances - args.num_prefill}D",
-        "requests": args.requests,
-        "rate": args.rate,
+        "mode": mode if not split else f"{mode} {split}P{args.instances - split}D",
+        "device": args.device,
+        "requests": len(trace),
+        "num_flips": {"measured": measured_flips, "simulated": cluster.num_flips},
+        "rate": round(len(trace) / max(trace[-1].arrival, 1e-9), 3) if args.phase else args.rate,
         "profile": profile.name,
         "host_cpu": cpu_features().model_name,
         "calibration": calibration,
-        "emulated": real,
+        "measured": real,
         "simulated": simulated,
         "relative_error": errors,
         "failed": len(failed),

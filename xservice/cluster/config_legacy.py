@@ -41,6 +41,8 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "prefill_idle_s": ("pd", "prefill_idle_s"),
     "tpot_miss_sustain_s": ("pd", "tpot_miss_sustain_s"),
     "decode_capacity_pressure": ("pd", "decode_capacity_pressure"),
+    "prefill_backlog": ("pd", "prefill_backlog"),
+    "flip_share": ("pd", "flip_share"),
     "startup_profile": ("pd", "startup_profile"),
     "colocation_headroom": ("colocation", "headroom"),
     "peak_gflops_per_thread": ("colocation", "peak_gflops_per_thread"),

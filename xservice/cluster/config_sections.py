@@ -132,7 +132,10 @@ class PDConfig:
     flip_cooldown_s: float = _f(
         5.0, "Dynamic PD: an instance does not flip again, nor the cluster the other way, within this time."
     )
-    flip_min_interval_s: float = _f(1.0, "Dynamic PD: at most one flip per this many seconds cluster-wide.")
+    flip_min_interval_s: float = _f(
+        1.0,
+        "Dynamic PD: at most one flip plan (one flip, or flip_share of the instances) per this many seconds.",
+    )
     prefill_idle_s: float = _f(
         3.0,
         "Dynamic PD: a prefill instance busy under 20% of this window while decode is busy flips to decode.",
@@ -144,6 +147,14 @@ class PDConfig:
         0.9,
         "Dynamic PD: when the decode side's KV is committed (placed streams at prompt + max_tokens) to this "
         "share of its capacity, a spare prefill instance flips to decode.",
+    )
+    prefill_backlog: float = _f(
+        0.3,
+        "Dynamic PD: when the prefill side's predicted queueing, averaged over its instances, reaches this "
+        "share of the TTFT SLO while decode copes, a decode instance flips to prefill (before the SLO is missed).",
+    )
+    flip_share: float = _f(
+        0.05, "Dynamic PD: one flip plan may flip this share of the instances at once (at least one)."
     )
     startup_profile: bool = _f(True, "Dynamic PD: probe each instance when it joins to seed its predictors.")
 
@@ -162,6 +173,8 @@ class PDConfig:
             )
         if not 0 < self.decode_capacity_pressure <= 1:
             raise ValueError("cluster.pd.decode_capacity_pressure must be in (0, 1]")
+        if self.prefill_backlog <= 0 or not 0 < self.flip_share <= 1:
+            raise ValueError("cluster.pd.prefill_backlog must be > 0 and cluster.pd.flip_share in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,8 @@ async def make_dynamic_pd(cl: ClusterConfig, store: BaseMetadataStore) -> Dynami
         idle_s=cl.pd.prefill_idle_s,
         sustain_s=cl.pd.tpot_miss_sustain_s,
         capacity_pressure=cl.pd.decode_capacity_pressure,
+        backlog=cl.pd.prefill_backlog,
+        flip_share=cl.pd.flip_share,
     )
     slo = SLO(cl.slo.ttft_ms / 1000, cl.slo.tpot_ms / 1000)
     return DynamicPD(roles, policy, slo, RuntimeMonitor(cl.pd.prefill_idle_s), cl.pd.startup_profile)

@@ -9,6 +9,7 @@ instances between the sides under hysteresis. The rules, in order: ``docs/dynami
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -134,6 +135,9 @@ class DynamicPDPolicy:
         pressure: float = 0.8,
         capacity_pressure: float = 0.9,
         load_factor: float = 1.25,
+        backlog: float = 0.3,
+        headroom: float = 0.3,
+        flip_share: float = 0.05,
     ) -> None:
         if min_decode < 1 or min_prefill < 1:
             raise ValueError("min_decode and min_prefill must be >= 1")
@@ -149,6 +153,16 @@ class DynamicPDPolicy:
         # ... and that slow by its load: at least this times the step its device takes for one sequence
         # (a device whose lone decode step is near the SLO is not helped by more decode instances)
         self.load_factor = load_factor
+        # the prefill side queued this share of the TTFT SLO on average: lend it a decode instance now,
+        # before arrivals see the SLO missed (the backlog built by then costs the rest)
+        self.backlog = backlog
+        # a pool's least-queued instance takes a prompt while its predicted TTFT is within this share
+        # of the SLO; past it the prefill side's fastest does (a prediction just under the SLO misses
+        # it about half the time)
+        self.headroom = headroom
+        # flips one plan may make at once: this share of the instances (at least one), so a cluster of
+        # hundreds follows a shift as fast as one of eight
+        self.flip_share = flip_share
 
     # ------------------------------------------------------------------ hysteresis
 
@@ -183,13 +197,13 @@ class DynamicPDPolicy:
 
         for pool in (POOL_P, POOL_D2P):
             members = sorted((i for i in instances if i.pool == pool), key=lambda i: (i.queue_s, i.name))
-            if members and ttft(members[0]) <= slo.ttft_s:
+            if members and ttft(members[0]) <= self.headroom * slo.ttft_s:
                 return PrefillChoice(members[0].name, ttft(members[0]))
         prefill_side = [i for i in instances if i.role == PREFILL]
         best = min(prefill_side, key=lambda i: (ttft(i), i.name), default=None)
         if best is not None and ttft(best) <= slo.ttft_s:  # a less-queued one misses (e.g. no cache hit)
             return PrefillChoice(best.name, ttft(best))
-        flip_to = self._flip_to_prefill(instances, history, now)
+        flip_to = self._flip_to_prefill(instances, slo, history, now)
         if flip_to is not None and (best is None or ttft(flip_to) < ttft(best)):
             predicted = ttft(flip_to)
             reason = (
@@ -205,11 +219,15 @@ class DynamicPDPolicy:
         return PrefillChoice(best.name, ttft(best), meets_slo=ttft(best) <= slo.ttft_s)
 
     def _flip_to_prefill(
-        self, instances: Sequence[PDInstance], history: FlipHistory, now: float
+        self, instances: Sequence[PDInstance], slo: SLO, history: FlipHistory, now: float
     ) -> PDInstance | None:
         """The decode-side instance to lend to prefill, if the decode side can spare one."""
         decode_side = [i for i in instances if i.role == DECODE]
         if len(decode_side) - 1 < self.min_decode:
+            return None
+        # the decode side must spare it: its streams' tokens, served by one fewer instance, stay out
+        # of pressure (a TPOT miss slows every stream there; a TTFT miss, one request)
+        if steady_step(decode_side, len(decode_side) - 1) > self.pressure * slo.tpot_s:
             return None
         candidates = [i for i in decode_side if self.may_flip(i, PREFILL, history, now)]
         # the P→D pool goes home first, then the lightest (fewest tokens being processed)
@@ -266,14 +284,16 @@ class DynamicPDPolicy:
     def plan_flips(
         self, slo: SLO, instances: Sequence[PDInstance], history: FlipHistory, now: float
     ) -> list[Flip]:
-        """Flips to make now from what the monitor observed (at most one; see the module doc)."""
+        """Flips to make now from what the monitor observed (at most ``max_flips``, one direction;
+        see the module doc)."""
         decode_side = [i for i in instances if i.role == DECODE]
         prefill_side = [i for i in instances if i.role == PREFILL]
-        if len(prefill_side) - 1 < self.min_prefill:
-            return []
         missing = [
             i for i in decode_side if i.busy_since is not None and now - i.busy_since >= self.sustain_s
         ]
+        limit = min(self.max_flips(len(instances)), len(prefill_side) - self.min_prefill)
+        if limit < 1:
+            return self._plan_backlog(slo, prefill_side, decode_side, missing, history, now)
         # decode under pressure: some decode-side batch already takes a good share of the TPOT SLO
         # (an idle prefill side alone is no reason to flip when decode copes)
         decode_busy = any(self._under_pressure(i, slo) for i in decode_side)
@@ -327,7 +347,7 @@ class DynamicPDPolicy:
         for candidates, reason in triggers:
             allowed = [i for i in candidates if self.may_flip(i, DECODE, history, now)]
             if allowed:
-                pick = min(
+                picks = sorted(
                     allowed,
                     key=lambda i: (
                         i.pool != POOL_D2P,
@@ -336,9 +356,49 @@ class DynamicPDPolicy:
                         i.prefill_utilization,
                         i.name,
                     ),
-                )
-                return [Flip(pick.name, DECODE, reason(pick))]
-        return []
+                )[:limit]
+                return [Flip(i.name, DECODE, reason(i)) for i in picks]
+        return self._plan_backlog(slo, prefill_side, decode_side, missing, history, now)
+
+    def max_flips(self, num_instances: int) -> int:
+        """Flips one plan may make: ``flip_share`` of the instances, at least one."""
+        return max(1, int(self.flip_share * num_instances))
+
+    def _plan_backlog(
+        self,
+        slo: SLO,
+        prefill_side: Sequence[PDInstance],
+        decode_side: Sequence[PDInstance],
+        missing: Sequence[PDInstance],
+        history: FlipHistory,
+        now: float,
+    ) -> list[Flip]:
+        """D→P flips for a prefill backlog: the prefill side queued ``backlog`` of the TTFT SLO on average
+        while the decode side copes (no TPOT miss, no batch under pressure) and would without the lent
+        instances: its KV within ``capacity_pressure`` of what is left, its batch spread over the rest
+        predicted under ``pressure`` of the TPOT SLO."""
+        if not prefill_side or missing or any(self._under_pressure(i, slo) for i in decode_side):
+            return []
+        mean = sum(i.queue_s for i in prefill_side) / len(prefill_side)
+        if mean < self.backlog * slo.ttft_s:
+            return []
+        limit = min(self.max_flips(len(prefill_side) + len(decode_side)), len(decode_side) - self.min_decode)
+        candidates = sorted(
+            (i for i in decode_side if self.may_flip(i, PREFILL, history, now)),
+            key=lambda i: (i.pool != POOL_P2D, i.decode_tokens, i.num_decoding, i.name),
+        )
+        committed = sum(i.committed_tokens for i in decode_side)
+        capacity = sum(min(i.capacity_tokens, 1 << 40) for i in decode_side)
+        flips: list[Flip] = []
+        for inst in candidates[: max(0, limit)]:
+            capacity -= min(inst.capacity_tokens, 1 << 40)
+            if committed > self.capacity_pressure * capacity:
+                break
+            # the decode side's token rate, served by the instances left, stays out of pressure
+            if steady_step(decode_side, len(decode_side) - len(flips) - 1) > self.pressure * slo.tpot_s:
+                break
+            flips.append(Flip(inst.name, PREFILL, f"prefill queued {_ms(mean)} on average"))
+        return flips
 
     def _under_pressure(self, inst: PDInstance, slo: SLO) -> bool:
         """A decode batch at ``pressure`` of the TPOT SLO because of its load (more decode instances would
@@ -351,6 +411,31 @@ class DynamicPDPolicy:
             return True
         floor = inst.tpot.predict(1, inst.decode_tokens // inst.num_decoding)
         return observed >= self.load_factor * floor
+
+
+def steady_step(decode_side: Sequence[PDInstance], left: int) -> float:
+    """The decode step ``left`` instances settle at serving the tokens per second ``decode_side``
+    produces now (each its batch over its step), spread evenly: the fixed point of step = f(batch),
+    batch = rate × step (Little's law) with f the TPOT predictor; inf where none exists (more than
+    ``left`` can serve). 0 without a predictor or a decoding sequence."""
+    running = [i for i in decode_side if i.num_decoding]
+    model = next((i.tpot for i in running if i.tpot is not None), None)
+    if not running or model is None:
+        return 0.0
+    if left < 1:
+        return math.inf
+    rate = sum(i.num_decoding / max(i.observed_step_s or i.predict_step(), 1e-3) for i in running) / left
+    context = sum(i.decode_tokens for i in running) / sum(i.num_decoding for i in running)
+    step = model.predict(1, context)
+    for _ in range(50):
+        batch = max(1.0, rate * step)
+        nxt = model.predict(batch, batch * context)  # a mean batch: fractional
+        if nxt > 60.0:
+            return math.inf
+        if abs(nxt - step) < 1e-4:
+            return nxt
+        step = nxt
+    return step
 
 
 def _direction(to_role: str) -> str:

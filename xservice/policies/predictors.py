@@ -239,7 +239,7 @@ class TPOTPredictor(_Predictor):
         self._error = _ErrorTracker()
 
     @staticmethod
-    def _features(batch_size: int, context_tokens: int, prefill_tokens: int) -> list[float]:
+    def _features(batch_size: float, context_tokens: float, prefill_tokens: float) -> list[float]:
         return [1.0, float(batch_size), context_tokens / TOKEN_SCALE, prefill_tokens / TOKEN_SCALE]
 
     def observe(
@@ -254,8 +254,8 @@ class TPOTPredictor(_Predictor):
             self._error.record(self.predict(batch_size, context_tokens, prefill_tokens), step_s)
         self._fit.add(self._features(batch_size, context_tokens, prefill_tokens), step_s, seed=seed)
 
-    def predict(self, batch_size: int, context_tokens: int, prefill_tokens: int = 0) -> float:
-        """Predicted step seconds (never negative; 0.0 with no sample)."""
+    def predict(self, batch_size: float, context_tokens: float, prefill_tokens: float = 0) -> float:
+        """Predicted step seconds (never negative; 0.0 with no sample); a mean batch may be fractional."""
         return max(0.0, self._fit.predict(self._features(batch_size, context_tokens, prefill_tokens)))
 
     def state(self) -> dict:

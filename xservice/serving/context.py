@@ -21,6 +21,7 @@ from xservice.serving.reasoning.registry import resolve_family as resolve_reason
 from xservice.serving.request_limits import RequestLimits
 from xservice.serving.text_workers import TextWorkers
 from xservice.serving.tools.registry import ToolParserFamily, resolve_family
+from xservice.serving.trace_record import TraceRecorder
 
 if TYPE_CHECKING:
     from xengine.api.chat_images import ChatImageBuilder
@@ -62,9 +63,19 @@ class ServingContext:
         self.bodies = BodyParser(RequestLimits(service.max_messages, service.max_content_parts))
 
     def close(self) -> None:
-        """Release what the context owns (tokenizer and body workers); the engine client is not owned."""
+        """Release what the context owns (tokenizer and body workers, the trace file); the engine client
+        is not owned."""
         self.text.close()
         self.bodies.close()
+        recorder = self.__dict__.get("trace")  # opened on the first recorded request
+        if recorder is not None:
+            recorder.close()
+
+    @cached_property
+    def trace(self) -> TraceRecorder | None:
+        """Where finished requests are recorded (``service.record_trace``); None: not recorded."""
+        path = self.config.service.record_trace
+        return TraceRecorder(path) if path else None
 
     @property
     def model_name(self) -> str:

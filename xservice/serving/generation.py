@@ -14,6 +14,7 @@ from xservice.http.errors import APIError, EngineUnavailableError, InternalError
 from xservice.http.metrics import RequestTimer
 from xservice.serving.context import ServingContext
 from xservice.serving.slo import slo_met
+from xservice.serving.trace_record import TraceRecord
 
 
 class Generation:
@@ -122,6 +123,18 @@ class Generation:
         m.request_params_n.observe(self.params.n)
         if self.params.max_tokens is not None:
             m.request_params_max_tokens.observe(self.params.max_tokens)
+        if self.ctx.trace is not None:
+            self.ctx.trace.record(
+                TraceRecord(
+                    arrival=time.time() - (time.monotonic() - self.arrival),
+                    prompt_tokens=len(self.prompt_ids),
+                    output_tokens=max((len(o.token_ids) for o in outputs), default=0),
+                    n=self.params.n,
+                    cached_tokens=self.state.num_cached_tokens,
+                    ttft_s=ttft,
+                    tpot_s=tpot,
+                )
+            )
 
 
 async def collect_all(generations: list[Generation]) -> list[list[SeqOutput]]:

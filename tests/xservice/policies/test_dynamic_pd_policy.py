@@ -190,7 +190,8 @@ def test_alternating_pressure_does_not_oscillate() -> None:
                 origin[n],
                 roles[n],
                 queue_s=2.0 if ttft_pressure and roles[n] == PREFILL else 0.0,
-                num_decoding=4 if roles[n] == DECODE else 0,
+                # light decode under TTFT pressure (it can spare an instance), heavy under TPOT pressure
+                num_decoding=(1 if ttft_pressure else 4) if roles[n] == DECODE else 0,
                 observed_step_s=0.2 if not ttft_pressure and roles[n] == DECODE else 0.01,
                 busy_since=now if not ttft_pressure and roles[n] == DECODE else None,
                 last_flip_at=flipped.get(n),
