@@ -5,10 +5,21 @@ dynamic PD -- and the results as JSON.
     python -m benchmarks.cluster_sim --instances 64 --requests 100000 --trace shifting
     python -m benchmarks.cluster_sim --instances 500 --requests 1000000 --trace bursty --splits 5
     python -m benchmarks.cluster_sim --instances 4 --replay trace.jsonl   # a run the service recorded
+    python -m benchmarks.cluster_sim --instances 64 --trace steady --prefix-groups 200 --prefix-tokens 2048
 
 ``--replay FILE`` plays a trace the service recorded (``service.record_trace``: arrival, prompt and
 output tokens of every finished request) instead of a generated one, and reports the recorded TTFT
 and TPOT percentiles beside the simulated ones (``recorded``).
+
+``--prefix-groups G --prefix-tokens T`` give every prompt one of G shared prefixes of T tokens (Zipf
+popularity, ``--prefix-zipf``): the instances cache them, colocated placement is the service's
+``--routing`` policy (default ``cache_aware``; ``least_load`` to compare) and dynamic PD sees each
+instance's uncached tokens; each result reports its ``prefix_hit_rate``.
+
+``--offline-share F`` marks that share of the requests offline (no latency SLO): the P/D configurations
+co-locate them with the service's ``ColocationPolicy`` (``benchmarks/cluster_sim/colocation.py``;
+``--no-colocation`` places them like online ones), SLO attainment and goodput count the online requests,
+and each result's ``offline`` block reports the offline throughput.
 
 ``--rate`` defaults to 70% of what the instances can serve by the profile (a steady mix at 32
 sequences per decode step); ``--profile`` to ``profiles/illustrative-accelerator.json`` (illustrative,
@@ -27,10 +38,11 @@ import numpy as np
 
 from benchmarks.cluster_sim.cluster import Cluster, SimConfig
 from benchmarks.cluster_sim.metrics import summarize
-from benchmarks.cluster_sim.trace import TRACES, LengthMix, SimRequest, make_trace
+from benchmarks.cluster_sim.trace import TRACES, LengthMix, PrefixMix, SimRequest, make_trace
 from benchmarks.smoke import add_smoke_flag, parse_args
 from ops.platforms.cpu_features import cpu_features
 from ops.platforms.device_profile import DeviceProfile, load_profile
+from xservice.policies.routing import POLICIES
 from xservice.serving.trace_record import TraceRecord, load_trace
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "illustrative-accelerator.json"
@@ -98,11 +110,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="colocated,static,dynamic")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--replay", metavar="FILE", help="a trace the service recorded (service.record_trace)")
+    ap.add_argument("--prefix-groups", type=int, default=0, help="shared prompt prefixes (0: none)")
+    ap.add_argument("--prefix-tokens", type=int, default=1024, help="each shared prefix's length")
+    ap.add_argument("--prefix-zipf", type=float, default=1.0, help="popularity exponent of the prefixes")
+    ap.add_argument("--routing", choices=POLICIES, default="cache_aware", help="colocated placement")
+    ap.add_argument("--offline-share", type=float, default=0.0, help="share of the requests offline (batch)")
+    ap.add_argument(
+        "--no-colocation",
+        action="store_true",
+        help="place offline requests like online ones in the P/D configurations (default: co-locate them)",
+    )
     add_smoke_flag(ap)
     args = parse_args(ap, argv, {"instances": 4, "requests": 300, "splits": 2})
     profile = load_profile(args.profile)
     mix = LengthMix(args.prompt_median, args.output_median)
-    rate = args.rate or default_rate(profile, args.instances, mix)
+    shared = args.prefix_tokens if args.prefix_groups else 0  # the default rate prices prompts uncached
+    rate = args.rate or default_rate(
+        profile, args.instances, LengthMix(args.prompt_median + shared, args.output_median)
+    )
     t0 = time.perf_counter()
     recorded = load_trace(args.replay) if args.replay else None
     if recorded is not None:
@@ -110,17 +135,35 @@ def main(argv: list[str] | None = None) -> int:
         args.requests = len(trace)
         rate = len(trace) / max(trace[-1].arrival, 1e-9)
     else:
-        trace = make_trace(args.trace, args.requests, rate, args.seed, mix)
+        prefix = (
+            PrefixMix(args.prefix_groups, args.prefix_tokens, args.prefix_zipf)
+            if args.prefix_groups
+            else None
+        )
+        trace = make_trace(
+            args.trace, args.requests, rate, args.seed, mix, prefix=prefix, offline_share=args.offline_share
+        )
     base = dict(
-        num_instances=args.instances, ttft_slo_s=args.ttft_slo_ms / 1000, tpot_slo_s=args.tpot_slo_ms / 1000
+        num_instances=args.instances,
+        ttft_slo_s=args.ttft_slo_ms / 1000,
+        tpot_slo_s=args.tpot_slo_ms / 1000,
+        routing=args.routing,
     )
+    # P/D configurations co-locate offline requests (ColocationPolicy) when the trace has some
+    pd = dict(colocation=any(r.offline for r in trace) and not args.no_colocation)
     modes = set(args.modes.split(","))
     out: dict = {
         "instances": args.instances,
         "trace": args.trace,
         "rate": round(rate, 3),
         "profile": profile.name,
+        "routing": args.routing,
+        "prefix": {"groups": args.prefix_groups, "tokens": args.prefix_tokens, "zipf": args.prefix_zipf}
+        if args.prefix_groups
+        else None,
         "slo_ms": {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms},
+        "offline_share": args.offline_share,
+        "colocation": pd["colocation"],
         "host_cpu": cpu_features().model_name,
     }
     if recorded is not None:
@@ -132,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if "static" in modes:
         out["static"] = []
         for p in splits(args.instances, args.splits):
-            result = run_one(SimConfig("static", num_prefill=p, **base), profile, trace)
+            result = run_one(SimConfig("static", num_prefill=p, **base, **pd), profile, trace)
             out["static"].append({"num_prefill": p, "num_decode": args.instances - p, **result})
             print(
                 f"[sim] static {p}P/{args.instances - p}D: {result['slo_attainment']:.3f}",
@@ -143,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         out["best_static"] = {k: best[k] for k in ("num_prefill", "slo_attainment", "goodput")}
     if "dynamic" in modes:
         start_p = max(1, args.instances // 2)
-        out["dynamic"] = run_one(SimConfig("dynamic", num_prefill=start_p, **base), profile, trace)
+        out["dynamic"] = run_one(SimConfig("dynamic", num_prefill=start_p, **base, **pd), profile, trace)
         print(f"[sim] dynamic: {out['dynamic']['slo_attainment']:.3f}", file=sys.stderr, flush=True)
     out["simulated_requests"] = args.requests * (
         ("colocated" in modes) + len(out.get("static", [])) + ("dynamic" in modes)

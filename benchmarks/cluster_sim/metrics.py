@@ -1,4 +1,5 @@
-"""What a simulated run reports: SLO attainment, goodput, TTFT / TPOT percentiles, utilisation."""
+"""What a simulated run reports: SLO attainment, goodput, TTFT / TPOT percentiles, utilisation, prefix hits,
+offline throughput."""
 
 from __future__ import annotations
 
@@ -17,7 +18,27 @@ def _pct(values: np.ndarray) -> dict[str, float]:
 
 
 def summarize(records: dict[int, RequestRecord], cluster: Cluster) -> dict[str, Any]:
-    recs = list(records.values())
+    """The online requests' SLO attainment, goodput and latency (every request on a trace without
+    offline ones), and the offline requests' throughput apart (``offline``, when the trace has some)."""
+    online = [r for r in records.values() if not r.req.offline]
+    offline = [r for r in records.values() if r.req.offline]
+    out = _latency(online, cluster) if online else {}
+    if offline:
+        done = [r for r in offline if r.end is not None]
+        start = min(r.req.arrival for r in offline)
+        span = max((r.end for r in done), default=start) - start
+        tokens = sum(r.req.output for r in done)
+        out["offline"] = {
+            "num_requests": len(offline),
+            "num_unfinished": len(offline) - len(done),
+            "throughput": round(len(done) / span, 3) if span > 0 else 0.0,
+            "output_tokens_per_s": round(tokens / span, 1) if span > 0 else 0.0,
+            **(cluster.coloc.counts if cluster.coloc is not None else {}),
+        }
+    return out
+
+
+def _latency(recs: list[RequestRecord], cluster: Cluster) -> dict[str, Any]:
     done = [r for r in recs if r.end is not None and r.first_token is not None]
     ttft = np.array([r.first_token - r.req.arrival for r in done])
     multi = [r for r in done if r.req.output > 1]
@@ -28,6 +49,7 @@ def summarize(records: dict[int, RequestRecord], cluster: Cluster) -> dict[str, 
     start = min(r.req.arrival for r in recs)
     span = max((r.end for r in done), default=start) - start
     busy = [i.busy_s for i in cluster.instances]
+    prompt = sum(i.prompt_tokens for i in cluster.instances)
     return {
         "slo_attainment": round(met / len(recs), 4),
         "goodput": round(met / span, 3) if span > 0 else 0.0,  # requests meeting both SLOs per second
@@ -38,5 +60,7 @@ def summarize(records: dict[int, RequestRecord], cluster: Cluster) -> dict[str, 
         "tpot_s": _pct(tpot),
         "utilization": round(float(np.mean(busy)) / span, 4) if span > 0 else 0.0,
         "num_flips": cluster.num_flips,
+        # prompt tokens the prefill instances' prefix caches held (0 on a trace without shared prefixes)
+        "prefix_hit_rate": round(sum(i.hit_tokens for i in cluster.instances) / prompt, 4) if prompt else 0.0,
         "span_s": round(span, 3),
     }

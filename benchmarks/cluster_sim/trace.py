@@ -5,6 +5,12 @@
   requests, then lulls) at the same mean rate.
 - ``shifting``: Poisson arrivals; the first half prefill-heavy (long prompts, short outputs), the second
   decode-heavy (short prompts, long outputs) -- the mix dynamic PD should follow.
+
+Shared prefixes (``PrefixMix``): each request belongs to one of ``groups`` groups (Zipf popularity: a few
+system prompts or documents most requests share, a long tail) and its prompt is the group's ``tokens``
+of shared prefix followed by its own log-normal part -- what prefix caching and cache-aware placement
+feed on. ``offline_share`` marks that share of the requests offline (batch jobs: no latency SLO,
+co-located around the online ones where the cluster does so).
 """
 
 from __future__ import annotations
@@ -23,6 +29,20 @@ class SimRequest:
     arrival: float
     prompt: int
     output: int
+    group: int = -1  # shared-prefix group (-1: none)
+    prefix: int = 0  # leading prompt tokens it shares with its group
+    offline: bool = False  # a batch job's request: no latency SLO, served around the online ones
+
+
+@dataclass(frozen=True)
+class PrefixMix:
+    groups: int  # distinct shared prefixes
+    tokens: int  # each one's length
+    zipf: float = 1.0  # popularity exponent: group k is picked with weight (k + 1) ** -zipf
+
+    def __post_init__(self) -> None:
+        if self.groups < 1 or self.tokens < 1:
+            raise ValueError("a prefix mix needs groups >= 1 and tokens >= 1")
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,8 @@ def make_trace(
     mix: LengthMix = LengthMix(1024, 256),
     max_len: int = 16384,
     burstiness: float = 4.0,
+    prefix: PrefixMix | None = None,
+    offline_share: float = 0.0,
 ) -> list[SimRequest]:
     if kind not in TRACES:
         raise ValueError(f"unknown trace {kind!r}; choose one of {', '.join(TRACES)}")
@@ -71,6 +93,13 @@ def make_trace(
     else:
         prompts = _lengths(rng, num_requests, mix.prompt_median, mix.sigma, max_len // 2)
         outputs = _lengths(rng, num_requests, mix.output_median, mix.sigma, max_len // 2)
+    groups, shared = np.full(num_requests, -1), 0
+    if prefix is not None:
+        weights = np.arange(1, prefix.groups + 1, dtype=float) ** -prefix.zipf
+        groups = rng.choice(prefix.groups, size=num_requests, p=weights / weights.sum())
+        shared = min(prefix.tokens, max_len // 2)
+    offline = rng.random(num_requests) < offline_share if offline_share > 0 else np.zeros(num_requests, bool)
     return [
-        SimRequest(i, float(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))
+        SimRequest(i, float(a), shared + int(p), int(o), int(g), shared if g >= 0 else 0, bool(off))
+        for i, (a, p, o, g, off) in enumerate(zip(arrivals, prompts, outputs, groups, offline))
     ]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -111,26 +112,32 @@ def phase_trace(phases: list[str], seed: int) -> list[SimRequest]:
 
 async def calibrate(base_url: str, model: str, profile, length: int, seed: int) -> dict[str, float]:
     """What the simulator leaves out, measured apart from the trace: requests one at a time on the idle
-    cluster; TTFT beyond the profile's prefill is a request's way in and out, TPOT beyond its decode
-    step is an engine's host work per step."""
+    cluster; TTFT beyond the profile's prefill is a request's way in and out, the gap between later
+    tokens beyond its decode step an engine's host work per step, and the first gap beyond that the
+    hand-off (with PD: the KV's export and import; about 0 colocated)."""
     lone = [SimRequest(i, 0.0, length, 16) for i in range(9)]
     exact, texts = prompts_for(model, lone, seed + 7919)
-    ways, hosts = [], []
+    ways, hosts, handoffs = [], [], []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for r, text in zip(exact, texts):
             rec = await send_request(
                 session, RequestSpec(base_url, "completions", MODEL_NAME, text, r.prompt, r.output)
             )
-            if not rec.success or rec.tpot_s is None:
+            if not rec.success or len(rec.itl_s) < 2:
                 raise RuntimeError(f"calibration request failed: {rec.error}")
             ways.append(rec.ttft_s - profile.step_seconds([r.prompt], [r.prompt]))
-            hosts.append(rec.tpot_s - profile.step_seconds([1], [r.prompt + 8]))
+            step = profile.step_seconds([1], [r.prompt + 8])
+            hosts.append(float(np.median(rec.itl_s[1:])) - step)  # the steady gaps between tokens
+            handoffs.append(rec.itl_s[0] - step)  # the first gap: with PD, the KV's way over
+    host = max(0.0, float(np.median(hosts[1:])))
     return {
         # the least of them: a first token whose text the detokenizer holds back (a partial character)
         # reaches the client a step later, which is the token's, not the way's
         "request_overhead_ms": round(max(0.0, float(np.min(ways[1:]))) * 1000, 3),
-        "step_host_ms": round(max(0.0, float(np.median(hosts[1:]))) * 1000, 3),
+        "step_host_ms": round(host * 1000, 3),
+        # beyond the transfer the simulator prices: export, import, the decode request's way in
+        "handoff_ms": round(max(0.0, float(np.median(handoffs[1:])) - host) * 1000, 3),
     }
 
 
@@ -208,7 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     slo = {"ttft_slo_s": args.ttft_slo_ms / 1000, "tpot_slo_s": args.tpot_slo_ms / 1000}
     split = args.dynamic_start or args.num_prefill
     cluster = Cluster(
-        SimConfig(mode, args.instances, split, budget=BUDGET, max_seqs=MAX_SEQS, **slo, **calibration),
+        SimConfig(
+            mode,
+            args.instances,
+            split,
+            budget=BUDGET,
+            max_seqs=MAX_SEQS,
+            cores=float(os.cpu_count() or 1) if args.device == "cpu" else 0.0,  # CPU engines share them
+            **slo,
+            **calibration,
+        ),
         profile.__class__(**{**profile.__dict__, "kv_capacity_tokens": BLOCKS * BLOCK}),
     )
     sim = cluster.run(trace)
@@ -228,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "instances": args.instances,
         "mode": mode if not split else f"{mode} {split}P{args.instances - split}D",
         "device": args.device,
+        "simulated_cores": os.cpu_count() if args.device == "cpu" else None,  # None: one device each
         "requests": len(trace),
         "num_flips": {"measured": measured_flips, "simulated": cluster.num_flips},
         "rate": round(len(trace) / max(trace[-1].arrival, 1e-9), 3) if args.phase else args.rate,

@@ -416,8 +416,9 @@ class DynamicPDPolicy:
 def steady_step(decode_side: Sequence[PDInstance], left: int) -> float:
     """The decode step ``left`` instances settle at serving the tokens per second ``decode_side``
     produces now (each its batch over its step), spread evenly: the fixed point of step = f(batch),
-    batch = rate × step (Little's law) with f the TPOT predictor; inf where none exists (more than
-    ``left`` can serve). 0 without a predictor or a decoding sequence."""
+    batch = rate × step (Little's law) with f the TPOT predictor scaled by what the streams observe
+    against it (``_calibration``); inf where none exists (more than ``left`` can serve). 0 without a
+    predictor or a decoding sequence."""
     running = [i for i in decode_side if i.num_decoding]
     model = next((i.tpot for i in running if i.tpot is not None), None)
     if not running or model is None:
@@ -426,16 +427,28 @@ def steady_step(decode_side: Sequence[PDInstance], left: int) -> float:
         return math.inf
     rate = sum(i.num_decoding / max(i.observed_step_s or i.predict_step(), 1e-3) for i in running) / left
     context = sum(i.decode_tokens for i in running) / sum(i.num_decoding for i in running)
-    step = model.predict(1, context)
+    scale = _calibration(running)
+    step = scale * model.predict(1, context)
     for _ in range(50):
         batch = max(1.0, rate * step)
-        nxt = model.predict(batch, batch * context)  # a mean batch: fractional
+        nxt = scale * model.predict(batch, batch * context)  # a mean batch: fractional
         if nxt > 60.0:
             return math.inf
         if abs(nxt - step) < 1e-4:
             return nxt
         step = nxt
     return step
+
+
+def _calibration(running: Sequence[PDInstance]) -> float:
+    """What the decode side's streams observe per token over what the predictor gives their batches now
+    (1 where nothing is observed yet): the hand-off, KV imports and a busy host the step model does not
+    see, carried over to the batches ``steady_step`` predicts. Bounded to [0.5, 4] against a noisy EWMA."""
+    seen = [(i.observed_step_s, i.predict_step()) for i in running if i.observed_step_s]
+    predicted = sum(p for _, p in seen)
+    if not seen or predicted <= 0.0:
+        return 1.0
+    return min(4.0, max(0.5, sum(o for o, _ in seen) / predicted))
 
 
 def _direction(to_role: str) -> str:

@@ -100,19 +100,40 @@ def test_the_decode_side_left_must_serve_its_token_rate() -> None:
     assert steady_step([inst("d0", DECODE, DECODE)], 1) == 0.0  # nothing decoding
 
 
+def decoding(batch: int, slower: float = 1.0) -> list:
+    """Three decode instances of ``batch`` sequences each, their streams seeing the predicted step
+    (10 ms + 2 ms per sequence) times ``slower``."""
+    return [
+        inst(
+            f"d{i}",
+            DECODE,
+            DECODE,
+            num_decoding=batch,
+            decode_tokens=100 * batch,
+            observed_step_s=slower * (0.01 + 0.002 * batch),
+        )
+        for i in range(3)
+    ]
+
+
 def test_no_backlog_flip_when_the_rest_of_decode_would_slow_past_the_pressure_mark() -> None:
-    """Three decode instances at 30 ms (under the 40 ms pressure mark of the 50 ms TPOT SLO): with 5
-    sequences each two can take their tokens (20 ms); with 8 each they would settle at 50 ms."""
+    """Three decode instances under the 40 ms pressure mark of the 50 ms TPOT SLO: with 4 sequences each
+    (18 ms) two can take their tokens (30 ms); with 8 each (26 ms) two settle far past it."""
     policy = DynamicPDPolicy(min_decode=1)
+    queued = [inst(f"p{i}", PREFILL, PREFILL, queue_s=0.3, num_prefilling=2) for i in range(2)]
+    assert steady_step(decoding(4), 2) == pytest.approx(0.03, rel=0.05)
+    assert len(policy.plan_flips(SLO_, queued + decoding(4), FlipHistory(), NOW)) == 1
+    assert policy.plan_flips(SLO_, queued + decoding(8), FlipHistory(), NOW) == []
 
-    def cluster(batch: int) -> list:
-        return [inst(f"p{i}", PREFILL, PREFILL, queue_s=0.3, num_prefilling=2) for i in range(2)] + [
-            inst(f"d{i}", DECODE, DECODE, num_decoding=batch, decode_tokens=100 * batch, observed_step_s=0.03)
-            for i in range(3)
-        ]
 
-    assert len(policy.plan_flips(SLO_, cluster(5), FlipHistory(), NOW)) == 1
-    assert policy.plan_flips(SLO_, cluster(8), FlipHistory(), NOW) == []
+def test_streams_slower_than_the_model_count_against_a_flip() -> None:
+    """The streams see 1.5x the predicted step (KV imports, a busy host): the decode instances left are
+    priced at that, and four sequences each no longer spare one."""
+    policy = DynamicPDPolicy(min_decode=1)
+    queued = [inst(f"p{i}", PREFILL, PREFILL, queue_s=0.3, num_prefilling=2) for i in range(2)]
+    assert steady_step(decoding(4, slower=1.5), 3) == pytest.approx(1.5 * 0.018, rel=0.05)
+    assert steady_step(decoding(4, slower=1.5), 2) > 0.04
+    assert policy.plan_flips(SLO_, queued + decoding(4, slower=1.5), FlipHistory(), NOW) == []
 
 
 def test_a_ttft_miss_takes_no_instance_the_decode_side_cannot_spare() -> None:
@@ -121,12 +142,9 @@ def test_a_ttft_miss_takes_no_instance_the_decode_side_cannot_spare() -> None:
     policy = DynamicPDPolicy(min_decode=1)
 
     def cluster(batch: int) -> list:
-        return [inst("p0", PREFILL, PREFILL, queue_s=2.0)] + [
-            inst(f"d{i}", DECODE, DECODE, num_decoding=batch, decode_tokens=100 * batch, observed_step_s=0.03)
-            for i in range(3)
-        ]
+        return [inst("p0", PREFILL, PREFILL, queue_s=2.0)] + decoding(batch)
 
     names = ("p0", "d0", "d1", "d2")
-    assert policy.select_prefill(uncached(100, *names), SLO_, cluster(5), FlipHistory(), NOW).flip is not None
+    assert policy.select_prefill(uncached(100, *names), SLO_, cluster(4), FlipHistory(), NOW).flip is not None
     pressed = policy.select_prefill(uncached(100, *names), SLO_, cluster(8), FlipHistory(), NOW)
     assert pressed.flip is None and pressed.name == "p0" and not pressed.meets_slo

@@ -6,11 +6,17 @@ the profiler's report (``xservice/cluster/epd/profiler.py``) into an ``EPDDeploy
 - the cluster strategy: the chosen one, ``none`` when colocated EPD won;
 - the roles: the instances, in config order, split into the chosen pools in the strategy's pool
   order (E+P+D: the first ``E`` instances encode, the next ``P`` prefill, the rest decode);
-- Algorithm 1's budgets measured at the chosen deployment's decode batch, as engine overrides:
-  τ_e (``scheduler.max_encode_images`` / ``max_encode_tokens``) on every instance that encodes,
-  τ_t (``scheduler.max_num_batched_tokens``) on every instance that prefills. τ_t is kept out when
-  it is 0 (the decodes alone miss the TPOT SLO: a budget of 1 would starve the instance) and when
-  chunked prefill is off (a prompt over the budget would never be admitted); ``notes`` says so.
+- Algorithm 1's budgets measured at the chosen deployment's decode batch, as engine overrides, on
+  the instances whose steps carry decodes (the budgets keep those steps under the TPOT SLO):
+  τ_e (``scheduler.max_encode_images`` / ``max_encode_tokens``) on every instance that encodes and
+  decodes, τ_t (``scheduler.max_num_batched_tokens``) on every instance that prefills and decodes.
+  An instance without decodes (``encode``, ``prefill``, ``encode_prefill``) keeps its configured
+  batch limits: a budget there protects no TPOT and only adds steps, which the goodput model does
+  not price (its non-decode pools batch freely; the cluster simulator,
+  ``benchmarks/cluster_sim/epd.py``, showed such deployments missing the TTFT SLO by far at the
+  rate the model chose). τ_t is kept out when it is 0 (the decodes alone miss the TPOT SLO: a budget
+  of 1 would starve the instance) and when chunked prefill is off (a prompt over the budget would
+  never be admitted); ``notes`` says so.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ POOL_ROLES = {
 }
 ENCODE_ROLES = frozenset({"encode", "encode_prefill", "encode_decode", "mixed"})
 PREFILL_ROLES = frozenset({"prefill", "encode_prefill", "mixed"})
+DECODE_ROLES = frozenset({"decode", "encode_decode", "mixed"})
 COLOCATED = "EPD"  # the profiler's name of the baseline; the cluster's is "none"
 
 
@@ -84,7 +91,7 @@ def plan_deployment(
     prefill: dict[str, int] = {}
     if tau_t > 0 and chunked_prefill:
         prefill = {"max_num_batched_tokens": tau_t}
-    elif any(role in PREFILL_ROLES for role in roles.values()):
+    elif any(role in PREFILL_ROLES and role in DECODE_ROLES for role in roles.values()):
         why = "is 0 (the decodes alone miss the TPOT SLO)" if tau_t <= 0 else "needs chunked prefill"
         notes.append(f"token budget τ_t {why}: scheduler.max_num_batched_tokens kept as configured")
     overrides = {
@@ -92,6 +99,8 @@ def plan_deployment(
             **(encode if role in ENCODE_ROLES else {}),
             **(prefill if role in PREFILL_ROLES else {}),
         }
+        if role in DECODE_ROLES
+        else {}
         for name, role in roles.items()
     }
     return EPDDeployment(cluster_strategy(choice["strategy"]), roles, overrides, notes)

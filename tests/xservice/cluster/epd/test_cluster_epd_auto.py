@@ -107,13 +107,14 @@ PREFILL = {"max_num_batched_tokens": 200}
 @pytest.mark.parametrize(
     ("strategy", "counts", "roles", "overrides"),
     [
-        ("E+P+D", {"E": 2, "P": 1, "D": 1}, ["encode", "encode", "prefill", "decode"], [ENCODE, ENCODE, PREFILL, {}]),
-        ("EP+D", {"EP": 1, "D": 3}, ["encode_prefill", "decode", "decode", "decode"], [{**ENCODE, **PREFILL}, {}, {}, {}]),
-        ("ED+P", {"ED": 3, "P": 1}, ["encode_decode"] * 3 + ["prefill"], [ENCODE] * 3 + [PREFILL]),
+        # the budgets only where steps carry decodes: the others keep their configured batch limits
+        ("E+P+D", {"E": 2, "P": 1, "D": 1}, ["encode", "encode", "prefill", "decode"], [{}, {}, {}, {}]),
+        ("EP+D", {"EP": 1, "D": 3}, ["encode_prefill", "decode", "decode", "decode"], [{}, {}, {}, {}]),
+        ("ED+P", {"ED": 3, "P": 1}, ["encode_decode"] * 3 + ["prefill"], [ENCODE] * 3 + [{}]),
         ("EPD", {"EPD": 4}, ["mixed"] * 4, [{**ENCODE, **PREFILL}] * 4),
     ],
 )  # fmt: skip
-def test_plan_gives_roles_in_pool_order_and_budgets_to_encoders_and_prefillers(
+def test_plan_gives_roles_in_pool_order_and_budgets_to_encoders_and_prefillers_that_decode(
     strategy: str, counts: dict[str, int], roles: list[str], overrides: list[dict[str, int]]
 ) -> None:
     plan = plan_deployment(report(strategy, counts), NAMES)
@@ -126,12 +127,14 @@ def test_plan_gives_roles_in_pool_order_and_budgets_to_encoders_and_prefillers(
 
 
 def test_plan_keeps_the_token_budget_when_it_is_zero_or_chunked_prefill_is_off() -> None:
-    zero = plan_deployment(report("EP+D", {"EP": 2, "D": 2}, tau_e=0, tau_t=0), NAMES)
+    zero = plan_deployment(report("EPD", {"EPD": 4}, tau_e=0, tau_t=0), NAMES)
     assert zero.overrides["a"] == {"max_encode_images": 1, "max_encode_tokens": 64}  # τ_e 0: one image a step
     assert "τ_t is 0" in zero.notes[0]
-    unchunked = plan_deployment(report("E+P+D", {"E": 1, "P": 2, "D": 1}), NAMES, chunked_prefill=False)
-    assert unchunked.overrides == {"a": ENCODE, "b": {}, "c": {}, "d": {}}
+    unchunked = plan_deployment(report("EPD", {"EPD": 4}), NAMES, chunked_prefill=False)
+    assert unchunked.overrides == dict.fromkeys(NAMES, ENCODE)
     assert "needs chunked prefill" in unchunked.notes[0]
+    # no instance prefills and decodes: τ_t applies nowhere, and nothing is noted
+    assert plan_deployment(report("ED+P", {"ED": 2, "P": 2}, tau_t=0), NAMES).notes == []
     with pytest.raises(ValueError, match="chose 4 instance"):
         plan_deployment(report("EPD", {"EPD": 4}), NAMES[:3])
 

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
+from benchmarks.cluster_sim.epd import ILLUSTRATIVE, WORKLOADS
 from xservice.policies.epd import (
     EPDSLO,
     STRATEGIES,
     EPDWorkload,
-    StageCosts,
     budgets,
     choose_strategy,
     evaluate,
@@ -21,27 +21,10 @@ from xservice.policies.epd import (
 )
 from xservice.policies.epd.model import cpu_demand
 
-# a GPU-like instance: encode batching pays (e0), decode steps are cheap per sequence
-COSTS = StageCosts(
-    encode_s=0.02, encode_s_per_patch=2e-5,
-    prefill_s=0.01, prefill_s_per_token=4e-5, prefill_s_per_token2=1e-9,
-    decode_s=0.015, decode_s_per_seq=1e-4, decode_s_per_context_token=2e-7,
-    embed_bytes_per_token=7168, kv_bytes_per_token=57344, transfer_bytes_per_s=5e9, transfer_s=0.001,
-)  # fmt: skip
-IMAGE_HEAVY = EPDWorkload(
-    images_per_request=4,
-    image_tokens_per_image=256,
-    patches_per_image=1024,
-    prompt_tokens=64,
-    output_tokens=16,
-)
-TEXT_HEAVY = EPDWorkload(
-    images_per_request=1,
-    image_tokens_per_image=64,
-    patches_per_image=256,
-    prompt_tokens=512,
-    output_tokens=256,
-)
+# a GPU-like instance (encode batching pays, decode steps are cheap per sequence) and two workloads: the
+# cluster simulator's illustrative defaults, so its EPD deployments run what these tests reason about
+COSTS = ILLUSTRATIVE
+IMAGE_HEAVY, TEXT_HEAVY = WORKLOADS["image-heavy"], WORKLOADS["text-heavy"]
 SLO = EPDSLO(ttft_s=2.0, tpot_s=0.05)
 
 
