@@ -111,3 +111,15 @@ def test_dynamic_pd_beats_every_static_split_when_the_mix_shifts() -> None:
     old = {**base, "policy": {"cooldown_s": 3.0, "backlog": 1e9, "headroom": 1.0}}
     old_rule = attainment(SimConfig("dynamic", num_prefill=4, **old))
     assert dynamic > max(max(static.values()), old_rule), (dynamic, static, old_rule)
+
+
+def test_a_profile_written_from_published_numbers_reproduces_them() -> None:
+    """``h200x8-prfaas-table5-prefill.json``: the Prefill-as-a-Service paper's Table 5 prefill latencies
+    and KV sizes of its 1T hybrid model on 8 H200s, as the profile predicts them."""
+    path = ROOT / "benchmarks/cluster_sim/profiles/h200x8-prfaas-table5-prefill.json"
+    profile = load_profile(str(path))
+    table5 = {1024: (0.44, 190.8), 8192: (0.72, 308.9), 32768: (1.84, 701.3), 131072: (7.40, 2316.3)}
+    for tokens, (latency_s, _) in table5.items():
+        assert profile.step_seconds([tokens], [tokens]) == pytest.approx(latency_s, rel=0.01)
+    growth = (table5[131072][1] - table5[1024][1]) * 2**20 / (131072 - 1024)  # KV bytes per extra token
+    assert profile.kv_bytes_per_token == pytest.approx(growth, rel=0.001)
