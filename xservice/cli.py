@@ -1,5 +1,5 @@
 """The ``xllm`` command line: ``serve``, ``chat``, ``model make-tiny``, ``batch``, ``run-batch``, ``engine``,
-``cluster status``, ``profile epd``.
+``cluster status``, ``profile epd``, ``plan prfaas``.
 
 Each subcommand lives in ``xservice/commands/`` as a ``register(subparsers)`` function that adds its
 parser and sets ``run=<function(args) -> int>``; add new ones to ``COMMANDS``. User errors raise
@@ -20,6 +20,7 @@ from xservice.commands.cluster import register_cluster
 from xservice.commands.common import EXIT_USAGE, CliError, load_cli_config
 from xservice.commands.engine import register_engine
 from xservice.commands.model import register_model
+from xservice.commands.plan import register_plan
 from xservice.commands.profile import register_profile
 from xservice.commands.serve import register_serve
 
@@ -32,6 +33,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     register_engine,
     register_cluster,
     register_profile,
+    register_plan,
 )
 
 __all__ = ["COMMANDS", "CliError", "build_parser", "load_cli_config", "main"]

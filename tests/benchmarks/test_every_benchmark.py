@@ -30,6 +30,7 @@ SMOKE_MODEL_ARCH = {"encode_stage": "qwen2_vl", "epd_ttft": "qwen2_vl", "moe_ep"
 SLOW_SMOKE = {
     "cluster_failover", "engine_modes", "dynamic_pd", "moe_ep", "pd_transfer", "offline.hybrid_pd",
     "cluster_sim.validate",  # an emulated cluster: tests/xservice/cluster/test_cluster_emulated.py runs one
+    "prfaas.netns",  # three clusters across network namespaces: tests/xservice/cluster/test_cluster_prfaas.py
 }  # fmt: skip
 
 

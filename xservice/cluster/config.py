@@ -2,9 +2,9 @@
 
 ``cluster.launch`` says which engine instances run and how they start, ``registry`` where they
 register, ``routing`` how requests pick one, ``slo`` the latency targets, ``pd`` / ``colocation`` /
-``epd`` the disaggregation features and ``auth`` the internal planes' keys. With
-``launch.instances`` empty (the default) ``xllm serve`` runs the single-node service over one engine
-it spawns itself; with ``launch.launcher: external`` it serves whatever registered in etcd. The
+``epd`` the disaggregation features, ``auth`` the internal planes' keys and ``prfaas`` the
+Prefill-as-a-Service cluster. With ``launch.instances`` empty (the default) ``xllm serve`` runs the
+single-node service over one engine it spawns itself; with ``launch.launcher: external`` it serves whatever registered in etcd. The
 former flat keys (``cluster.pd_mode``) still load: ``xservice/cluster/legacy_keys.py``.
 """
 
@@ -32,6 +32,7 @@ from xservice.cluster.config_sections import (
     SLOConfig,
 )
 from xservice.cluster.epd.workload import parse_workload
+from xservice.cluster.prfaas.config import PrfaasConfig
 
 __all__ = [
     "AUTO",
@@ -47,6 +48,7 @@ __all__ = [
     "EPDConfig",
     "LaunchConfig",
     "PDConfig",
+    "PrfaasConfig",
     "RegistryConfig",
     "RoutingConfig",
     "SLOConfig",
@@ -69,6 +71,7 @@ class ClusterConfig:
     colocation: ColocationConfig = _section(ColocationConfig)  # type: ignore[assignment]
     epd: EPDConfig = _section(EPDConfig)  # type: ignore[assignment]
     auth: AuthConfig = _section(AuthConfig)  # type: ignore[assignment]
+    prfaas: PrfaasConfig = _section(PrfaasConfig)  # type: ignore[assignment]
 
     def cluster_key(self) -> ClusterKey | None:
         """The key that authenticates this cluster's planes (None when ``auth.enabled`` is off); reads or
@@ -122,6 +125,8 @@ class ClusterConfig:
             self._validate_colocation(specs)
         if self.pd.dynamic:
             self._validate_dynamic_pd(specs)
+        if self.prfaas.enabled:
+            self._validate_prfaas(specs)
 
     def _validate_epd(self, specs: list[tuple[str, str]]) -> None:
         roles = {role for _, role in specs}
@@ -209,6 +214,20 @@ class ClusterConfig:
                 f"{pd.min_decode_instances} decode instance(s) at launch (cluster.pd.min_prefill_instances, "
                 "cluster.pd.min_decode_instances)"
             )
+
+    def _validate_prfaas(self, specs: list[tuple[str, str]]) -> None:
+        self.prfaas.validate()
+        if self.epd.strategy != "none":
+            raise ValueError("cluster.prfaas needs cluster.epd.strategy: none")
+        roles = {role for _, role in specs}
+        if not self.external and not {"prefill", "decode"} <= roles:
+            raise ValueError(
+                "cluster.prfaas sends long prompts to the PrfaaS cluster and keeps short ones on the local "
+                "cluster's prefill instances; its KV goes to a local decode instance: launch at least one "
+                "'prefill' and one 'decode' instance (cluster.launch.instances)"
+            )
+        if set(self.prfaas.instance_names()) & {n for n, _ in specs}:
+            raise ValueError("cluster.prfaas.instances: names must differ from cluster.launch.instances'")
 
     def _validate_colocation(self, specs: list[tuple[str, str]]) -> None:
         if self.slo.tpot_ms <= 0:

@@ -154,9 +154,10 @@ class DynamicPD:
             listener(flip)
         self._spawn(self.roles.flush())
 
-    def manual_flip(self, name: str, to_role: str, reason: str = "") -> Flip:
-        """An operator's flip (``POST /v1/admin/instances/{name}/role``): no hysteresis, but never below
-        ``min_prefill`` / ``min_decode``. Raises ``KeyError`` (unknown instance) or ``ValueError``."""
+    def manual_flip(self, name: str, to_role: str, reason: str = "", source: str = "operator") -> Flip:
+        """An operator's flip (``POST /v1/admin/instances/{name}/role``), or another controller's
+        (``source``: PrfaaS's re-planning): no hysteresis, but never below ``min_prefill`` /
+        ``min_decode``. Raises ``KeyError`` (unknown instance) or ``ValueError``."""
         if to_role not in ("prefill", "decode"):
             raise ValueError("role must be 'prefill' or 'decode'")
         healthy = self._healthy()
@@ -169,7 +170,7 @@ class DynamicPD:
         minimum = self.policy.min_prefill if current == "prefill" else self.policy.min_decode
         if side - 1 < minimum:
             raise ValueError(f"flipping {name!r} would leave fewer than {minimum} {current} instance(s)")
-        flip = Flip(name, to_role, f"operator: {reason}" if reason else "operator")
+        flip = Flip(name, to_role, f"{source}: {reason}" if reason else source)
         self.apply(flip)
         return flip
 

@@ -37,6 +37,7 @@ images' embeddings to P) and ``_after_kv_import`` (and to D when it recomputes i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -49,6 +50,8 @@ import msgspec
 
 from xengine.api.image_keys import cache_token_ids
 from xengine.api.messages import AddRequest, CompletionDelta, KVExportInfo, KVImportResult, PromptLogprobs
+from xservice.cluster.prfaas.link import transfer
+from xservice.cluster.prfaas.prefix import bring_prefix
 from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.engine.errors import EngineDeadError
 from xservice.policies import DECODE_ROLES, InstanceSnapshot, PDPolicy, RouteRequest
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
     from xservice.cluster.colocation import Colocation
     from xservice.cluster.dynamic_pd import DynamicPD
     from xservice.cluster.monitor import RuntimeMonitor
+    from xservice.cluster.prfaas.router import PrfaasRouter
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +97,12 @@ class PDPool(Protocol):
     dynamic: DynamicPD | None
     colocation: Colocation | None
     monitor: RuntimeMonitor | None
+    prfaas: PrfaasRouter | None
     info: Any
 
     def snapshots(self) -> list[InstanceSnapshot]: ...
+
+    def role_of(self, name: str, client: RemoteEngineClient) -> str: ...
 
     def route_request(self, prompt_token_ids: list[int]) -> RouteRequest: ...
 
@@ -123,6 +130,9 @@ class PDDispatcher:
         self.policy = policy
         self.counters = PDCounters()
         self.imported: dict[str, dict[str, int]] = {}  # decode instance -> KV import counters
+        # PrfaaS, bandwidth abundant: the instance holding a request's longest cached prefix, brought to
+        # its prefill instance before the prefill (``xservice/cluster/prfaas/prefix.py``)
+        self._prefix_from: dict[str, RemoteEngineClient] = {}
 
     def applies(self, req: AddRequest) -> bool:
         """PD needs a healthy prefill and decode instance; ``n > 1``, beam search and prefill-only
@@ -170,6 +180,9 @@ class PDDispatcher:
         finally:
             if pool.monitor is not None:  # dynamic PD's placement holds KV until the request ends
                 pool.monitor.release_decode(req.req_id)
+            if pool.prfaas is not None:  # the output lengths its long-term planning uses
+                pool.prfaas.finished(len(generated))
+            self._prefix_from.pop(req.req_id, None)  # (a retried prefill's pick may have left one)
 
     def _decode_target(self, req: AddRequest, prefill: RemoteEngineClient, context: int) -> str | None:
         """Where the decode half goes when a policy decides it (None: the PD policy's pick)."""
@@ -234,6 +247,11 @@ class PDDispatcher:
             if client is None:
                 return None
             sub = msgspec.structs.replace(req, req_id=f"{req.req_id}~p{attempt}", params=params)
+            source = self._prefix_from.pop(req.req_id, None)
+            if source is not None and source is not client:
+                await bring_prefix(
+                    self.pool.prfaas, _kv_ids(req), source, client, sub.req_id, KV_CALL_TIMEOUT_S
+                )
             try:
                 await self._before_prefill(req, client)
                 deltas = await self._run_prefill(req, client, sub)
@@ -273,7 +291,7 @@ class PDDispatcher:
         """``_run``, with the monitor (dynamic PD, co-location) counting it in the instance's queue
         until its token."""
         monitor = self.pool.monitor
-        if monitor is None:
+        if monitor is None or self._on_prfaas(client):  # (the monitor sees the local cluster only)
             return await self._run(req, client, sub)
         uncached = self._uncached(req).get(client.name, len(req.prompt_token_ids))
         monitor.prefill_sent(client.name, sub.req_id, uncached)
@@ -296,8 +314,15 @@ class PDDispatcher:
     async def _run(
         self, req: AddRequest, client: RemoteEngineClient, sub: AddRequest
     ) -> list[CompletionDelta]:
-        with self.pool.track(req.req_id, client, sub.req_id):
+        remote = (
+            self.pool.prfaas.pool.track(req.req_id, client, sub.req_id) if self._on_prfaas(client) else None
+        )
+        with self.pool.track(req.req_id, client, sub.req_id), remote or contextlib.nullcontext():
             return [d async for d in client.generate(sub)]
+
+    def _on_prfaas(self, client: RemoteEngineClient | None) -> bool:
+        """Whether ``client`` is an instance of the PrfaaS cluster."""
+        return self.pool.prfaas is not None and self.pool.prfaas.owns(client)
 
     # ------------------------------------------------------------------ KV handoff
 
@@ -347,11 +372,23 @@ class PDDispatcher:
                     self.counters.num_fallbacks += 1
                     return decode, sub_id
                 pin_id = f"{req.req_id}~{sub_id}"
+                link = self.pool.prfaas if self._on_prfaas(export.client) else None  # across the PrfaaS link
+                info, meter, expected = export.info, None, 0.0
+                if link is not None:
+                    meter = link.meter
+                    expected = link.learn_export(
+                        len(info.block_ids), info.block_bytes, info.num_layers, info.block_size
+                    )
                 try:
-                    with self.pool.track(req.req_id, decode, pin_id, routed=False):
+                    with (
+                        self.pool.track(req.req_id, decode, pin_id, routed=False),
+                        transfer(meter, expected) as t,
+                    ):
                         result = await decode.kv_import(
                             export.info, _kv_ids(req), pin_id, KV_CALL_TIMEOUT_S, export.next_token_id
                         )
+                        if t is not None:
+                            t["bytes"], t["seconds"] = result.num_bytes, result.transfer_s
                 except EngineDeadError:
                     continue  # the decode instance died: another one imports
                 except _KV_ERRORS as e:  # the source is gone or broken: redo the prefill elsewhere
@@ -398,6 +435,16 @@ class PDDispatcher:
     def _pick_prefill(
         self, not_: RemoteEngineClient | None = None, req: AddRequest | None = None
     ) -> RemoteEngineClient | None:
+        prfaas = self.pool.prfaas
+        if prfaas is not None and req is not None and req.priority != "offline":
+            # a long uncached prompt prefills on the PrfaaS cluster (xservice/cluster/prfaas/router.py)
+            uncached = [n for name, n in self._uncached(req).items() if self._prefills(name)]
+            cached = len(req.prompt_token_ids) - min(uncached, default=len(req.prompt_token_ids))
+            choice = prfaas.pick(_kv_ids(req), cached, not_.name if not_ is not None else None)
+            if choice.prefix_from is not None:
+                self._prefix_from[req.req_id] = choice.prefix_from
+            if choice.client is not None:
+                return choice.client
         colocation = self.pool.colocation
         if colocation is not None and req is not None and req.priority == "offline":
             name = colocation.pick_offline_prefill(not_.name if not_ is not None else None)
@@ -410,6 +457,10 @@ class PDDispatcher:
         snapshots = [s for s in self.pool.snapshots() if not_ is None or s.name != not_.name]
         name = self.policy.select_prefill(snapshots)
         return self.pool.clients[name] if name is not None else None
+
+    def _prefills(self, name: str) -> bool:
+        client = self.pool.clients.get(name)
+        return client is not None and self.pool.role_of(name, client) == "prefill"
 
     def _pick_decode(self, req: AddRequest) -> RemoteEngineClient | None:
         dynamic = self.pool.dynamic

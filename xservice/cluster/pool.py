@@ -99,6 +99,7 @@ class InstancePool:
         self.key = key  # the cluster key every instance authenticates us with (None: auth off)
         self.supervisor: InstanceSupervisor | None = None  # relaunches launched instances (serve.py)
         self.epd_auto: dict[str, Any] = {"enabled": False}  # epd.strategy auto's choice (serve.py)
+        self.prfaas: Any = None  # the PrfaaS cluster's router (``xservice/cluster/prfaas``; serve.py)
         self.hang_timeout_s = HANG_TIMEOUT_S
         self.instance_stats: dict[str, EngineStats] = {}  # per instance, as of the last ``stats()``
         self.clients: dict[str, RemoteEngineClient] = {}  # connected and answering
@@ -431,8 +432,14 @@ class InstancePool:
     # ------------------------------------------------------------------ admin
 
     async def instances_view(self, timeout_s: float = 2.0) -> list[dict[str, Any]]:
-        """One entry per registered instance: role, health, load, KV blocks, routing counters."""
+        """One entry per registered instance: role, health, load, KV blocks, routing counters (the
+        PrfaaS cluster's after the local ones, in pool ``prfaas``)."""
         out = []
+        if self.prfaas is not None:
+            remote = await self.prfaas.pool.instances_view(timeout_s)
+            tail = [{**e, "pool": "prfaas"} for e in remote]
+        else:
+            tail = []
         for name, state in sorted(self.registry.instances.items()):
             client = self.clients.get(name)
             rec = state.record
@@ -458,7 +465,7 @@ class InstancePool:
                     "kv_imported": dict(self.pd.imported.get(name, empty_import_counts())),
                 }
             )
-        return out
+        return out + tail
 
     def cluster_view(self) -> dict[str, Any]:
         return {
@@ -472,4 +479,5 @@ class InstancePool:
             "epd_auto": self.epd_auto,
             "dynamic_pd": self.dynamic.view() if self.dynamic is not None else {"enabled": False},
             "colocation": self.colocation.view() if self.colocation is not None else {"enabled": False},
+            "prfaas": self.prfaas.view() if self.prfaas is not None else {"enabled": False},
         }

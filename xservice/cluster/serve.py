@@ -14,6 +14,9 @@ snapshot rebuilds the global prefix index from the persisted ``<prefix>/kv/*`` p
 ``<prefix>/kv_events/*`` before the first request is routed; the service then waits for the
 instances listed in ``cluster.launch.instances`` (else every registered one, or the first to register).
 Stopping the service leaves the engines running.
+
+With ``cluster.prfaas.enabled`` a second, Prefill-as-a-Service cluster joins once the local one serves
+(``xservice/cluster/prfaas/serve.py``, docs/prfaas.md).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from xservice.cluster.epd.serve import make_epd, resolve_auto
 from xservice.cluster.launchers import BaseLauncher, InstanceSpec, make_launcher
 from xservice.cluster.monitor import RuntimeMonitor
 from xservice.cluster.pool import InstancePool
+from xservice.cluster.prfaas.serve import open_prfaas
 from xservice.cluster.registry import InstanceRegistry
 from xservice.cluster.roles import RoleTable
 from xservice.cluster.supervisor import InstanceSupervisor
@@ -120,7 +124,8 @@ async def serve_cluster(
                 ) from e
             if cl.external:
                 await _wait_for_external(cl, pool, registry)
-                return await serve_http(cfg, sock, pool, tokenizer, phases)
+                async with open_prfaas(cfg, store, engine_store_url, key, pool):
+                    return await serve_http(cfg, sock, pool, tokenizer, phases)
             launcher = await asyncio.to_thread(make_launcher, cl.launch.launcher)
             specs = {
                 name: InstanceSpec(
@@ -148,7 +153,8 @@ async def serve_cluster(
             )
             watcher = asyncio.get_running_loop().create_task(pool.supervisor.run())
             await pool.wait_for(list(specs), cl.launch.startup_timeout_s)
-            return await serve_http(cfg, sock, pool, tokenizer, phases)
+            async with open_prfaas(cfg, store, engine_store_url, key, pool):  # (a no-op when off)
+                return await serve_http(cfg, sock, pool, tokenizer, phases)
         finally:
             for task in (watcher, flipper, rebalancer):
                 if task is not None:

@@ -1,4 +1,5 @@
-"""``xllm cluster status``: a running service's instances, pools, roles, flips and predictors.
+"""``xllm cluster status``: a running service's instances, pools, roles, flips and predictors (and the
+PrfaaS cluster's threshold and link).
 
 It reads ``GET /v1/admin/instances`` and prints it as tables (``--json``: the raw document).
 """
@@ -87,6 +88,18 @@ def render_status(doc: dict[str, Any]) -> list[Any]:
             f"  offline prefills {col['offline_prefills']}  decodes strict {col['offline_decodes_strict']}"
             f" / relaxed {col['offline_decodes_relaxed']}"
         )
+    prf = doc.get("prfaas") or {}
+    if prf.get("enabled"):
+        link, req = prf["link"], prf["requests"]
+        summary += (
+            f"\nPrfaaS  threshold {prf['threshold_tokens']} tokens (planned {prf['planned_threshold_tokens']})"
+            f"  link {link['egress_gbps']:.3g} of {link['capacity_gbps']:.3g} Gbit/s ({link['utilization']:.0%})"
+            f"  backlog {link['queue_s']:.1f}s  prefills prfaas {req['prfaas']} / local {req['local']}"
+            f"  threshold raises {req['threshold_raises']} lowers {req['threshold_lowers']}"
+        )
+        if prf.get("plan"):
+            split = prf["plan"]["recommended_split"]
+            summary += f"  plan: {split['prefill']}P/{split['decode']}D at {split['lambda_max_req_s']} req/s"
     out.append(summary)
     table = Table(title="instances")
     cols = ["name", "pool", "role", "healthy", "running", "waiting", "kv", "inflight", "routed"]

@@ -272,12 +272,17 @@ class ServiceMetrics:
 
     def watch_engine(self, client: EngineBackend) -> None:
         """Export ``client``'s health and supervisor counters (read at each scrape), and dynamic PD's
-        pools, flips and predictor errors when ``client`` is an instance pool running it."""
+                pools, flips and predictor errors when ``client`` is an instance pool running it (and PrfaaS's
+        threshold and link when it has a PrfaaS cluster)."""
         self.registry.register(_EngineHealthCollector(client))
         if getattr(client, "dynamic", None) is not None:
             from xservice.cluster.pd_metrics import DynamicPDCollector
 
             self.registry.register(DynamicPDCollector(client.dynamic))
+        if getattr(client, "prfaas", None) is not None:
+            from xservice.cluster.prfaas.metrics import PrfaasCollector
+
+            self.registry.register(PrfaasCollector(client.prfaas))
 
     def watch_batch_runner(self, state: Callable[[], Any]) -> None:
         """Export the batch runner's health; ``state()`` returns its ``BatchRunnerState`` (read at each scrape)."""

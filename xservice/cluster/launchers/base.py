@@ -29,6 +29,7 @@ class InstanceSpec:
     key: ClusterKey | None = None  # handed to the engine in its environment; None: --no-auth
     replaces: str | None = None  # a relaunch: the dead incarnation it may take the name over from
     nice: int = 0  # the engine process sets every thread to this nice value at start (0: unchanged)
+    netns: str = ""  # a Linux network namespace to run it in (``ip netns exec``; local launcher only)
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         """The engine process's environment: ``base`` plus the cluster key."""

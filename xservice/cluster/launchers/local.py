@@ -36,6 +36,8 @@ class LocalHandle(InstanceHandle):
 class LocalLauncher(BaseLauncher):
     def launch(self, spec: InstanceSpec) -> LocalHandle:
         cmd = [sys.executable, "-m", ENGINE_SERVER_MODULE, *spec.command_args(os.getpid())]
+        if spec.netns:  # ``ip netns exec`` enters the namespace and execs the engine (same pid)
+            cmd = ["ip", "netns", "exec", spec.netns, *cmd]
         # Own session: the terminal's Ctrl-C goes to the service, which stops the engines.
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, env=spec.env(child_env()), start_new_session=True
