@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Install what cluster mode needs: etcd 3.4 (Debian etcd-server), libibverbs1 (needed by the Mooncake
 # transfer engine), gcc + libc6-dev (PD engines build memory/bind_host/bind_host.c, which keeps the
-# transfer engine's listeners on the engine's host), iproute2 (`ss`, used by the tests) and, into .venv, the Python clients aetcd + ray and the Mooncake transfer engine
+# transfer engine's listeners on the engine's host), iproute2 (`ss`, used by the tests; `ip` and `tc` for ci/netns.sh) and, into .venv, the Python clients aetcd + ray and the Mooncake transfer engine
 # (mooncake-transfer-engine-non-cuda: PD KV transfer over TCP). Idempotent; fast when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VPY=${VPY:-.venv/bin/python}
 
 if ! command -v etcd >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 \
-  || ! command -v cc >/dev/null 2>&1 || [ ! -f /usr/include/stdio.h ] || ! command -v ss >/dev/null 2>&1; then
+  || ! command -v cc >/dev/null 2>&1 || [ ! -f /usr/include/stdio.h ] || ! command -v ss >/dev/null 2>&1 \
+  || ! command -v tc >/dev/null 2>&1; then
   echo "[cluster-deps] installing etcd-server, libibverbs1, gcc, libc6-dev and iproute2 (apt)" >&2
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
