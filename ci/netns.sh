@@ -25,14 +25,15 @@ while [ $# -gt 0 ]; do
     *) echo "netns.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-host_if="${name:0:10}-h"; ns_if="${name:0:10}-n"
+[ ${#name} -le 13 ] || { echo "netns.sh: --name at most 13 characters (interface names are 15)" >&2; exit 2; }
+host_if="${name}-h"; ns_if="${name}-n"
 
 shape() {  # $1: add | change
   # burst: 20 ms at the rate, at least a few full-size packets (a large burst would let short
   # transfers through faster than the rate); latency bounds the queue tbf keeps
   local burst
   burst=$(echo "$rate" | awk '{ v = $0 + 0; u = tolower($0); sub(/^[0-9.]+/, "", u);
-    m = (u ~ /^g/) ? 1e9 : (u ~ /^m/) ? 1e6 : (u ~ /^k/) ? 1e3 : 1;
+    m = (u ~ /^g/) ? 1e9 : (u ~ /^m/) ? 1e6 : (u ~ /^k/) ? 1e3 : 1; if (u ~ /bps$/) m *= 8;
     b = int(v * m / 8 / 50); if (b < 4096) b = 4096; print b }')
   ip netns exec "$name" tc qdisc "$1" dev "$ns_if" root tbf rate "$rate" burst "$burst" latency 400ms
 }

@@ -49,7 +49,8 @@ def test_measured_lengths_and_device_profiles(tmp_path: Path, capsys) -> None:
 @pytest.mark.parametrize(
     ("change", "said"),
     [
-        (("--lengths", "lognormal:mu=9.9"), "mu and sigma are required"),
+        (("--lengths", "lognormal:mu=9.9"), "mu, sigma and hi"),
+        (("--lengths", "lognormal:mu=9.9,sigma=1"), "hi (the longest prompt)"),
         (("--lengths", "zipf:1"), "--lengths"),
         (("--local-instances", "1"), "at least 1 PrfaaS instance and 2 local"),
         (("--prfaas-profile", "/nonexistent.json"), "cannot read profile"),

@@ -229,3 +229,17 @@ def test_a_cluster_serves_from_a_nested_config(model_dir: Path) -> None:
         assert complete(server.openai(), "Story: once upon a time").choices[0].text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("prfaas", "said"),
+    [
+        ({"enabled": True, "key_prefix": "/xllm"}, "must differ from cluster.registry.key_prefix"),
+        ({"enabled": True, "netns": "xprfaas"}, "set cluster.prfaas.engine_host"),
+        ({"enabled": True, "netns": "xprfaas", "engine_host": "10.77.0.2"}, "set cluster.prfaas.store_host"),
+    ],
+)
+def test_prfaas_settings_that_cannot_work_are_refused(prfaas: dict, said: str) -> None:
+    cluster = {"launch": {"instances": "p:prefill,d:decode"}, "prfaas": prfaas}
+    with pytest.raises(ValueError, match=said):
+        load_config(None, {"cluster": cluster})

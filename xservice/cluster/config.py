@@ -228,6 +228,20 @@ class ClusterConfig:
             )
         if set(self.prfaas.instance_names()) & {n for n, _ in specs}:
             raise ValueError("cluster.prfaas.instances: names must differ from cluster.launch.instances'")
+        if self.prfaas.key_prefix.rstrip("/") == self.registry.key_prefix.rstrip("/"):
+            raise ValueError(
+                "cluster.prfaas.key_prefix must differ from cluster.registry.key_prefix (its own namespace)"
+            )
+        if self.prfaas.netns and not self.prfaas.engine_host:
+            raise ValueError(
+                "cluster.prfaas.netns: set cluster.prfaas.engine_host to the instances' address in that namespace "
+                "(ci/netns.sh: 10.77.0.2), which the service and the local decode instances reach"
+            )
+        if self.prfaas.netns and self.registry.store == "embedded" and not self.prfaas.store_host:
+            raise ValueError(
+                "cluster.prfaas.netns: set cluster.prfaas.store_host to the service's address on the link "
+                "(ci/netns.sh: 10.77.0.1), where the instances reach the embedded store"
+            )
 
     def _validate_colocation(self, specs: list[tuple[str, str]]) -> None:
         if self.slo.tpot_ms <= 0:

@@ -245,6 +245,7 @@ class PDDispatcher:
         for attempt in itertools.count(1):
             client = self._pick_prefill(req=req)
             if client is None:
+                self._prefix_from.pop(req.req_id, None)
                 return None
             sub = msgspec.structs.replace(req, req_id=f"{req.req_id}~p{attempt}", params=params)
             source = self._prefix_from.pop(req.req_id, None)

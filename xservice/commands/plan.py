@@ -44,7 +44,7 @@ def register_plan(subparsers: Any) -> None:
         "--lengths",
         required=True,
         metavar="SPEC",
-        help="uncached prompt lengths: 'lognormal:mu=9.9,sigma=1,lo=128,hi=131072' or 'file:PATH' "
+        help="uncached prompt lengths: 'lognormal:mu=9.9,sigma=1,lo=128,hi=131072' (lo optional) or 'file:PATH' "
         "(a JSON list of lengths, or one per line)",
     )
     f.add_argument("--output-tokens", type=float, required=True, metavar="L", help="mean output length")
@@ -75,8 +75,8 @@ def parse_lengths(spec: str) -> Any:
             unknown = set(args) - {"mu", "sigma", "lo", "hi"}
             if unknown:
                 raise ValueError(f"unknown keys {sorted(unknown)}")
-            if not {"mu", "sigma"} <= set(args):
-                raise ValueError("mu and sigma are required")
+            if not {"mu", "sigma", "hi"} <= set(args):
+                raise ValueError("mu, sigma and hi (the longest prompt) are required")
             return LogNormalLengths(args["mu"], args["sigma"], args.get("lo", 1.0), args.get("hi", math.inf))
         except ValueError as e:
             raise CliError(f"--lengths {spec!r}: {e}; e.g. lognormal:mu=9.9,sigma=1,lo=128,hi=131072") from e

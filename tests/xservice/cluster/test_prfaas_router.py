@@ -125,3 +125,11 @@ def test_replan_sets_the_threshold_and_flips_toward_the_split() -> None:
     router.replan()
     assert router.rebalance() is None and len(flips) == 1  # at the planned split: nothing to do
     assert router.counts["replans"] == 2 and router.counts["rebalances"] == 1
+
+
+def test_prefixes_count_where_a_prefill_can_use_them() -> None:
+    router, remote, local = _router()
+    local.matched = {"d0": 2900 // BLOCK}  # a decode instance's imported blocks: no prefill starts there
+    assert router.pick(list(range(3000)), 0).client is not None  # so the long prompt still offloads
+    remote.matched = {"prfaas-1": 1000 // BLOCK}  # the PrfaaS instance holding part of it computes it
+    assert router.pick(list(range(3000)), 0).client is remote.clients["prfaas-1"]

@@ -96,7 +96,5 @@ class PrfaasConfig:
             raise ValueError("cluster.prfaas: need 0 < low_utilization < high_utilization <= 1")
         if self.plan_profiles.strip() and self.profile_paths() is None:
             raise ValueError("cluster.prfaas.plan_profiles: give 'PRFAAS_PROFILE,LOCAL_PROFILE'")
-        if self.key_prefix.rstrip("/") in ("", "/xllm"):
-            raise ValueError(
-                "cluster.prfaas.key_prefix must differ from the local cluster's (its own namespace)"
-            )
+        if not self.key_prefix.rstrip("/"):
+            raise ValueError("cluster.prfaas.key_prefix must not be empty (the PrfaaS cluster's namespace)")

@@ -102,7 +102,9 @@ class PrfaasRouter:
         total = len(kv_ids)
         shown = [s for s in self._healthy() if s.name != not_]
         prfaas_holder, cached_prfaas = self._holders(self.pool, kv_ids, {s.name for s in shown})
-        local_names = {s.name for s in self.local.snapshots()}
+        # what a local prefill could start from: the prefill instances' caches (a decode instance's blocks
+        # are no use to a prefill unless brought over, which only crosses-cluster pulls do)
+        local_names = {s.name for s in self.local.snapshots() if s.role == "prefill"}
         local_holder, cached_anywhere_local = self._holders(self.local, kv_ids, local_names)
         scarce = self.scheduler.last.bandwidth_scarce or not self.cfg.scheduler
         self.scheduler.record_length(total - cached_local)
@@ -121,9 +123,14 @@ class PrfaasRouter:
         if route.cluster != PRFAAS:
             self.counts["local"] += 1
             return PrfaasChoice(None, source, route.reused_tokens)
-        self.counts["prfaas"] += 1
-        name = self.policy.select_prefill(shown)
+        # the PrfaaS instance holding the prefix the route counted on, else the least loaded
+        name = prfaas_holder if cached_prfaas > 0 and route.reuse_from == PRFAAS else None
+        name = name or self.policy.select_prefill(shown)
         client = self.pool.clients.get(name) if name is not None else None
+        if client is None:
+            self.counts["local"] += 1
+            return PrfaasChoice(None, None)
+        self.counts["prfaas"] += 1
         return PrfaasChoice(client, source, route.reused_tokens)
 
     def learn_export(self, num_blocks: int, block_bytes: int, num_layers: int, block_size: int) -> float:
@@ -161,8 +168,9 @@ class PrfaasRouter:
             "utilization": round(util, 3), "queue_s": round(queue_s, 3),
         })  # fmt: skip
 
-    def replan(self) -> OperatingPoint | None:
-        """Long term: the grid search over the measured lengths, outputs and link (``plan_profiles``)."""
+    def replan(self, capacity_gbps: float | None = None) -> OperatingPoint | None:
+        """Long term: the grid search over the measured lengths, outputs and link (``plan_profiles``;
+        ``capacity_gbps``: the link's, read on the event loop by the caller)."""
         paths = self.cfg.profile_paths()
         if paths is None or not self.cfg.scheduler:
             return None
@@ -175,7 +183,7 @@ class PrfaasRouter:
             local=prefill_curve(local),
             decode=decode_rate(local, slo_tokens_per_s=slo_tokens, context_tokens=lengths.mean() + out / 2),
             prfaas=prefill_curve(fast),
-            bandwidth_gbps=self.meter.capacity_gbps(),
+            bandwidth_gbps=self.meter.capacity_gbps() if capacity_gbps is None else capacity_gbps,
             service="mean",  # measured lengths: each stage's mean service time
         )
         roles = [s.role for s in self.local.snapshots()]
@@ -211,7 +219,7 @@ class PrfaasRouter:
                 self.sample()
                 if time.monotonic() - last_plan >= self.cfg.replan_s:
                     last_plan = time.monotonic()
-                    if await asyncio.to_thread(self.replan) is not None:
+                    if await asyncio.to_thread(self.replan, self.meter.capacity_gbps()) is not None:
                         self.rebalance()
             except Exception:  # noqa: BLE001 - the scheduler must not stop serving
                 logger.exception("prfaas scheduler tick failed")

@@ -100,12 +100,19 @@ async def open_prfaas(
                     launcher, specs, cfg.service.restart_policy(), pool.mark_dead, registry.incarnation_of
                 )
                 tasks.append(asyncio.get_running_loop().create_task(pool.supervisor.run()))
-                await pool.wait_for(names, cl.launch.startup_timeout_s)
             else:
                 print(
                     f"xllm: PrfaaS: waiting for an instance under {p.key_prefix}", file=sys.stderr, flush=True
                 )
-                await pool.wait_for_any(cl.launch.startup_timeout_s)
+            timeout = cl.launch.startup_timeout_s
+            try:  # a PrfaaS cluster that does not come up leaves the local one serving alone
+                await (pool.wait_for(names, timeout) if names else pool.wait_for_any(timeout))
+            except TimeoutError as e:
+                print(
+                    f"xllm: PrfaaS: {e}; serving with the local cluster alone until they register",
+                    file=sys.stderr,
+                    flush=True,
+                )
             local.prfaas = router
             tasks.append(asyncio.get_running_loop().create_task(router.run()))
             yield router

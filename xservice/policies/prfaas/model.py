@@ -182,6 +182,8 @@ def plan(
         )
     if stages.prfaas is None:
         raise ValueError("PrfaaS-PD needs the PrfaaS cluster's prefill curve")
+    if not math.isfinite(lengths.hi):
+        raise ValueError("the length distribution needs a finite longest length (hi) to search thresholds in")
     if splits is not None and (not splits or not all(0 < n < local_instances for n in splits)):
         raise ValueError(f"local prefill counts must lie in 1..{local_instances - 1}")
     candidates = [

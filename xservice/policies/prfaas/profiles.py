@@ -53,8 +53,10 @@ class PrefillCurve:
             )
         if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or self.tokens[0] <= 0:
             raise ValueError(f"prefill curve {self.name!r}: token counts must be positive and increasing")
-        if any(not math.isfinite(v) or v < 0 for v in (*self.seconds, *self.kv_bytes)):
-            raise ValueError(f"prefill curve {self.name!r}: latencies and sizes must be finite and >= 0")
+        if any(not math.isfinite(v) or v < 0 for v in self.kv_bytes):
+            raise ValueError(f"prefill curve {self.name!r}: KV sizes must be finite and >= 0")
+        if any(not math.isfinite(v) or v <= 0 for v in self.seconds):
+            raise ValueError(f"prefill curve {self.name!r}: latencies must be finite and > 0")
 
     def prefill_s(self, tokens: float) -> float:
         return _interp(self.tokens, self.seconds, tokens)
@@ -111,6 +113,8 @@ def prefill_curve(data: Mapping[str, Any], *, chunk: int | None = None, speedup:
     name = str(data.get("name", "profile"))
     if not speedup > 0:
         raise ValueError("speedup must be > 0")
+    if chunk is not None and chunk < 1:
+        raise ValueError("the prefill chunk must be >= 1 token")
     if _is_device_profile(data):
         step = chunk or 1 << 30
         lengths = [2**k for k in range(4, 18)]  # 16 .. 128K

@@ -143,8 +143,11 @@ class BandwidthAwareScheduler:
         falls as the threshold rises). Rising: at least 10% above the current one, so a noisy sample
         still makes progress."""
         now = self._load(self.threshold, lengths)
-        if now <= 0 or self.egress_gbps <= 0:
-            return self.threshold * (1.25 if up else 1.0)
+        base = max(self.threshold, 1.0)  # (a threshold of 0 still rises)
+        if now <= 0 or self.egress_gbps <= 0:  # nothing to scale from: a fixed step
+            if up:
+                return max(self.threshold, min(base * 1.25, lengths.hi))
+            return max(self.planned, self.threshold / self.max_step)
         goal = now * want_gbps / self.egress_gbps  # bytes per request wanted
         lo, hi = math.log(max(self.planned, 1.0)), math.log(max(lengths.hi, self.threshold) * 2)
         for _ in range(50):
@@ -156,7 +159,7 @@ class BandwidthAwareScheduler:
         t = math.exp(hi)
         if up:  # at least 10% (a noisy sample still makes progress), at most max_step at a time, and
             # no further than the longest length seen (past it nothing is offloaded any more)
-            t = min(max(t, self.threshold * 1.1), self.threshold * self.max_step)
+            t = min(max(t, base * 1.1), base * self.max_step)
             return max(self.threshold, min(t, lengths.hi))
         return max(t, self.threshold / self.max_step)
 

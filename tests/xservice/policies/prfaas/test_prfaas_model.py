@@ -126,3 +126,13 @@ def test_profiles_of_both_shapes() -> None:
         prefill_curve({"name": "x"})
     with pytest.raises(ValueError, match="increasing"):
         prefill_curve({"name": "x", "prefill": {"tokens": [2, 1], "seconds": [1, 1], "kv_bytes": [1, 1]}})
+
+
+def test_bad_inputs_are_named() -> None:
+    stages = Stages(local=LOCAL, decode=DecodeRate(10, 0.1), prfaas=FAST)
+    with pytest.raises(ValueError, match="finite longest length"):
+        plan(stages, LogNormalLengths(7.0, 1.0), 100, 1, 3)
+    with pytest.raises(ValueError, match="chunk"):
+        prefill_curve({"name": "d", "base_ms": 1.0, "tokens_ms": [[1, 1.0]]}, chunk=0)
+    with pytest.raises(ValueError, match="latencies must be finite and > 0"):
+        prefill_curve({"name": "z", "prefill": {"tokens": [1, 2], "seconds": [0, 1], "kv_bytes": [1, 2]}})

@@ -61,3 +61,14 @@ def test_replan_uses_the_measured_lengths_and_link() -> None:
     assert s.planned == s.threshold == narrow.deployment.threshold
     with pytest.raises(ValueError, match="0 < low"):
         BandwidthAwareScheduler(1, CURVE, LENGTHS, low=0.9, target=0.5)
+
+
+def test_it_never_sticks_past_the_longest_length() -> None:
+    lengths = LogNormalLengths(math.log(2000), 0.5, 100, 5000)
+    s = BandwidthAwareScheduler(4096, CURVE, lengths, smoothing_s=1.0, cooldown_s=1.0)
+    d = _feed(s, 0, 4, gbps=9.9, cap=10.0)  # saturated: raised, at most to the longest length
+    assert 4096 < d.threshold <= 5000
+    d = _feed(s, 4, 30, gbps=0.0, cap=10.0)  # idle (nothing offloaded above it): back to the plan
+    assert d.threshold == pytest.approx(4096)
+    zero = BandwidthAwareScheduler(0, CURVE, lengths, smoothing_s=1.0)
+    assert _feed(zero, 0, 3, gbps=0.0, cap=10.0, queued=1e11).threshold > 0  # 0 can rise too
