@@ -42,6 +42,7 @@ from xengine.models.registry import get_model_class
 from xengine.multimodal.encode_stage import EncodeStage
 from xengine.multimodal.request_images import request_images, vision_spec
 from xengine.parallel.group import start_expert_parallel
+from xengine.parallel.tensor import get_tensor_parallel, kv_head_range
 from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
@@ -144,7 +145,7 @@ class Engine:
             kv = build_kv(
                 cache,
                 config.scheduler,
-                info,
+                self._rank_kv_info(info),
                 self.dtype,
                 self.platform,
                 max_len,
@@ -198,6 +199,14 @@ class Engine:
             model_dir, info.vocab_size, list(info.eos_token_ids), config.structured_outputs
         )
         self.info = self._describe(config, info, model_dir, kv)
+
+    def _rank_kv_info(self, info: ModelInfo) -> ModelInfo:
+        """``info`` with this rank's KV heads (tensor parallel: its share, so the same memory holds
+        N times the tokens)."""
+        tp = get_tensor_parallel()
+        if tp is None:
+            return info
+        return dataclasses.replace(info, num_kv_heads=kv_head_range(info.num_kv_heads, tp.rank, tp.size)[1])
 
     def _emulated(self, config: EngineConfig) -> CacheConfig:
         """The cache settings of an emulated instance (its pool as large as the profile's device holds,
@@ -449,6 +458,11 @@ class Engine:
         """Pin the prompt ``token_ids``'s cached blocks for a decode instance (``next_token_id``: the
         token the prefill sampled; a draft head's blocks of the prompt go along when it is given)."""
         self._check_transferable()
+        if get_tensor_parallel() is not None:
+            raise ValueError(
+                "KV export from a tensor-parallel instance is not supported yet (rank 0 holds only its KV "
+                "heads); run prefill instances with tensor_parallel_size 1"
+            )
         return self.kv_transfer.export(export_id, token_ids, next_token_id)
 
     def kv_import(

@@ -31,6 +31,7 @@ SLOW_SMOKE = {
     "cluster_failover", "engine_modes", "dynamic_pd", "moe_ep", "pd_transfer", "offline.hybrid_pd",
     "cluster_sim.validate",  # an emulated cluster: tests/xservice/cluster/test_cluster_emulated.py runs one
     "prfaas.netns",  # three clusters across network namespaces: tests/xservice/cluster/test_cluster_prfaas.py
+    "tensor_parallel",  # five multi-process engines: tests/xengine/parallel/test_tensor_parallel.py runs them
 }  # fmt: skip
 
 

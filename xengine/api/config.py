@@ -318,7 +318,26 @@ class ParallelConfig:
         "on devices); attention and dense layers run replicated. 1: one process.",
     )
     tensor_parallel_size: int = _f(
-        1, "Tensor parallelism for attention/dense layers (only 1 is implemented: they run replicated)."
+        1,
+        "Processes one engine instance's attention and dense layers split over (tensor parallel): "
+        "column-parallel QKV and gate/up, row-parallel o_proj and down with one all-reduce each, "
+        "vocab-parallel embedding and LM head, each rank holding its heads' KV. Ranks on one host "
+        "all-reduce through shared memory. MoE experts split over the same ranks by expert parallelism "
+        "(expert_parallel_size must be 1 or equal). 1: one process.",
+    )
+    distributed_executor_backend: str = _f(
+        "mp",
+        "How the instance's ranks 1..N-1 start: 'mp' (processes on this host, all-reduce through shared "
+        "memory) or 'ray' (Ray actors in a placement group, one bundle per rank, possibly on other nodes; "
+        "rendezvous over TCP, gloo between hosts).",
+    )
+    ray_address: str = _f(
+        "", "ray executor: the Ray cluster to join ('' : the one this process is connected to, or 'auto')."
+    )
+    placement_strategy: str = _f(
+        "SPREAD",
+        "ray executor: the placement group's strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD; "
+        "STRICT_SPREAD puts every rank on its own node).",
     )
     enable_dual_batch_overlap: bool = _f(
         False,
@@ -339,19 +358,36 @@ class ParallelConfig:
     eplb_interval: int = _f(200, "Steps between two rebalancing decisions (EPLB).")
     eplb_window: int = _f(100, "Steps of expert-load history a rebalancing decision looks at (EPLB).")
 
+    @property
+    def world_size(self) -> int:
+        """Processes of the instance: the tensor-parallel ranks, which also split the experts."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
     def validate(self) -> None:
         if self.expert_parallel_size < 1:
             raise ValueError("parallel.expert_parallel_size must be >= 1")
-        if self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("parallel.tensor_parallel_size must be >= 1")
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if tp > 1 and ep not in (1, tp):
             raise ValueError(
-                "parallel.tensor_parallel_size > 1 is not implemented yet: attention and dense layers run "
-                "replicated on every expert-parallel worker; use tensor_parallel_size 1"
+                f"parallel.expert_parallel_size ({ep}) must be 1 or equal tensor_parallel_size ({tp}): "
+                "experts are split over the tensor-parallel ranks"
+            )
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"parallel.distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}"
+            )
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(
+                "parallel.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got "
+                f"{self.placement_strategy!r}"
             )
         if self.num_redundant_experts < 0:
             raise ValueError("parallel.num_redundant_experts must be >= 0")
         if self.eplb_interval < 1 or self.eplb_window < 1:
             raise ValueError("parallel.eplb_interval and parallel.eplb_window must be >= 1")
-        single = self.expert_parallel_size == 1
+        single = self.world_size == 1
         for flag, on in (
             ("enable_dual_batch_overlap", self.enable_dual_batch_overlap),
             ("enable_eplb", self.enable_eplb),

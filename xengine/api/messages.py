@@ -250,9 +250,12 @@ class XTensorStatsMsg(msgspec.Struct, kw_only=True):
 
 
 class MoeStatsMsg(msgspec.Struct, kw_only=True):
-    """Expert parallelism of an instance: communication rank 0 waited on, and EPLB's balance."""
+    """Expert / tensor parallelism of an instance: communication rank 0 waited on, and EPLB's balance."""
 
     expert_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    num_all_reduces: int = 0  # tensor parallel: rank 0's all-reduces so far
+    all_reduce: str = ""  # tensor parallel: "shared_memory" (one host) or "torch.distributed"
     dual_batch_overlap: bool = False
     num_moe_layers: int = 0
     num_steps: int = 0

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ops.linear import pack_linear, packed_linear
+from xengine.layers.checkpoint_tensor import materialize, narrow
 
 
 class Linear(nn.Linear):
@@ -27,13 +28,17 @@ class Linear(nn.Linear):
         on the layer: ``weight`` then holds its quantized values, packed as they are."""
         scale = getattr(self, "weight_scale", None)
         zero = getattr(self, "weight_zero", None)
-        packed = pack_linear(self.weight, self.bias, self.float_output, quantization, scale, zero)
+        packed = pack_linear(self.weight, self.fused_bias(), self.float_output, quantization, scale, zero)
         self._packed, self._packed_owner = (None, None) if packed is None else packed
         return self._packed is not None
 
+    def fused_bias(self) -> torch.Tensor | None:
+        """The bias the GEMM adds (a row-parallel layer adds its own after the all-reduce)."""
+        return self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.fused_bias())
         return packed_linear(x, self._packed)
 
 
@@ -52,12 +57,17 @@ class MergedLinear(Linear):
     """Projections with the same input stacked along the output dim (e.g. q|k|v, gate|up).
 
     Checkpoints store each projection separately; ``load_shard`` copies one into its row range.
+    Column-parallel (tensor parallel): ``output_sizes`` are this rank's rows of each projection and
+    ``source_starts`` where they begin in the checkpoint's tensor, read without reading the rest.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, source_starts: list[int] | None = None
+    ) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = list(output_sizes)
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+        self.source_starts = source_starts
 
     @property
     def num_shards(self) -> int:
@@ -69,6 +79,9 @@ class MergedLinear(Linear):
         if param is None:
             raise ValueError(f"checkpoint has a {param_name} for a projection built without one")
         start, size = self.offsets[shard], self.output_sizes[shard]
+        if self.source_starts is not None:
+            tensor = narrow(tensor, 0, self.source_starts[shard], size)
+        tensor = materialize(tensor)
         expected = (size, *param.shape[1:])
         if tuple(tensor.shape) != expected:
             raise ValueError(

@@ -20,7 +20,9 @@ from torch import nn
 from graph.attention_op import unified_attention
 from xengine.layers.linear import Linear
 from xengine.layers.norm import RMSNorm
+from xengine.layers.parallel_linear import column_single, row_linear
 from xengine.layers.rotary import RotaryEmbedding
+from xengine.parallel.tensor import split_evenly, tp_rank_size
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default, not the config's rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -43,24 +45,28 @@ class MultiLatentAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # its KV cache in the forward context
+        # tensor parallel: this rank's heads; the latent (the cache, its projections) is every rank's
+        _, size = tp_rank_size()
+        full_heads, num_heads = num_heads, split_evenly(num_heads, size, "number of attention heads")
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = (
             qk_nope_head_dim,
             qk_rope_head_dim,
             v_head_dim,
         )
-        q_size = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        q_size = full_heads * (qk_nope_head_dim + qk_rope_head_dim)
         if q_lora_rank is None:
-            self.q_proj = Linear(hidden_size, q_size, bias=False)
+            self.q_proj = column_single(hidden_size, q_size, bias=False)
         else:
             self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(q_lora_rank, q_size, bias=False)
+            self.q_b_proj = column_single(q_lora_rank, q_size, bias=False)
         self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         # never run as a layer: its weight is read per head (W_UK, W_UV), so plain nn.Linear (not packed)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        kv_b_size = full_heads * (qk_nope_head_dim + v_head_dim)
+        self.kv_b_proj = column_single(kv_lora_rank, kv_b_size, bias=False, cls=nn.Linear)
+        self.o_proj = row_linear(full_heads * v_head_dim, hidden_size, bias=bias)
         self.rotary = rotary
         self.scale = scale
 

@@ -14,12 +14,14 @@ from graph.forward_context import forward_context
 from ops.activation import silu_and_mul
 from ops.attention import AttentionMetadata
 from ops.rope_scaling import max_context_len
-from xengine.layers.linear import Linear, MergedLinear, make_weights_input_major
+from xengine.layers.linear import make_weights_input_major
 from xengine.layers.norm import RMSNorm
+from xengine.layers.parallel_linear import column_linear, lm_head, row_linear, vocab_embedding
 from xengine.layers.rotary import RotaryEmbedding
 from xengine.models.base import BaseCausalLM
 from xengine.models.decoder_config import DecoderConfig, decoder_config_from_hf
 from xengine.models.weights import WeightLoader
+from xengine.parallel.tensor import kv_head_range, split_evenly, tp_rank_size
 
 
 class DecoderAttention(nn.Module):
@@ -28,10 +30,19 @@ class DecoderAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # its KV cache in the forward context
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # tensor parallel: this rank's query heads and KV heads (``xengine/parallel/tensor.py``)
+        rank, size = tp_rank_size()
+        self.num_heads = split_evenly(cfg.num_heads, size, "number of attention heads")
+        first_kv, self.num_kv_heads = kv_head_range(cfg.num_kv_heads, rank, size)
+        self.head_dim = d = cfg.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = column_linear(
+            cfg.hidden_size,
+            [q_size, kv_size, kv_size],
+            cfg.qkv_bias,
+            [rank * q_size, first_kv * d, first_kv * d],
+        )
+        self.o_proj = row_linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -54,9 +65,10 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias)
-        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        rank, size = tp_rank_size()
+        local = split_evenly(cfg.intermediate_size, size, "intermediate size")
+        self.gate_up_proj = column_linear(cfg.hidden_size, [local, local], cfg.mlp_bias, [rank * local] * 2)
+        self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -108,7 +120,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, cfg.rope_is_neox
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 cfg,
@@ -158,12 +170,13 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(BaseCausalLM):
     """Dense decoder LM; subclasses only choose how ``config.json`` maps onto ``DecoderConfig``."""
 
+    tensor_parallel = True  # its layers split over a tensor-parallel group (subclasses with own layers: no)
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = self.make_model(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head.float_output = True  # logits in float32 straight from the GEMM's accumulators
+        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
 
     def make_model(self, cfg: DecoderConfig) -> nn.Module:

@@ -17,12 +17,14 @@ from torch import nn
 
 from ops.activation import gelu_tanh_and_mul
 from ops.rope_scaling import max_context_len
-from xengine.layers.linear import Linear, MergedLinear, make_weights_input_major
+from xengine.layers.linear import make_weights_input_major
 from xengine.layers.norm import RMSNorm
+from xengine.layers.parallel_linear import column_linear, row_linear, vocab_embedding
 from xengine.layers.rotary import RotaryEmbedding
 from xengine.models.decoder import DecoderAttention, DecoderForCausalLM
 from xengine.models.decoder_config import DecoderConfig, decoder_config_from_hf, parse_rope
 from xengine.models.weights import WeightLoader
+from xengine.parallel.tensor import split_evenly, tp_rank_size
 
 _DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
@@ -100,9 +102,10 @@ def gemma3_config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
 class Gemma3MLP(nn.Module):
     def __init__(self, cfg: Gemma3Config) -> None:
         super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=False)
-        self.down_proj = Linear(size, cfg.hidden_size, bias=False)
+        rank, size = tp_rank_size()
+        local = split_evenly(cfg.intermediate_size, size, "intermediate size")
+        self.gate_up_proj = column_linear(cfg.hidden_size, [local, local], False, [rank * local] * 2)
+        self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
@@ -144,7 +147,7 @@ class Gemma3Model(nn.Module):
         self.rotary_local = RotaryEmbedding(
             cfg.rotary_dim, cfg.max_position_embeddings, cfg.local_rope_theta, cfg.local_rope_scaling
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = math.sqrt(cfg.hidden_size)
         self.layers = nn.ModuleList(
             Gemma3Layer(cfg, self.rotary_local if w is not None else self.rotary, i)

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ops.platforms import Platform
+from xengine.layers.checkpoint_tensor import LazyTensor
 from xengine.layers.linear import pack_linears
 from xengine.layers.moe import FusedExperts
 from xengine.models.base import BaseCausalLM
@@ -26,6 +27,7 @@ from xengine.models.quantized_weights import (
     pack_quantized_linears,
 )
 from xengine.models.registry import get_model_class
+from xengine.parallel.tensor import tp_rank_size
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +60,13 @@ def safetensors_files(model_dir: str) -> list[str]:
     raise ValueError(f"{model_dir!r} has no *.safetensors weights")
 
 
-def iterate_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of ``files`` (CPU tensors, checkpoint dtype)."""
+def iterate_weights(files: list[str], lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """Yield ``(name, tensor)`` for every tensor of ``files`` (CPU tensors, checkpoint dtype);
+    ``lazy``: a ``LazyTensor`` each, read (in part) by the layer that loads it."""
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (LazyTensor(name, f) if lazy else f.get_tensor(name))
 
 
 def load_model(
@@ -84,11 +87,14 @@ def load_model(
     files = safetensors_files(model_dir)
     stored = checkpoint_quantization(hf_config)
     quantization = resolve_quantization(quantization, stored)
+    _, tp_size = tp_rank_size()
+    if tp_size > 1:
+        check_tensor_parallel(cls, stored is not None)
     # Build on the meta device (no random init, no memory), then allocate directly on the target.
     with torch.device("meta"):
         model = cls.from_hf_config(hf_config)
     model = model.to(dtype=dtype).to_empty(device=device)
-    weights = iterate_weights(files)
+    weights = iterate_weights(files, lazy=tp_size > 1)  # a rank reads only its shards
     if stored is not None:
         weights = canonical_weights(weights, stored, attach_quant_params(model, stored))
     model.load_weights(weights)
@@ -100,6 +106,21 @@ def load_model(
         pack_linears(model, quantization)  # the platform's faster GEMM layout, where it has one
     _warn_unquantized_experts(model, quantization)
     return model
+
+
+def check_tensor_parallel(cls: type, quantized_checkpoint: bool) -> None:
+    """Refuse, before any weight is read, a model that cannot split over a tensor-parallel group."""
+    if not getattr(cls, "tensor_parallel", False):
+        raise ValueError(
+            f"{cls.__name__} does not support tensor_parallel_size > 1 yet; models that do: "
+            "Qwen3ForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, "
+            "MistralForCausalLM, Gemma3ForCausalLM"
+        )
+    if quantized_checkpoint:
+        raise ValueError(
+            "a pre-quantized checkpoint cannot load with tensor_parallel_size > 1 yet; load the float "
+            "checkpoint (optionally with --quantization, which quantizes each rank's shard)"
+        )
 
 
 def _warn_unquantized_experts(model: BaseCausalLM, quantization: str) -> None:

@@ -88,6 +88,7 @@ class RoutedMoeBlock(nn.Module):
 
 
 class MiMoV2FlashForCausalLM(DecoderForCausalLM):
+    tensor_parallel = False  # its own layers are not split yet
     config: MiMoV2FlashConfig
 
     @classmethod

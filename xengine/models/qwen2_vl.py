@@ -26,6 +26,9 @@ _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
+    # tensor parallel: the language model splits, the vision tower is replicated (image requests are
+    # refused on a parallel instance: its workers would not receive the image embeddings)
+    tensor_parallel = True
     windowed_vision = False  # Qwen2.5-VL: window attention in the vision tower
 
     def __init__(self, cfg: DecoderConfig, hf_config: dict[str, Any]) -> None:

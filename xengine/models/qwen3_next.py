@@ -133,6 +133,8 @@ class Qwen3NextModel(nn.Module):
 class Qwen3NextForCausalLM(DecoderForCausalLM):
     """The decoder LM's runner interface over ``Qwen3NextModel``, plus the recurrent layers' state shapes."""
 
+    tensor_parallel = False  # its own layers are not split yet
+
     config: Qwen3NextConfig
 
     def make_model(self, cfg: Qwen3NextConfig) -> nn.Module:  # type: ignore[override]

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from xengine.layers.checkpoint_tensor import materialize
 from xengine.layers.linear import MergedLinear
 from xengine.layers.moe import EXPERT_PROJECTIONS, FusedExperts
 
@@ -45,7 +46,7 @@ class WeightLoader:
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         expert_match = _EXPERT_WEIGHT.match(name)
         if expert_match is not None:
-            self._load_expert(name, tensor, *expert_match.groups())
+            self._load_expert(name, materialize(tensor), *expert_match.groups())
             return
         module_path, _, param_name = name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
@@ -62,15 +63,17 @@ class WeightLoader:
         if param is None:
             raise ValueError(f"checkpoint has unexpected weight {name!r} for {type(self.model).__name__}")
         owner = self.model.get_submodule(module_path) if module_path else self.model
-        if isinstance(owner, FusedExperts):  # every expert stacked: the module keeps the ones it holds
-            owner.load_stacked(param_name, tensor)
+        if hasattr(owner, "load_param"):  # a tensor-parallel layer: it reads only its slice
+            owner.load_param(param_name, tensor)
+        elif isinstance(owner, FusedExperts):  # every expert stacked: the module keeps the ones it holds
+            owner.load_stacked(param_name, materialize(tensor))
         elif param.shape != tensor.shape:
             raise ValueError(
                 f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
             )
         else:
             with torch.no_grad():
-                param.copy_(tensor)
+                param.copy_(materialize(tensor))
         for shard in range(self._expected_shards(name)):  # a stacked tensor fills every shard at once
             self._mark(name, shard)
 

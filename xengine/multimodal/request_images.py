@@ -107,7 +107,9 @@ def request_images(
     if spec is None:
         raise ValueError(f"invalid value for 'images': model {model_name!r} does not take images")
     if expert_parallel:
-        raise ValueError("invalid value for 'images': images are not supported with expert parallelism yet")
+        raise ValueError(
+            "invalid value for 'images': images are not supported with expert or tensor parallelism yet"
+        )
     if req.params.use_beam_search:
         raise ValueError("invalid value for 'images': beam search over image prompts is not supported yet")
     return RequestImages.build(list(req.prompt_token_ids), list(req.images or ()), spec)

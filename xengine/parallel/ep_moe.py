@@ -24,6 +24,8 @@ from ops.moe import DispatchedTokens
 from ops.opaque_op import opaque_op
 from xengine.parallel.eplb_policy import initial_placement
 from xengine.parallel.state import ExpertParallel, get_expert_parallel
+from xengine.parallel.tensor import get_tensor_parallel
+from xengine.parallel.tp_moe import tp_experts
 
 Stage = Generator[Any, None, torch.Tensor]  # yields async work handles, returns the micro-batch output
 
@@ -117,6 +119,9 @@ def _ep_forward(
     if ctx is None or ctx.meta is None:  # graph capture / warm-up: no collectives, nothing real to compute
         return torch.zeros_like(hidden)
     shard = ep.layers[layer_index]
+    tp = get_tensor_parallel()
+    if tp is not None and ep.eplb is None and not ep.dual_batch_overlap:  # tokens on every rank already
+        return tp_experts(ep, tp, shard, hidden, topk_weights, topk_ids)
     num_real = min(ctx.num_tokens, hidden.shape[0])
     bounds = [num_real * r // ep.world_size for r in range(ep.world_size + 1)]
     lo, hi = bounds[ep.rank], bounds[ep.rank + 1]

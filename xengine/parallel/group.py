@@ -1,6 +1,7 @@
 """One engine instance as N processes: rank 0 is the engine itself, ranks 1..N-1 are workers it starts.
 
-``ExpertParallelGroup.start`` spawns the workers (``python -m xengine.parallel.worker``), joins them in a
+N is ``parallel.world_size``: the tensor-parallel ranks (``tensor.py``), which also split the experts of
+an MoE model (``state.py``), or the expert-parallel ranks alone. ``ExpertParallelGroup.start`` spawns the workers (``python -m xengine.parallel.worker``), joins them in a
 ``torch.distributed`` group (the platform's backend for the MoE collectives; gloo for the control
 broadcasts, which have no timeout because workers wait on them while the engine is idle) and then
 supervises them: a worker that exits is noticed within ``POLL_S``; the engine's next step (or its idle
@@ -29,8 +30,11 @@ from ops.platforms import Platform
 from xengine.api.config import CacheConfig, EngineConfig, ParallelConfig
 from xengine.api.messages import MoeStatsMsg
 from xengine.parallel.eplb import NONE, Eplb
+from xengine.parallel.ray_ranks import HOST_ID_ENV, RayRanks
+from xengine.parallel.shm_comm import DistCommunicator, ShmCommunicator
 from xengine.parallel.state import ExpertParallel, set_expert_parallel
 from xengine.parallel.step_message import KIND_SETUP, KIND_STOP, publish_control, publish_step
+from xengine.parallel.tensor import TensorParallel, get_tensor_parallel, set_tensor_parallel
 from xengine.runner.input_batch import ModelInputs
 
 logger = logging.getLogger("xengine.parallel")
@@ -46,13 +50,21 @@ class WorkerDiedError(RuntimeError):
 
 
 def init_expert_parallel(
-    rank: int, world_size: int, init_method: str, backend: str, cfg: ParallelConfig
+    rank: int, world_size: int, init_method: str, backend: str, cfg: ParallelConfig, host_id: str = ""
 ) -> ExpertParallel:
-    """Join the group (blocks until every rank has) and make it this process's expert-parallel state."""
+    """Join the group (blocks until every rank has) and make it this process's expert-parallel state
+    and, with ``tensor_parallel_size > 1``, its tensor-parallel state. ``host_id``: this rank's host
+    (ranks that all share one all-reduce through shared memory); default: this machine."""
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=DATA_TIMEOUT
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    hosts: list[object] = [None] * world_size
+    dist.all_gather_object(hosts, host_id or this_host(), group=control)
+    if cfg.tensor_parallel_size > 1:
+        one_host = len(set(hosts)) == 1
+        comm = _communicator(backend, rank, world_size, control, one_host)
+        set_tensor_parallel(TensorParallel(rank, world_size, comm))
     ep = ExpertParallel(
         rank,
         world_size,
@@ -71,8 +83,12 @@ def init_expert_parallel(
 class ExpertParallelGroup:
     """Rank 0's handle on the group: publishes each step, supervises and stops the workers."""
 
-    def __init__(self, ep: ExpertParallel, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, ep: ExpertParallel, procs: list, ray: RayRanks | None = None) -> None:
         self.ep = ep
+        self.ray = ray
+        tp = get_tensor_parallel()
+        self.tp = tp
+        self.tensor_parallel_size = 1 if tp is None else tp.size
         self.procs = procs
         self.failure: str | None = None
         self._stopping = False
@@ -81,28 +97,50 @@ class ExpertParallelGroup:
 
     @classmethod
     def start(cls, config: EngineConfig, backend: str) -> ExpertParallelGroup:
-        """Spawn ``expert_parallel_size - 1`` workers and join them as rank 0."""
-        world = config.parallel.expert_parallel_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        """Start ``world_size - 1`` workers (processes here, or Ray actors) and join them as rank 0."""
+        par = config.parallel
+        world, threads = par.world_size, torch.get_num_threads()
+        ray = (
+            RayRanks(par.ray_address, world, par.placement_strategy, threads)
+            if par.distributed_executor_backend == "ray"
+            else None
+        )
+        host = "127.0.0.1" if ray is None else ray.host_ip
+        init_method = f"tcp://{host}:{_free_port(host)}"
         config_json = json.dumps(dataclasses.asdict(config))
-        procs = []
-        for rank in range(1, world):
-            cmd = [sys.executable, "-m", "xengine.parallel.worker", "--rank", str(rank), "--world-size"]
-            cmd += [str(world), "--init-method", init_method, "--backend", backend]
-            cmd += ["--num-threads", str(torch.get_num_threads()), "--parent-pid", str(os.getpid())]
-            procs.append(subprocess.Popen([*cmd, "--config-json", config_json]))
-        logger.info("expert parallel: started %d worker(s) (pids %s)", len(procs), [p.pid for p in procs])
+        procs: list = []
         try:
-            ep = init_expert_parallel(0, world, init_method, backend, config.parallel)
-        except Exception:
+            for rank in range(1, world):
+                cmd = [sys.executable, "-m", "xengine.parallel.worker", "--rank", str(rank), "--world-size"]
+                cmd += [
+                    str(world),
+                    "--init-method",
+                    init_method,
+                    "--backend",
+                    backend,
+                    "--num-threads",
+                    str(threads),
+                ]
+                cmd += ["--config-json", config_json]
+                if ray is None:
+                    procs.append(subprocess.Popen([*cmd, "--parent-pid", str(os.getpid())]))
+                else:
+                    procs.append(ray.start(rank, cmd, dict(os.environ, PYTHONPATH=_root_path())))
+            logger.info("parallel: started %d worker(s) (pids %s)", len(procs), [p.pid for p in procs])
+            host_id = "" if ray is None else ray.host_id
+            ep = init_expert_parallel(0, world, init_method, backend, par, host_id)
+        except BaseException:
             for p in procs:
                 p.kill()
+            if ray is not None:
+                ray.close()
             raise
-        return cls(ep, procs)
+        return cls(ep, procs, ray)
 
     def check_model_and_cache(self, cache: CacheConfig) -> CacheConfig:
-        """After the model is built: it must have MoE layers; the KV layout is paged on every rank."""
-        if not self.ep.layers:
+        """After the model is built: expert parallelism alone needs MoE layers; the KV layout is paged
+        on every rank."""
+        if not self.ep.layers and self.tensor_parallel_size == 1:
             raise ValueError(
                 "expert_parallel_size > 1 needs a mixture-of-experts model (e.g. Qwen3MoeForCausalLM, "
                 "DeepseekV3ForCausalLM); this one has no expert layers"
@@ -113,6 +151,9 @@ class ExpertParallelGroup:
         ep, eplb = self.ep, self.ep.eplb
         return MoeStatsMsg(
             expert_parallel_size=ep.world_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+            num_all_reduces=self.tp.num_all_reduces if self.tp is not None else 0,
+            all_reduce=_comm_name(self.tp.comm) if self.tp is not None else "",
             dual_batch_overlap=ep.dual_batch_overlap,
             num_moe_layers=len(ep.layers),
             num_steps=ep.comm.num_steps,
@@ -151,14 +192,20 @@ class ExpertParallelGroup:
                 code = proc.poll()
                 if code is not None and self.failure is None:
                     self.failure = (
-                        f"expert-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}; "
+                        f"{self._kind} worker rank {rank} (pid {proc.pid}) exited with code {code}; "
                         "this engine instance is down"
                     )
                     logger.error("%s", self.failure)
+                    if self.tp is not None:  # ranks waiting in a shared-memory collective give up now
+                        self.tp.comm.abort(self.failure)
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
         return self.failure
+
+    @property
+    def _kind(self) -> str:
+        return "tensor-parallel" if self.tensor_parallel_size > 1 else "expert-parallel"
 
     def _watch(self) -> None:
         while not self._stopping and self.scan() is None:
@@ -181,24 +228,65 @@ class ExpertParallelGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.ray is not None:
+            self.ray.close()
         set_expert_parallel(None)
+        if self.tp is not None:
+            self.tp.comm.close()
+            set_tensor_parallel(None)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def start_expert_parallel(config: EngineConfig, platform: Platform) -> ExpertParallelGroup | None:
-    """The instance's worker group when ``parallel.expert_parallel_size > 1``, else None."""
-    if config.parallel.expert_parallel_size == 1:
+    """The instance's worker group when ``parallel.world_size > 1``, else None."""
+    if config.parallel.world_size == 1:
         return None
     if config.cache.kv_layout == "xtensor":
         raise ValueError(
-            "cache.kv_layout 'xtensor' is not supported with expert_parallel_size > 1 yet (the workers' KV "
-            "pools are paged); use --kv-layout paged"
+            "cache.kv_layout 'xtensor' is not supported with expert or tensor parallelism yet (the workers' "
+            "KV pools are paged); use --kv-layout paged"
+        )
+    spec = config.speculative_config
+    if config.parallel.tensor_parallel_size > 1 and spec.enabled and spec.method != "ngram":
+        raise ValueError(
+            f"speculative_config.method {spec.method} is not supported with tensor_parallel_size > 1 yet "
+            "(its draft head runs on one rank); use method ngram or tensor_parallel_size 1"
         )
     return ExpertParallelGroup.start(config, platform.capabilities.dist_backend)
 
 
-def _free_port() -> int:
+def _communicator(backend: str, rank: int, world_size: int, control: object, one_host: bool) -> object:
+    """Shared memory between ranks of one host on CPU (gloo); the platform's collectives (or gloo
+    between hosts) else."""
+    if backend == "gloo" and one_host:
+        return ShmCommunicator.create(control, rank, world_size, timeout_s=DATA_TIMEOUT.total_seconds())
+    return DistCommunicator(dist.group.WORLD, world_size)
+
+
+def _comm_name(comm: object) -> str:
+    return "shared_memory" if isinstance(comm, ShmCommunicator) else "torch.distributed"
+
+
+def this_host() -> str:
+    """This machine's identity for choosing the all-reduce (``XLLM_HOST_ID`` where a launcher set it)."""
+    if os.environ.get(HOST_ID_ENV):
+        return os.environ[HOST_ID_ENV]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{socket.gethostname()}:{f.read().strip()}"
+    except OSError:
+        return socket.gethostname()
+
+
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _root_path() -> str:
+    """The folder holding the ``xengine`` package (a Ray actor's worker imports it from there)."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    extra = os.environ.get("PYTHONPATH", "")
+    return here + (os.pathsep + extra if extra else "")

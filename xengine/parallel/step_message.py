@@ -2,7 +2,8 @@
 
 Two broadcasts on the control group: a fixed-size int64 header, then one int64 payload holding input
 ids, positions, the attention metadata and the copy-on-write block copies. No pickle: the message is
-numbers only, and workers rebuild ``ModelInputs`` from them exactly as rank 0 built them.
+numbers only, and workers rebuild ``ModelInputs`` from them exactly as rank 0 built them (with the rows
+whose logits rank 0 computes: under tensor parallelism every rank computes its vocabulary columns).
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def publish_step(
         meta.block_tables.reshape(-1),
         meta.slot_mapping,
         torch.tensor([x for pair in copies for x in pair], dtype=torch.int64),
+        inputs.logits_indices,  # tensor parallel: every rank computes its columns of these rows' logits
     ]
     payload = torch.cat([p.to("cpu", torch.int64) for p in parts])
-    _send(group, header + [0, 0, 0], payload)
+    _send(group, header + [len(inputs.logits_indices), 0, 0], payload)
 
 
 def publish_control(group: object, kind: int, values: tuple[int, int, int] = (0, 0, 0)) -> None:
@@ -71,10 +73,11 @@ def receive(group: object, device: torch.device) -> StepMessage:
     kind, t, b, w, c, block_size, step_index, action, *values = header_t.tolist()
     if kind != KIND_STEP:
         return StepMessage(kind, values=tuple(values))
-    payload = torch.zeros(3 * t + 2 * b + 1 + b * w + 2 * c, dtype=torch.int64)
+    num_logits = values[0]
+    payload = torch.zeros(3 * t + 2 * b + 1 + b * w + 2 * c + num_logits, dtype=torch.int64)
     dist.broadcast(payload, 0, group=group)
-    sizes = [t, t, b + 1, b, b * w, t, 2 * c]
-    ids, pos, qsl, seq_lens, tables, slots, copies = torch.split(payload, sizes)
+    sizes = [t, t, b + 1, b, b * w, t, 2 * c, num_logits]
+    ids, pos, qsl, seq_lens, tables, slots, copies, logits_rows = torch.split(payload, sizes)
     starts = qsl.tolist()
     lens = seq_lens.tolist()
     query_lens = [starts[i + 1] - starts[i] for i in range(b)]
@@ -89,7 +92,7 @@ def receive(group: object, device: torch.device) -> StepMessage:
         max_seq_len=max(lens, default=0),
         block_size=block_size,
     )
-    inputs = ModelInputs(ids.to(device), pos.to(device), meta, torch.zeros(0, dtype=torch.int64), t)
+    inputs = ModelInputs(ids.to(device), pos.to(device), meta, logits_rows.to(device), t)
     pairs = copies.tolist()
     return StepMessage(kind, inputs, list(zip(pairs[::2], pairs[1::2])), step_index, action)
 

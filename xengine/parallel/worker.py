@@ -1,8 +1,10 @@
-"""An expert-parallel worker: rank 1..N-1 of one engine instance (started by ``ExpertParallelGroup``).
+"""A parallel worker: rank 1..N-1 of one engine instance (started by ``ExpertParallelGroup``).
 
-It builds the same model as rank 0 but holds only its own experts, allocates a KV pool of the geometry
-rank 0 sends, then runs every step rank 0 publishes: the same inputs, the same replicated attention,
-its share of the MoE all-to-alls. It samples nothing and talks to nobody but the group.
+It builds the same model as rank 0 but holds only its own experts (and, under tensor parallelism, its
+slice of every split layer), allocates a KV pool of the geometry rank 0 sends (its own KV heads), then
+runs every step rank 0 publishes: the same inputs, its share of the collectives, and under tensor
+parallelism its columns of the logits rank 0 samples from. It samples nothing and talks to nobody but
+the group.
 
 ``python -m xengine.parallel.worker --rank R --world-size N --init-method tcp://HOST:PORT
 --backend gloo --config-json JSON``
@@ -30,6 +32,7 @@ from xengine.models.info import read_model_info
 from xengine.models.loader import load_model, resolve_dtype
 from xengine.parallel.group import init_expert_parallel
 from xengine.parallel.step_message import KIND_SETUP, KIND_STOP, receive
+from xengine.parallel.tensor import get_tensor_parallel, kv_head_range
 
 logger = logging.getLogger("xengine.parallel.worker")
 
@@ -49,7 +52,9 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     num_blocks, block_size, max_model_len = setup.values
     model.set_max_model_len(max_model_len)
     kv_dtype = config.cache.kv_cache_dtype
-    spec = KVCacheSpec(info.num_layers, info.num_kv_heads, info.head_dim, block_size, dtype, kv_dtype)
+    tp = get_tensor_parallel()
+    kv_heads = info.num_kv_heads if tp is None else kv_head_range(info.num_kv_heads, rank, world_size)[1]
+    spec = KVCacheSpec(info.num_layers, kv_heads, info.head_dim, block_size, dtype, kv_dtype)
     layout = PagedKVLayout()
     kv_caches = layout.allocate(spec, num_blocks, device)
     caches = layout.attention_caches(kv_caches)
@@ -59,7 +64,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     graph = create_graph_runner(mode, platform.name, model.forward_tokens)
     graph.bind_kv(caches, block_size, -(-max_model_len // block_size))
     graph.capture(execution.buckets(), device)
-    logger.info("expert-parallel worker rank %d/%d ready (pid %d)", rank, world_size, os.getpid())
+    logger.info("parallel worker rank %d/%d ready (pid %d)", rank, world_size, os.getpid())
     while True:
         msg = receive(ep.control_group, device)
         if msg.kind == KIND_STOP:
@@ -69,7 +74,9 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
         ep.begin_step(msg.step_index, msg.eplb_action)
         layout.copy_blocks(kv_caches, msg.block_copies)
         with forward_context(inputs.meta, caches, inputs.num_tokens):
-            graph.run(inputs.input_ids, inputs.positions)
+            hidden = graph.run(inputs.input_ids, inputs.positions)
+        if tp is not None and len(inputs.logits_indices):  # this rank's vocabulary columns of the logits
+            model.compute_logits(hidden[inputs.logits_indices])
         platform.synchronize()
     dist.destroy_process_group()
     return 0
@@ -85,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--config-json", required=True)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s ep-worker[{args.rank}] %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{args.rank}] %(message)s")
     set_parent_death_signal(signal.SIGKILL)  # never outlive the engine
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
         return 1  # the engine died before the signal was armed
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_worker(config, args.rank, args.world_size, args.init_method, args.backend)
     except Exception:
-        logger.exception("expert-parallel worker rank %d failed", args.rank)
+        logger.exception("parallel worker rank %d failed", args.rank)
         return 1
 
 

@@ -185,6 +185,12 @@ class ServiceMetrics:
             "Expert parallel: time rank 0 was blocked on MoE all-to-all / all-gather since start.",
             registry=r,
         )
+        self.tp_all_reduces = Gauge(
+            "xllm_tensor_parallel_all_reduces",
+            "Tensor parallel: all-reduces rank 0 ran since start (label: the group's size).",
+            ["tensor_parallel_size"],
+            registry=r,
+        )
         self.success = Counter(
             "xllm_request_success_total",
             "Finished sequences by finish reason.",
@@ -334,6 +340,9 @@ class ServiceMetrics:
                 self.moe_balancedness.labels(layer=str(layer)).set(value)
             self.moe_eplb_swaps.set(stats.moe.num_swaps)
             self.moe_comm_exposed.set(stats.moe.comm_exposed_s)
+            if stats.moe.tensor_parallel_size > 1:
+                size = str(stats.moe.tensor_parallel_size)
+                self.tp_all_reduces.labels(tensor_parallel_size=size).set(stats.moe.num_all_reduces)
         queries = stats.prefix_cache_queries
         self.prefix_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
 

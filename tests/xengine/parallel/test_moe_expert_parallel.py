@@ -147,7 +147,7 @@ def test_a_killed_worker_takes_the_instance_down_without_a_hang(make_model_dir) 
     [
         ("qwen3", dict(expert_parallel_size=2), "mixture-of-experts"),
         ("qwen3_moe", dict(expert_parallel_size=2, kv_layout="xtensor"), "xtensor"),
-        ("qwen3_moe", dict(tensor_parallel_size=2), "tensor_parallel_size"),
+        ("qwen3_moe", dict(tensor_parallel_size=2, expert_parallel_size=4), "tensor_parallel_size"),
         ("qwen3_moe", dict(enable_dual_batch_overlap=True), "expert_parallel_size > 1"),
         ("qwen3_moe", dict(expert_parallel_size=2, num_redundant_experts=2), "enable_eplb"),
         (
