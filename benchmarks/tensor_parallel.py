@@ -4,8 +4,9 @@ threads (the same two cores), and the KV pool's capacity per rank; prints one JS
 - ``decode``: for each batch size, ``B`` random prompts of ``--input-len`` tokens generate
   ``--output-len`` tokens each (greedy, EOS ignored) on ``LLM.engine`` step by step; the median decode
   step (steps whose every sequence adds one token), decode tok/s = B / median step, output tok/s over the
-  whole run; the ratio TP = 2 / TP = 1 and whether both produced the same tokens. The engines run one
-  after another in one process tree, each ``--repeats`` times after a warm-up (medians reported).
+  whole run; the ratio TP = 2 / TP = 1 and whether both produced the same tokens. Both engines are up
+  at once and their ``--repeats`` runs alternate after a warm-up (medians reported), so the drift of a
+  shared virtual machine's speed hits both alike.
 - ``moe``: the same decode workload on ``--moe-arch`` at B = the two largest batch sizes: today's expert
   parallelism alone (EP = 2: attention and dense layers replicated on both ranks, experts exchanged by
   all-to-all over gloo) against TP = 2 (attention and dense layers split, experts split over the same
@@ -77,17 +78,56 @@ def measure(
         out = {}
         for prompts in batches:
             runs = [drive(llm, prompts, args.output_len, f"r{i}") for i in range(args.repeats)]
-            step = statistics.median(statistics.median(r["decode_s"]) for r in runs)
-            out[len(prompts)] = {
-                "median_decode_step_ms": round(step * 1e3, 3),
-                "decode_tok_s": round(len(prompts) / step, 1),
-                "output_tok_s": round(statistics.median(len(prompts) * args.output_len / r["elapsed_s"] for r in runs), 1),
-                "tokens": runs[0]["tokens"],
-            }  # fmt: skip
-            progress(f"TP={tp} B={len(prompts)}: decode step {out[len(prompts)]['median_decode_step_ms']} ms")
+            out[len(prompts)] = summary(runs, len(prompts), args.output_len)
+            progress(f"TP={tp} EP={ep} B={len(prompts)}: decode step {out[len(prompts)]['median_decode_step_ms']} ms")
         moe = llm.engine.get_stats().moe
         out["all_reduces"] = moe.num_all_reduces if moe is not None else 0
     return out
+
+
+def paired(model: str, batches: list[list[list[int]]], args: argparse.Namespace) -> tuple[dict, dict]:
+    """TP = 1 at two threads and TP = 2 at one thread per rank, both engines up, their runs alternating
+    (A B A B ...) so that drift of this machine's speed hits both alike."""
+    import torch
+
+    from xengine.llm import LLM
+
+    kw = dict(dtype="float32", max_model_len=1024, max_num_seqs=max(len(b) for b in batches),
+              graph_mode=args.graph_mode, async_scheduling="off")  # fmt: skip
+    one = LLM(model, tensor_parallel_size=1, num_threads=2, **kw)  # built first: its layers stay plain
+    two = LLM(model, tensor_parallel_size=2, num_threads=1, **kw)
+    engines = {1: (one, 2), 2: (two, 1)}
+    try:
+        for llm, threads in engines.values():
+            torch.set_num_threads(threads)
+            drive(llm, batches[0][:2], 4, "warm")
+        out: dict[int, dict] = {1: {}, 2: {}}
+        for prompts in batches:
+            runs: dict[int, list[dict]] = {1: [], 2: []}
+            for i in range(args.repeats):
+                for tp, (llm, threads) in engines.items():
+                    torch.set_num_threads(threads)
+                    runs[tp].append(drive(llm, prompts, args.output_len, f"r{i}"))
+            for tp in (1, 2):
+                out[tp][len(prompts)] = summary(runs[tp], len(prompts), args.output_len)
+            progress(f"B={len(prompts)}: decode step TP=1 {out[1][len(prompts)]['median_decode_step_ms']} ms, "
+                     f"TP=2 {out[2][len(prompts)]['median_decode_step_ms']} ms")  # fmt: skip
+        moe = two.engine.get_stats().moe
+        out[2]["all_reduces"] = moe.num_all_reduces if moe is not None else 0
+        return out[1], out[2]
+    finally:
+        two.shutdown()
+        one.shutdown()
+
+
+def summary(runs: list[dict], batch: int, output_len: int) -> dict:
+    step = statistics.median(statistics.median(r["decode_s"]) for r in runs)
+    return {
+        "median_decode_step_ms": round(step * 1e3, 3),
+        "decode_tok_s": round(batch / step, 1),
+        "output_tok_s": round(statistics.median(batch * output_len / r["elapsed_s"] for r in runs), 1),
+        "tokens": runs[0]["tokens"],
+    }
 
 
 def kv_capacity(model: str, gb: float) -> dict:
@@ -127,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         [[rng.randrange(3, 1000) for _ in range(args.input_len)] for _ in range(int(b))]
         for b in args.batch_sizes.split(",")
     ]
-    one = measure(model, 1, 2, batches, args)
-    two = measure(model, 2, 1, batches, args)
+    one, two = paired(model, batches, args)
     decode = {}
     for prompts in batches:
         b = len(prompts)

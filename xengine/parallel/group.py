@@ -31,6 +31,7 @@ from xengine.api.config import CacheConfig, EngineConfig, ParallelConfig
 from xengine.api.messages import MoeStatsMsg
 from xengine.parallel.eplb import NONE, Eplb
 from xengine.parallel.ray_ranks import HOST_ID_ENV, RayRanks
+from xengine.parallel.shm_channel import StepChannel
 from xengine.parallel.shm_comm import DistCommunicator, ShmCommunicator
 from xengine.parallel.state import ExpertParallel, set_expert_parallel
 from xengine.parallel.step_message import KIND_SETUP, KIND_STOP, publish_control, publish_step
@@ -42,6 +43,7 @@ logger = logging.getLogger("xengine.parallel")
 DATA_TIMEOUT = timedelta(seconds=300)  # one MoE collective: a peer that neither answers nor dies
 CONTROL_TIMEOUT = timedelta(days=3650)  # workers wait for the next step as long as the engine idles
 POLL_S = 0.2
+STEP_CHANNEL_BYTES = 4 << 20  # a step message larger than this goes over gloo
 STOP_WAIT_S = 10.0
 
 
@@ -64,7 +66,10 @@ def init_expert_parallel(
     if cfg.tensor_parallel_size > 1:
         one_host = len(set(hosts)) == 1
         comm = _communicator(backend, rank, world_size, control, one_host)
-        set_tensor_parallel(TensorParallel(rank, world_size, comm))
+        channel = None
+        if isinstance(comm, ShmCommunicator):  # the step messages too
+            channel = StepChannel.create(control, rank, STEP_CHANNEL_BYTES, comm.is_aborted)
+        set_tensor_parallel(TensorParallel(rank, world_size, comm, channel=channel))
     ep = ExpertParallel(
         rank,
         world_size,
@@ -170,14 +175,16 @@ class ExpertParallelGroup:
 
     def setup(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         """Tell the workers the KV pool's geometry (rank 0 sized it) so every rank holds the same KV."""
-        publish_control(self.ep.control_group, KIND_SETUP, (num_blocks, block_size, max_model_len))
+        publish_control(
+            self.ep.control_group, KIND_SETUP, (num_blocks, block_size, max_model_len), self._channel
+        )
 
     def publish(self, inputs: ModelInputs, block_copies: list[tuple[int, int]]) -> None:
         """Before rank 0's forward: send the step to the workers, then begin it here as they do."""
         self.check()
         step = self.ep.step_index + 1
         action = self.ep.eplb.action_for(step) if self.ep.eplb is not None else NONE
-        publish_step(self.ep.control_group, inputs, block_copies, step, action)
+        publish_step(self.ep.control_group, inputs, block_copies, step, action, self._channel)
         self.ep.begin_step(step, action)
 
     def check(self) -> None:
@@ -204,6 +211,10 @@ class ExpertParallelGroup:
         return self.failure
 
     @property
+    def _channel(self) -> StepChannel | None:
+        return self.tp.channel if self.tp is not None else None
+
+    @property
     def _kind(self) -> str:
         return "tensor-parallel" if self.tensor_parallel_size > 1 else "expert-parallel"
 
@@ -218,7 +229,7 @@ class ExpertParallelGroup:
         self._stopping = True
         if self.failure is None:
             try:
-                publish_control(self.ep.control_group, KIND_STOP)
+                publish_control(self.ep.control_group, KIND_STOP, channel=self._channel)
             except Exception as e:  # noqa: BLE001 - a worker already gone: kill the rest below
                 logger.warning("expert parallel: stop message failed: %s", e)
         deadline = time.monotonic() + STOP_WAIT_S
@@ -233,6 +244,8 @@ class ExpertParallelGroup:
         set_expert_parallel(None)
         if self.tp is not None:
             self.tp.comm.close()
+            if self.tp.channel is not None:
+                self.tp.channel.close()
             set_tensor_parallel(None)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -173,6 +173,9 @@ class ShmCommunicator:
         self._mm[REASON_OFFSET : REASON_OFFSET + len(data) + 1] = data + b"\0"
         self._words[0] = 1
 
+    def is_aborted(self) -> bool:
+        return not self._mm.closed and bool(self._words[0])
+
     def close(self) -> None:
         """Unmap the segment (the name is gone since ``create``)."""
         if self._mm.closed:

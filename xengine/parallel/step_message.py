@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ops.attention import AttentionMetadata
+from xengine.parallel.shm_channel import StepChannel
 from xengine.runner.input_batch import ModelInputs
 
 KIND_STEP, KIND_STOP, KIND_SETUP = 1, 2, 3
@@ -31,9 +32,15 @@ class StepMessage:
 
 
 def publish_step(
-    group: object, inputs: ModelInputs, copies: list[tuple[int, int]], step_index: int, eplb_action: int
+    group: object,
+    inputs: ModelInputs,
+    copies: list[tuple[int, int]],
+    step_index: int,
+    eplb_action: int,
+    channel: StepChannel | None = None,
 ) -> None:
-    """Rank 0: send one step to every worker (call right before the forward)."""
+    """Rank 0: send one step to every worker (call right before the forward); through ``channel``
+    (shared memory) when the group has one."""
     meta = inputs.meta
     num_seqs = meta.num_seqs
     width = int(meta.block_tables.shape[1]) if num_seqs else 0
@@ -58,24 +65,31 @@ def publish_step(
         inputs.logits_indices,  # tensor parallel: every rank computes its columns of these rows' logits
     ]
     payload = torch.cat([p.to("cpu", torch.int64) for p in parts])
-    _send(group, header + [len(inputs.logits_indices), 0, 0], payload)
+    _send(group, header + [len(inputs.logits_indices), 0, 0], payload, channel)
 
 
-def publish_control(group: object, kind: int, values: tuple[int, int, int] = (0, 0, 0)) -> None:
+def publish_control(
+    group: object, kind: int, values: tuple[int, int, int] = (0, 0, 0), channel: StepChannel | None = None
+) -> None:
     """Rank 0: a message without inputs (``KIND_STOP``, or ``KIND_SETUP`` with the KV pool geometry)."""
-    _send(group, [kind, 0, 0, 0, 0, 0, 0, 0, *values], torch.zeros(0, dtype=torch.int64))
+    _send(group, [kind, 0, 0, 0, 0, 0, 0, 0, *values], torch.zeros(0, dtype=torch.int64), channel)
 
 
-def receive(group: object, device: torch.device) -> StepMessage:
+def receive(group: object, device: torch.device, channel: StepChannel | None = None) -> StepMessage:
     """A worker: wait for rank 0's next message."""
-    header_t = torch.zeros(_HEADER, dtype=torch.int64)
-    dist.broadcast(header_t, 0, group=group)
-    kind, t, b, w, c, block_size, step_index, action, *values = header_t.tolist()
+    if channel is not None:
+        header, payload = channel.receive()
+    else:
+        header_t = torch.zeros(_HEADER, dtype=torch.int64)
+        dist.broadcast(header_t, 0, group=group)
+        header, payload = header_t.tolist(), None
+    kind, t, b, w, c, block_size, step_index, action, *values = header
     if kind != KIND_STEP:
         return StepMessage(kind, values=tuple(values))
     num_logits = values[0]
-    payload = torch.zeros(3 * t + 2 * b + 1 + b * w + 2 * c + num_logits, dtype=torch.int64)
-    dist.broadcast(payload, 0, group=group)
+    if payload is None:
+        payload = torch.zeros(3 * t + 2 * b + 1 + b * w + 2 * c + num_logits, dtype=torch.int64)
+        dist.broadcast(payload, 0, group=group)
     sizes = [t, t, b + 1, b, b * w, t, 2 * c, num_logits]
     ids, pos, qsl, seq_lens, tables, slots, copies, logits_rows = torch.split(payload, sizes)
     starts = qsl.tolist()
@@ -97,7 +111,11 @@ def receive(group: object, device: torch.device) -> StepMessage:
     return StepMessage(kind, inputs, list(zip(pairs[::2], pairs[1::2])), step_index, action)
 
 
-def _send(group: object, header: list[int], payload: torch.Tensor) -> None:
+def _send(group: object, header: list[int], payload: torch.Tensor, channel: StepChannel | None) -> None:
+    if channel is not None:
+        if not channel.send(header, payload):  # too large for the channel: the payload over gloo
+            dist.broadcast(payload, 0, group=group)
+        return
     dist.broadcast(torch.tensor(header, dtype=torch.int64), 0, group=group)
     if header[0] == KIND_STEP:
         dist.broadcast(payload, 0, group=group)

@@ -26,6 +26,7 @@ class TensorParallel:
     size: int
     comm: Any  # ``ShmCommunicator`` (one host) or ``DistCommunicator``: ``all_reduce``, ``all_gather``
     num_all_reduces: int = 0
+    channel: Any = None  # ``StepChannel``: rank 0's step messages through shared memory (one host)
 
 
 _current: TensorParallel | None = None

@@ -46,13 +46,14 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     dtype = resolve_dtype(platform, config.model.dtype, info.torch_dtype)
     device = platform.torch_device()
     model = load_model(config.model.model, dtype, device, config.model.quantization)
-    setup = receive(ep.control_group, device)
+    tp = get_tensor_parallel()
+    channel = tp.channel if tp is not None else None
+    setup = receive(ep.control_group, device, channel)
     if setup.kind != KIND_SETUP:  # the engine failed to start after loading its model
         return 0 if setup.kind == KIND_STOP else 1
     num_blocks, block_size, max_model_len = setup.values
     model.set_max_model_len(max_model_len)
     kv_dtype = config.cache.kv_cache_dtype
-    tp = get_tensor_parallel()
     kv_heads = info.num_kv_heads if tp is None else kv_head_range(info.num_kv_heads, rank, world_size)[1]
     spec = KVCacheSpec(info.num_layers, kv_heads, info.head_dim, block_size, dtype, kv_dtype)
     layout = PagedKVLayout()
@@ -66,7 +67,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     graph.capture(execution.buckets(), device)
     logger.info("parallel worker rank %d/%d ready (pid %d)", rank, world_size, os.getpid())
     while True:
-        msg = receive(ep.control_group, device)
+        msg = receive(ep.control_group, device, channel)
         if msg.kind == KIND_STOP:
             break
         inputs = msg.inputs
