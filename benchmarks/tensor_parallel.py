@@ -79,7 +79,9 @@ def measure(
         for prompts in batches:
             runs = [drive(llm, prompts, args.output_len, f"r{i}") for i in range(args.repeats)]
             out[len(prompts)] = summary(runs, len(prompts), args.output_len)
-            progress(f"TP={tp} EP={ep} B={len(prompts)}: decode step {out[len(prompts)]['median_decode_step_ms']} ms")
+            progress(
+                f"TP={tp} EP={ep} B={len(prompts)}: decode step {out[len(prompts)]['median_decode_step_ms']} ms"
+            )
         moe = llm.engine.get_stats().moe
         out["all_reduces"] = moe.num_all_reduces if moe is not None else 0
     return out
