@@ -34,6 +34,7 @@ from xengine.colocation.resume import StepResumer
 from xengine.disagg.head_transfer import HeadTransfer, head_fingerprint
 from xengine.disagg.hybrid_transfer import StateTransfer, WindowTransfer
 from xengine.disagg.kv_transfer import KVTransferManager
+from xengine.disagg.tp_transfer import GroupTransfer, RankTransfer
 from xengine.kv_setup import KVSetup, build_kv
 from xengine.models.emulated import EmulatedLM, emulated_info
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
@@ -42,7 +43,7 @@ from xengine.models.registry import get_model_class
 from xengine.multimodal.encode_stage import EncodeStage
 from xengine.multimodal.request_images import request_images, vision_spec
 from xengine.parallel.group import start_expert_parallel
-from xengine.parallel.tensor import get_tensor_parallel, kv_head_range
+from xengine.parallel.tensor import kv_head_range
 from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
@@ -203,7 +204,7 @@ class Engine:
     def _rank_kv_info(self, info: ModelInfo) -> ModelInfo:
         """``info`` with this rank's KV heads (tensor parallel: its share, so the same memory holds
         N times the tokens)."""
-        tp = get_tensor_parallel()
+        tp = self.parallel.tp if self.parallel is not None else None
         if tp is None:
             return info
         return dataclasses.replace(info, num_kv_heads=kv_head_range(info.num_kv_heads, tp.rank, tp.size)[1])
@@ -282,6 +283,14 @@ class Engine:
             proposer = drafter.proposer  # its KV of the prompt goes with the prompt's (head_transfer.py)
             head_id = head_fingerprint(config.speculative_config.method, proposer.head)
             head = HeadTransfer(proposer.kv, proposer.caches, head_id)
+        ranks = None
+        if self.parallel is not None and self.parallel.tp is not None:  # each rank moves its KV heads
+            tp, total = self.parallel.tp, self.model_info.num_kv_heads
+            first, count = kv_head_range(total, tp.rank, tp.size)
+            mine = RankTransfer(
+                full, first, count, kv.spec.block_size, port_range=config.cache.transfer_ports()
+            )
+            ranks = GroupTransfer(self.parallel.ep.control_group, tp.channel, mine, total)
         return KVTransferManager(
             self.kv,
             full,
@@ -290,6 +299,7 @@ class Engine:
             window=window,
             states=state,
             head=head,
+            ranks=ranks,
         )
 
     def _describe(self, config: EngineConfig, info: ModelInfo, model_dir: str, kv: KVSetup) -> EngineInfo:
@@ -458,21 +468,17 @@ class Engine:
         """Pin the prompt ``token_ids``'s cached blocks for a decode instance (``next_token_id``: the
         token the prefill sampled; a draft head's blocks of the prompt go along when it is given)."""
         self._check_transferable()
-        if get_tensor_parallel() is not None:
-            raise ValueError(
-                "KV export from a tensor-parallel instance is not supported yet (rank 0 holds only its KV "
-                "heads); run prefill instances with tensor_parallel_size 1"
-            )
         return self.kv_transfer.export(export_id, token_ids, next_token_id)
 
     def kv_import(
         self, source: KVExportInfo, token_ids: list[int], pin_id: str, next_token_id: int | None = None
     ) -> KVImportResult:
         self._check_transferable()
-        if self.parallel is not None:
+        if self.parallel is not None and self.parallel.tensor_parallel_size == 1:
             raise ValueError(
                 "KV import into an expert-parallel instance is not supported yet (its workers would not "
-                "receive the blocks); run decode instances with expert_parallel_size 1"
+                "receive the blocks); run decode instances with expert_parallel_size 1, or tensor "
+                "parallel (each rank then reads its own KV heads)"
             )
         return self.kv_transfer.import_(source, token_ids, pin_id, next_token_id)
 

@@ -327,6 +327,18 @@ EngineOutput = Union[StepOutputs, UtilityResult, Ready, EngineDead]
 # ---------------------------------------------------------------- PD disaggregation (KV transfer)
 
 
+class KVRankRegionMsg(msgspec.Struct, kw_only=True):
+    """One tensor-parallel rank's registered KV memory and the KV heads it holds (an export's or an
+    import's share; ``xengine/disagg/tp_transfer.py``)."""
+
+    session: str
+    layer_addrs: list[int]
+    num_blocks: int
+    block_bytes: int
+    first_head: int
+    num_heads: int
+
+
 class KVExportInfo(msgspec.Struct, kw_only=True):
     """A prefill instance's pinned prompt blocks and where a peer reads them (Mooncake session)."""
 
@@ -346,6 +358,9 @@ class KVExportInfo(msgspec.Struct, kw_only=True):
     state: StateExportMsg | None = None
     # speculative decoding with a draft head (``xengine/disagg/head_transfer.py``): its KV of the prompt
     head: HeadExportMsg | None = None
+    # a tensor-parallel exporter: every rank's memory and heads (``num_kv_heads`` is then the model's;
+    # the fields above describe rank 0's)
+    ranks: list[KVRankRegionMsg] | None = None
 
 
 class WindowExportMsg(msgspec.Struct, kw_only=True):

@@ -18,10 +18,11 @@ import torch
 
 from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
 from memory.kv_layout import KVCacheSpec
-from memory.transfer import KVRegion, KVTransferAgent
+from memory.transfer import KVRegion, KVTransferAgent, TransferStats
 from xengine.api.messages import KVExportInfo, KVImportResult
 from xengine.disagg.head_transfer import HeadTransfer
 from xengine.disagg.hybrid_transfer import HybridPin, HybridReadStats, StateTransfer, WindowTransfer
+from xengine.disagg.tp_transfer import GroupTransfer, RankTransfer, single_region
 
 DEFAULT_PIN_TIMEOUT_S = 60.0
 
@@ -47,11 +48,14 @@ class KVTransferManager:
         window: WindowTransfer | None = None,
         states: StateTransfer | None = None,
         head: HeadTransfer | None = None,
+        ranks: GroupTransfer | None = None,
     ) -> None:
         """``kv_caches``: the full-attention layers' tensors; ``window`` / ``states``: a hybrid model's
         sliding-window pool and recurrent state pool, sent beside them (``hybrid_transfer.py``); ``head``:
-        a draft head's pool (``head_transfer.py``)."""
+        a draft head's pool (``head_transfer.py``); ``ranks``: a tensor-parallel instance's ranks, each
+        moving its own KV heads (``tp_transfer.py``)."""
         self.kv = kv
+        self.ranks = ranks
         self.window = window
         self.states = states
         self.head = head
@@ -68,7 +72,10 @@ class KVTransferManager:
     def start(self) -> KVTransferAgent:
         """Create the transfer agent (registers the KV memory) if it does not exist yet."""
         if self._agent is None:
-            agent = KVTransferAgent(self.kv_caches, self.host, self.port_range)
+            if self.ranks is not None:  # rank 0's agent is its share of the group's
+                agent = self.ranks.mine.start()
+            else:
+                agent = KVTransferAgent(self.kv_caches, self.host, self.port_range)
             for part in (self.window, self.states, self.head):
                 if part is not None:
                     part.register(agent)
@@ -122,11 +129,17 @@ class KVTransferManager:
             block_bytes=region.block_bytes,
             block_size=s.block_size,
             num_layers=s.num_layers,
-            num_kv_heads=s.num_kv_heads,
+            num_kv_heads=self.total_heads,
             head_dim=s.head_dim,
             dtype=s.cache_dtype_name,
             block_ids=block_ids,
+            ranks=self.ranks.regions() if self.ranks is not None else None,
         )
+
+    @property
+    def total_heads(self) -> int:
+        """The model's KV heads (a tensor-parallel rank holds some of them)."""
+        return self.ranks.total_heads if self.ranks is not None else self.spec.num_kv_heads
 
     # ------------------------------------------------------------------ decode side
 
@@ -150,8 +163,12 @@ class KVTransferManager:
         cache.lock(hits)
         num_missing = min(num_full - len(hits), self.kv.pool.num_free_blocks)  # rest: recomputed
         new = self.kv.pool.allocate(num_missing)
+        pairs = list(zip(source.block_ids[len(hits) :], new))
         try:
-            stats = agent.read_blocks(self._region(source), list(zip(source.block_ids[len(hits) :], new)))
+            if source.ranks is not None or self.ranks is not None:  # the heads are split on a side
+                stats = self._read_heads(agent, source, pairs)
+            else:
+                stats = agent.read_blocks(self._region(source), pairs)
         except BaseException:
             self.kv.pool.free(list(reversed(new)) + list(reversed(hits)))
             raise
@@ -210,9 +227,27 @@ class KVTransferManager:
             total.num_state_bytes = part.num_state_bytes
         return pin, total
 
+    def _read_heads(
+        self, agent: KVTransferAgent, source: KVExportInfo, pairs: list[tuple[int, int]]
+    ) -> TransferStats:
+        """Blocks whose heads are split differently on the two sides: each of this instance's ranks
+        reads its heads from the source ranks holding them."""
+        t0 = time.perf_counter()
+        if not pairs:
+            return TransferStats(0, 0, 0, 0.0)
+        sources = source.ranks or single_region(self._region(source), source.num_kv_heads)
+        if self.ranks is not None:
+            moved = self.ranks.read(sources, pairs)
+        else:
+            s = self.spec
+            moved = RankTransfer(self.kv_caches, 0, s.num_kv_heads, s.block_size, agent=agent).read(
+                sources, pairs
+            )
+        return TransferStats(len(pairs), moved, 0, time.perf_counter() - t0)
+
     def _check_compatible(self, source: KVExportInfo) -> None:
         s = self.spec
-        mine = (s.block_size, s.num_layers, s.num_kv_heads, s.head_dim, s.cache_dtype_name)
+        mine = (s.block_size, s.num_layers, self.total_heads, s.head_dim, s.cache_dtype_name)
         theirs = (source.block_size, source.num_layers, source.num_kv_heads, source.head_dim, source.dtype)
         # a kind the exporter sent that this side cannot hold (an export of no blocks sends none)
         kinds = (source.window is not None and self.window is None) or (

@@ -28,6 +28,7 @@ from memory.kv_layout import KVCacheSpec, PagedKVLayout
 from ops.platforms import resolve_platform, set_platform
 from xengine.api.config import EngineConfig, from_dict
 from xengine.api.lifetime import set_parent_death_signal
+from xengine.disagg.tp_transfer import KIND_KV_AGENT, KIND_KV_READ, RankTransfer, serve_worker_request
 from xengine.models.info import read_model_info
 from xengine.models.loader import load_model, resolve_dtype
 from xengine.parallel.group import init_expert_parallel
@@ -65,11 +66,19 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     graph = create_graph_runner(mode, platform.name, model.forward_tokens)
     graph.bind_kv(caches, block_size, -(-max_model_len // block_size))
     graph.capture(execution.buckets(), device)
+    transfer: RankTransfer | None = None
     logger.info("parallel worker rank %d/%d ready (pid %d)", rank, world_size, os.getpid())
     while True:
         msg = receive(ep.control_group, device, channel)
         if msg.kind == KIND_STOP:
             break
+        if msg.kind in (KIND_KV_AGENT, KIND_KV_READ):  # PD: this rank's KV heads (tp_transfer.py)
+            if transfer is None:
+                first, _ = kv_head_range(info.num_kv_heads, rank, world_size) if tp is not None else (0, 0)
+                ports = config.cache.transfer_ports()
+                transfer = RankTransfer(kv_caches, first, kv_heads, block_size, port_range=ports)
+            serve_worker_request(msg.kind, ep.control_group, transfer)
+            continue
         inputs = msg.inputs
         assert inputs is not None
         ep.begin_step(msg.step_index, msg.eplb_action)

@@ -29,8 +29,11 @@ def build_drafter(engine: Engine, config: EngineConfig) -> Drafter | None:
     if not spec.enabled:
         return None
     blocker = None
-    if engine.parallel is not None:
-        blocker = "expert parallelism"
+    tensor_parallel = engine.parallel is not None and engine.parallel.tensor_parallel_size > 1
+    if engine.parallel is not None and not (tensor_parallel and spec.method == "ngram"):
+        # n-gram drafts need no model: under tensor parallelism every draft row's logits are split
+        # over the ranks like any sampled row's
+        blocker = "tensor parallelism (ngram only)" if tensor_parallel else "expert parallelism"
     elif engine.graph_mode == "full":
         blocker = "full device graphs (set execution.graph_mode eager or partial)"
     elif getattr(engine.model, "encode_images", None) is not None:

@@ -6,9 +6,10 @@ Each section checks its own fields; ``ClusterConfig.validate`` (``config.py``) c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from xengine.api.config import _f
+from xengine.api.config import EngineConfig, _f
 from xservice.cluster.epd.workload import workload_text
 
 STORES = ("embedded", "etcd")
@@ -52,8 +53,31 @@ class LaunchConfig:
         "docs/colocation.md); no privilege needed. Engines on accelerators rarely need it.",
     )
     startup_timeout_s: float = _f(600.0, "How long to wait for every instance to register.")
+    prefill_tensor_parallel_size: int = _f(
+        0,
+        "Tensor-parallel ranks of each prefill instance the service launches (0: the engine's "
+        "parallel.tensor_parallel_size). PD moves the KV between different layouts: each decode rank "
+        "reads its KV heads from the prefill ranks holding them.",
+    )
+    decode_tensor_parallel_size: int = _f(
+        0, "Tensor-parallel ranks of each decode instance the service launches (0: the engine's)."
+    )
+
+    def engine_for(self, role: str, engine: EngineConfig) -> EngineConfig:
+        """The engine config of an instance launched in ``role``: its role's parallel layout."""
+        tp = {"prefill": self.prefill_tensor_parallel_size, "decode": self.decode_tensor_parallel_size}
+        size = tp.get(role, 0)
+        if not size:
+            return engine
+        return dataclasses.replace(
+            engine, parallel=dataclasses.replace(engine.parallel, tensor_parallel_size=size)
+        )
 
     def validate(self) -> None:
+        if self.prefill_tensor_parallel_size < 0 or self.decode_tensor_parallel_size < 0:
+            raise ValueError(
+                "cluster.launch.prefill_tensor_parallel_size / decode_tensor_parallel_size must be >= 0"
+            )
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"cluster.launch.launcher must be one of {', '.join(LAUNCHERS)}")
         if not 0 <= self.engine_nice <= 19:

@@ -131,7 +131,7 @@ async def serve_cluster(
                 name: InstanceSpec(
                     name,
                     role,
-                    auto.engines[name] if auto is not None else cfg.engine,
+                    cl.launch.engine_for(role, auto.engines[name] if auto is not None else cfg.engine),
                     engine_store_url,
                     cl.registry.key_prefix,
                     cl.launch.engine_host,

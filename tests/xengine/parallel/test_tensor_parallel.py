@@ -168,8 +168,6 @@ def test_requests_a_tp_instance_cannot_serve_are_refused_by_field(make_model_dir
         params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
         with pytest.raises(ValueError, match="'prompt_logprobs'"):
             llm.engine.add_request(AddRequest(req_id="p", prompt_token_ids=[1, 2, 3], params=params))
-        with pytest.raises(ValueError, match="KV export from a tensor-parallel instance"):
-            llm.engine.kv_export("e", [1, 2, 3])
         out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3  # the instance serves on after the refusals
 
@@ -252,3 +250,31 @@ def test_a_rank_loads_only_its_slices(make_model_dir, monkeypatch) -> None:
     emb = full["model.embed_tokens.weight"]
     rows = -(-emb.shape[0] // 2)
     assert torch.equal(model.model.embed_tokens.weight[: emb.shape[0] - rows], emb[rows:])
+
+
+def test_seeded_sampling_beams_and_ngram_speculation_give_the_tp1_outputs(make_model_dir) -> None:
+    """What samples from the gathered logits: seeded n > 1, beam search, and n-gram speculative
+    decoding (every draft row's logits split over the ranks) give TP = 1's outputs at TP = 2."""
+    prompts = make_prompts(seed=90)[:6]
+    sampled = SamplingParams(temperature=0.8, n=2, seed=7, max_tokens=16, ignore_eos=True)
+    beams = SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=8, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    repetitive = [[5, 6, 7, 8] * 12, [9, 10, 11] * 15]
+    runs = []
+    for tp in (1, 2):
+        with LLM(str(make_model_dir("qwen3")), tensor_parallel_size=tp, num_threads=1) as llm:
+            out = llm.generate(prompts, sampled, use_tqdm=False)
+            beam = llm.generate(prompts[:2], beams, use_tqdm=False)
+            runs.append(
+                (
+                    [[c.token_ids for c in o.outputs] for o in out],
+                    [[c.token_ids for c in b.outputs] for b in beam],
+                )
+            )
+        with LLM(
+            str(make_model_dir("qwen3")), tensor_parallel_size=tp, num_threads=1, speculative_config=spec
+        ) as llm:
+            out = llm.generate(repetitive, GREEDY, use_tqdm=False)
+            runs[-1] += ([o.outputs[0].token_ids for o in out],)
+            assert llm.engine.get_stats().spec_decode.num_draft_tokens > 0
+    assert runs[0] == runs[1]
