@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ops.moe import fused_experts, route, route_grouped
+from xengine.layers.checkpoint_tensor import LazyTensor, materialize, narrow
 from xengine.layers.linear import Linear
 from xengine.parallel.ep_moe import ExpertShard, ep_fused_experts
 from xengine.parallel.state import get_expert_parallel
@@ -52,8 +53,9 @@ class FusedExperts(nn.Module):
             return ep_fused_experts(hidden, topk_weights, topk_ids, self.shard.layer_index)
         return fused_experts(hidden, topk_weights, topk_ids, self.gate_up_proj, self.down_proj)
 
-    def load_stacked(self, param_name: str, tensor: torch.Tensor) -> None:
-        """A checkpoint's whole stacked tensor (HF's fused ``gate_up_proj`` / ``down_proj``, every expert)."""
+    def load_stacked(self, param_name: str, tensor: torch.Tensor | LazyTensor) -> None:
+        """A checkpoint's whole stacked tensor (HF's fused ``gate_up_proj`` / ``down_proj``, every expert);
+        an expert-parallel rank reads only its experts' rows of it."""
         param = getattr(self, param_name)
         if tuple(tensor.shape) != (self.num_experts, *param.shape[1:]):
             raise ValueError(
@@ -62,19 +64,22 @@ class FusedExperts(nn.Module):
             )
         if self.shard is None:
             with torch.no_grad():
-                param.copy_(tensor)
+                param.copy_(materialize(tensor))
             return
         rows = param.shape[1] if param_name == "down_proj" else self.intermediate_size
         for expert in range(self.num_experts):
+            if not self.shard.needs(expert):  # another rank's: not even read from the file
+                continue
+            whole = narrow(tensor, 0, expert, 1)[0]
             for part in range(1 if param_name == "down_proj" else 2):
-                piece = tensor[expert, part * rows : (part + 1) * rows]
+                piece = whole[part * rows : (part + 1) * rows]
                 self.load_expert(expert, _PROJECTION_OF[(param_name, part)], piece)
 
     def num_shards(self, param_name: str) -> int:
         """Checkpoint tensors that fill ``param_name`` when loaded expert by expert."""
         return self.num_experts * (2 if param_name == "gate_up_proj" else 1)
 
-    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor) -> tuple[str, int]:
+    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor | LazyTensor) -> tuple[str, int]:
         """Copy one expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` weight into the stacked
         parameter; returns ``(parameter name, shard index)`` for the loader's completeness check."""
         if not 0 <= expert < self.num_experts:
@@ -87,7 +92,11 @@ class FusedExperts(nn.Module):
             raise ValueError(
                 f"expert {expert} {projection}: expected shape {expected}, got {tuple(tensor.shape)}"
             )
-        slots = [expert] if self.shard is None else self.shard.load(expert, param_name, part, rows, tensor)
+        if self.shard is not None and not self.shard.needs(expert):  # another rank's: left unread
+            slots = []
+        else:
+            tensor = materialize(tensor)
+            slots = [expert] if self.shard is None else self.shard.load(expert, param_name, part, rows, tensor)
         with torch.no_grad():
             for slot in slots:
                 param[slot, part * rows : (part + 1) * rows].copy_(tensor)

@@ -27,6 +27,7 @@ from xengine.models.quantized_weights import (
     pack_quantized_linears,
 )
 from xengine.models.registry import get_model_class
+from xengine.parallel.state import get_expert_parallel
 from xengine.parallel.tensor import tp_rank_size
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,8 @@ def load_model(
     with torch.device("meta"):
         model = cls.from_hf_config(hf_config)
     model = model.to(dtype=dtype).to_empty(device=device)
-    weights = iterate_weights(files, lazy=tp_size > 1)  # a rank reads only its shards
+    # a parallel rank reads only its shards (its heads, columns, experts) of each checkpoint tensor
+    weights = iterate_weights(files, lazy=stored is None and (tp_size > 1 or get_expert_parallel() is not None))
     if stored is not None:
         weights = canonical_weights(weights, stored, attach_quant_params(model, stored))
     model.load_weights(weights)

@@ -46,7 +46,7 @@ class WeightLoader:
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         expert_match = _EXPERT_WEIGHT.match(name)
         if expert_match is not None:
-            self._load_expert(name, materialize(tensor), *expert_match.groups())
+            self._load_expert(name, tensor, *expert_match.groups())  # read only where it is held
             return
         module_path, _, param_name = name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
@@ -66,7 +66,7 @@ class WeightLoader:
         if hasattr(owner, "load_param"):  # a tensor-parallel layer: it reads only its slice
             owner.load_param(param_name, tensor)
         elif isinstance(owner, FusedExperts):  # every expert stacked: the module keeps the ones it holds
-            owner.load_stacked(param_name, materialize(tensor))
+            owner.load_stacked(param_name, tensor)
         elif param.shape != tensor.shape:
             raise ValueError(
                 f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}"

@@ -75,6 +75,11 @@ class ExpertShard:
             self.expert_load = self.expert_load.to(device)
             self.rank_load = self.rank_load.to(device)
 
+    def needs(self, expert: int) -> bool:
+        """Whether loading reads ``expert``'s weights here: a local slot holds it, or EPLB keeps every
+        expert on the host (a rank skips the rest without reading them)."""
+        return self.ep.eplb is not None or expert in self.local
+
     def load(self, expert: int, param_name: str, part: int, rows: int, tensor: torch.Tensor) -> list[int]:
         """A checkpoint piece of ``expert``: the local slots to copy it into (EPLB also keeps it on the host)."""
         if self.ep.eplb is not None:

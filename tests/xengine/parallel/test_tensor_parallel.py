@@ -278,3 +278,56 @@ def test_seeded_sampling_beams_and_ngram_speculation_give_the_tp1_outputs(make_m
             runs[-1] += ([o.outputs[0].token_ids for o in out],)
             assert llm.engine.get_stats().spec_decode.num_draft_tokens > 0
     assert runs[0] == runs[1]
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts(make_model_dir, monkeypatch) -> None:
+    """Rank 1 of 2 of qwen3_moe built in this process: its expert slots hold its experts' checkpoint
+    weights, and no other expert's weights (nor any whole stacked expert tensor) were read."""
+    from safetensors import safe_open
+
+    from xengine.layers import checkpoint_tensor
+    from xengine.models.loader import load_model
+    from xengine.parallel.state import ExpertParallel, set_expert_parallel
+    from xengine.parallel.tensor import TensorParallel, set_tensor_parallel
+
+    model_dir = make_model_dir("qwen3_moe")
+    read: list[tuple[str, tuple]] = []
+    real_narrow, real_whole = checkpoint_tensor.LazyTensor.narrow, checkpoint_tensor.LazyTensor.materialize
+    monkeypatch.setattr(
+        checkpoint_tensor.LazyTensor, "narrow",
+        lambda self, dim, start, n: read.append((self.name, (dim, start, n))) or real_narrow(self, dim, start, n),
+    )  # fmt: skip
+    monkeypatch.setattr(
+        checkpoint_tensor.LazyTensor,
+        "materialize",
+        lambda self: read.append((self.name, ())) or real_whole(self),
+    )
+    set_expert_parallel(ExpertParallel(rank=1, world_size=2, group=None, control_group=None))
+    set_tensor_parallel(TensorParallel(rank=1, size=2, comm=None))
+    try:
+        model = load_model(str(model_dir), torch.float32, torch.device("cpu"), pack=False)
+    finally:
+        set_tensor_parallel(None)
+        set_expert_parallel(None)
+    moe = next(m for m in model.modules() if type(m).__name__ == "FusedExperts")
+    local = moe.shard.local
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        names = [n for n in f.keys() if ".experts." in n and n.startswith("model.layers.")]
+        layer = sorted({n.split(".experts")[0] for n in names})[0]
+        fused = f"{layer}.experts.down_proj"
+        if fused in f.keys():
+            full = f.get_tensor(fused)
+            for slot, expert in enumerate(local):
+                assert torch.equal(moe.down_proj[slot], full[expert])
+        else:
+            for slot, expert in enumerate(local):
+                assert torch.equal(
+                    moe.down_proj[slot], f.get_tensor(f"{layer}.experts.{expert}.down_proj.weight")
+                )
+    for name, how in read:
+        if ".experts." not in name:
+            continue
+        if name.endswith(".weight"):  # one expert's tensor: read only where that expert lives
+            assert int(name.split(".experts.")[1].split(".")[0]) in local, name
+        else:  # every expert stacked: only the local experts' rows
+            assert how and how[0] == 0 and how[1] in local, (name, how)
