@@ -79,6 +79,13 @@ WATCHDOG_PID = EnvVar(
     "The pid of the watchdog running the API server (the server dies with it).",
     internal=True,
 )
+HOST_ID = EnvVar(
+    "XLLM_HOST_ID",
+    "",
+    "The host a parallel worker rank reports to its group (a Ray actor sets its node id): ranks that all "
+    "share one all-reduce through shared memory.",
+    internal=True,
+)
 
 ALL: tuple[EnvVar, ...] = (
     CACHE_DIR,
@@ -90,6 +97,7 @@ ALL: tuple[EnvVar, ...] = (
     BIND_HOST,
     SERVE_LISTEN_FD,
     WATCHDOG_PID,
+    HOST_ID,
 )
 
 

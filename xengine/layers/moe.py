@@ -96,7 +96,9 @@ class FusedExperts(nn.Module):
             slots = []
         else:
             tensor = materialize(tensor)
-            slots = [expert] if self.shard is None else self.shard.load(expert, param_name, part, rows, tensor)
+            slots = (
+                [expert] if self.shard is None else self.shard.load(expert, param_name, part, rows, tensor)
+            )
         with torch.no_grad():
             for slot in slots:
                 param[slot, part * rows : (part + 1) * rows].copy_(tensor)

@@ -96,7 +96,9 @@ def load_model(
         model = cls.from_hf_config(hf_config)
     model = model.to(dtype=dtype).to_empty(device=device)
     # a parallel rank reads only its shards (its heads, columns, experts) of each checkpoint tensor
-    weights = iterate_weights(files, lazy=stored is None and (tp_size > 1 or get_expert_parallel() is not None))
+    weights = iterate_weights(
+        files, lazy=stored is None and (tp_size > 1 or get_expert_parallel() is not None)
+    )
     if stored is not None:
         weights = canonical_weights(weights, stored, attach_quant_params(model, stored))
     model.load_weights(weights)

@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 from ops.platforms import Platform
 from xengine.api.config import CacheConfig, EngineConfig, ParallelConfig
+from xengine.api.envs import HOST_ID
 from xengine.api.messages import MoeStatsMsg
 from xengine.parallel.eplb import NONE, Eplb
-from xengine.parallel.ray_ranks import HOST_ID_ENV, RayRanks
+from xengine.parallel.ray_ranks import RayRanks
 from xengine.parallel.shm_channel import StepChannel
 from xengine.parallel.shm_comm import DistCommunicator, ShmCommunicator
 from xengine.parallel.state import ExpertParallel, set_expert_parallel
@@ -282,9 +283,9 @@ def _comm_name(comm: object) -> str:
 
 
 def this_host() -> str:
-    """This machine's identity for choosing the all-reduce (``XLLM_HOST_ID`` where a launcher set it)."""
-    if os.environ.get(HOST_ID_ENV):
-        return os.environ[HOST_ID_ENV]
+    """This machine's identity for choosing the all-reduce (``envs.HOST_ID`` where a launcher set it)."""
+    if HOST_ID.get():
+        return HOST_ID.get()
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f"{socket.gethostname()}:{f.read().strip()}"

@@ -1,9 +1,9 @@
 """Ranks 1..N-1 of an engine instance as Ray actors (``parallel.distributed_executor_backend: ray``).
 
-A placement group holds one bundle per rank (bundle 0 is rank 0's, the engine itself); each worker rank
-is an actor in its bundle that owns the worker process (``python -m xengine.parallel.worker``), so a
+A placement group holds one bundle per rank (rank 0's, the engine itself, is the one Ray put on its
+node); each worker rank is an actor in its bundle that owns the worker process (``python -m xengine.parallel.worker``), so a
 rank may sit on another node. Ranks meet over TCP at rank 0's node address. Each rank tells the
-group its host (the Ray node id, through ``XLLM_HOST_ID``): ranks all on one host all-reduce through
+group its host (the Ray node id, through ``envs.HOST_ID``): ranks all on one host all-reduce through
 shared memory, otherwise through gloo. ``RayRank`` looks like a ``subprocess.Popen`` to the group's
 supervisor (``poll``, ``wait``, ``kill``, ``pid``). A worker whose engine died sees its gloo
 connection close and exits; a killed actor takes its worker with it (parent-death signal).
@@ -16,7 +16,8 @@ import subprocess
 import time
 from typing import Any
 
-HOST_ID_ENV = "XLLM_HOST_ID"
+from xengine.api.envs import HOST_ID
+
 RAY_CALL_TIMEOUT_S = 30.0
 _POLL_S = 0.1
 
@@ -27,7 +28,7 @@ class RankHost:
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
         import ray
 
-        env = dict(env, **{HOST_ID_ENV: ray.get_runtime_context().get_node_id()})
+        env = dict(env, **{HOST_ID.name: ray.get_runtime_context().get_node_id()})
         self.proc = subprocess.Popen([*cmd, "--parent-pid", str(os.getpid())], env=env)
 
     def pid(self) -> int:
@@ -101,13 +102,18 @@ class RayRanks:
             )
         self.host_id = ray.get_runtime_context().get_node_id()
         self.host_ip = ray.util.get_node_ip_address()
+        # rank 0 (this process) takes the bundle Ray put on its own node, the workers the others in order
+        nodes = ray.util.placement_group_table(self.group).get("bundles_to_node_id", {})
+        own = next((int(i) for i, node in sorted(nodes.items()) if node == self.host_id), 0)
+        self.worker_bundles = [i for i in range(world_size) if i != own]
 
     def start(self, rank: int, cmd: list[str], env: dict[str, str]) -> RayRank:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        bundle = self.worker_bundles[rank - 1]
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=rank
+            placement_group=self.group, placement_group_bundle_index=bundle
         )
         actor = ray.remote(num_cpus=0)(RankHost).options(scheduling_strategy=strategy).remote(cmd, env)
         return RayRank(actor)
