@@ -35,7 +35,7 @@ KB = 1 << 10
 SIZES = [4 * KB, 16 * KB, 64 * KB, 256 * KB, KB * KB, 4 * KB * KB, 16 * KB * KB, 64 * KB * KB]
 SMALL = 16 * KB
 MIN_ITERS = 10
-SMOKE = dict(sizes=[16 * KB, 16 * KB * KB], iters=50, warmup=5)
+SMOKE = dict(sizes=[4 * KB, 64 * KB], iters=20, warmup=2)
 
 
 def progress(msg: str) -> None:
