@@ -179,26 +179,32 @@ def test_serve_with_expert_parallel_answers_then_survives_a_killed_worker(
             model=moe_dir.name, messages=messages, temperature=0.0, max_tokens=10
         )
         assert "xllm_moe_comm_exposed_seconds" in httpx.get(url.removesuffix("/v1") + "/metrics").text
-        stream = client.completions.create(
-            model=moe_dir.name, prompt="once upon a time", max_tokens=200, stream=True,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        with pytest.raises(openai.APIError, match="worker rank 1"):
-            for i, _ in enumerate(stream):
-                if i == 3:
-                    os.kill(_worker_of(server.pid), signal.SIGKILL)
-        deadline = time.monotonic() + 120  # a hang guard, not a timing claim
-        while True:
-            try:
-                again = client.chat.completions.create(
-                    model=moe_dir.name, messages=messages, temperature=0.0, max_tokens=10
-                )
-                break
-            except openai.APIStatusError as e:
-                assert e.status_code == 503 and time.monotonic() < deadline, str(e)
-                time.sleep(0.5)
+        again = kill_a_worker_mid_stream_then_chat(client, moe_dir.name, server.pid, messages)
     _, _, expected = hf_chat_answer(moe_dir, hf_oracle, messages, 10)
     assert reply.choices[0].message.content == expected == again.choices[0].message.content
+
+
+def kill_a_worker_mid_stream_then_chat(
+    client: openai.OpenAI, model: str, service_pid: int, messages: list[dict]
+) -> openai.types.chat.ChatCompletion:
+    """SIGKILL rank 1 under ``xllm serve`` mid-stream: the stream ends with an error naming it (no hang);
+    then the greedy chat reply once the relaunched instance answers (503 until then)."""
+    stream = client.completions.create(
+        model=model, prompt="once upon a time", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
+    with pytest.raises(openai.APIError, match="worker rank 1"):
+        for i, _ in enumerate(stream):
+            if i == 3:
+                os.kill(_worker_of(service_pid), signal.SIGKILL)
+    deadline = time.monotonic() + 120  # a hang guard, not a timing claim
+    while True:
+        try:
+            return client.chat.completions.create(
+                model=model, messages=messages, temperature=0.0, max_tokens=10
+            )
+        except openai.APIStatusError as e:
+            assert e.status_code == 503 and time.monotonic() < deadline, str(e)
+            time.sleep(0.5)
 
 
 def _worker_of(service_pid: int) -> int:

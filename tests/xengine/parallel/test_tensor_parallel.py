@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from tests.xengine.parallel.test_moe_expert_parallel import _worker_of
+from tests.xengine.parallel.test_moe_expert_parallel import kill_a_worker_mid_stream_then_chat
 from tests.xengine.test_engine_parity import BLOCK_SIZE, CONFIGS, MAX_TOKENS, make_prompts
 from tests.xengine.test_moe_engine import serve_moe
 from xengine.api.messages import AddRequest, SamplingParams
@@ -190,24 +190,7 @@ def test_serve_with_tensor_parallel_answers_like_hf_then_survives_a_killed_rank(
         )
         metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
         assert 'xllm_tensor_parallel_all_reduces{tensor_parallel_size="2"}' in metrics
-        stream = client.completions.create(
-            model=model_dir.name, prompt="once upon a time", max_tokens=200, stream=True,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        with pytest.raises(openai.APIError, match="worker rank 1"):
-            for i, _ in enumerate(stream):
-                if i == 3:
-                    os.kill(_worker_of(server.pid), signal.SIGKILL)
-        deadline = time.monotonic() + 120  # a hang guard, not a timing claim
-        while True:
-            try:
-                again = client.chat.completions.create(
-                    model=model_dir.name, messages=messages, temperature=0.0, max_tokens=10
-                )
-                break
-            except openai.APIStatusError as e:
-                assert e.status_code == 503 and time.monotonic() < deadline, str(e)
-                time.sleep(0.5)
+        again = kill_a_worker_mid_stream_then_chat(client, model_dir.name, server.pid, messages)
     tok = Tokenizer.from_dir(model_dir)
     prompt = tok.encode(
         tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
