@@ -42,6 +42,7 @@ from xengine.models.loader import load_model, resolve_dtype
 from xengine.models.registry import get_model_class
 from xengine.multimodal.encode_stage import EncodeStage
 from xengine.multimodal.request_images import request_images, vision_spec
+from xengine.parallel.data_parallel import DataParallelRank, start_data_parallel
 from xengine.parallel.group import start_expert_parallel
 from xengine.parallel.tensor import kv_head_range
 from xengine.request import Request
@@ -98,7 +99,8 @@ class Engine:
         self.model_info = info = read_model_info(model_dir)
         check_max_model_len(config.model.max_model_len, model_dir, info)  # before loading weights
         # expert parallel: the workers start and join before the model is built (it holds only its experts)
-        self.parallel = start_expert_parallel(config, self.platform)
+        start = start_data_parallel if config.parallel.data_parallel_size > 1 else start_expert_parallel
+        self.parallel = start(config, self.platform)
         try:
             self._load(config, info, model_dir)
         except BaseException:
@@ -120,6 +122,7 @@ class Engine:
             )
         if self.parallel is not None:
             cache = self.parallel.check_model_and_cache(cache)
+            self.parallel.ep.act_dtype = self.dtype
         max_len = config.model.max_model_len or min(info.max_position_embeddings, _MAX_DEFAULT_LEN)
         caps, execution = self.platform.capabilities, config.execution
         self.graph_mode = caps.default_graph_mode if execution.graph_mode == "auto" else execution.graph_mode
@@ -383,11 +386,20 @@ class Engine:
         self.check_workers()
         self._admit_compiled()
         t0 = time.perf_counter()
+        forwards = self.parallel.num_forwards if isinstance(self.parallel, DataParallelRank) else 0
         result = self.loop.step()
+        if isinstance(self.parallel, DataParallelRank) and not self.loop.busy:
+            self.parallel.after_step(forwards)
         deltas = collect_deltas(self.scheduler, self.runner)
         self.num_steps += result.executed
         self.last_step_timing = result.timing(time.perf_counter() - t0)
         return deltas
+
+    def idle(self) -> None:
+        """A loop iteration with nothing to step: a data-parallel rank still takes part in the others'
+        forwards (``xengine/parallel/data_parallel.py``), and blocks for input briefly."""
+        if isinstance(self.parallel, DataParallelRank):
+            self.parallel.idle()
 
     # ------------------------------------------------------------------ processes
     def check_workers(self) -> None:

@@ -308,6 +308,12 @@ class XllmConfig:
         self.engine.validate()
         self.batch.validate()
         self.cluster.validate()
+        if self.cluster.enabled and self.parallel.data_parallel_size > 1:
+            raise ValueError(
+                "parallel.data_parallel_size > 1 is not supported in cluster mode yet (a cluster instance is "
+                "one engine process); serve it single-node with xllm serve --data-parallel-size, or launch "
+                "cluster instances with --expert-parallel-size / --tensor-parallel-size"
+            )
 
 
 _SECTIONS = {

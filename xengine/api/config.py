@@ -325,6 +325,22 @@ class ParallelConfig:
         "all-reduce through shared memory. MoE experts split over the same ranks by expert parallelism "
         "(expert_parallel_size must be 1 or equal). 1: one process.",
     )
+    data_parallel_size: int = _f(
+        1,
+        "Engine processes of one instance that each own their requests, KV cache and attention "
+        "(data-parallel attention for MoE models): their MoE layers exchange tokens by all-to-all, the "
+        "experts split over all of them (expert_parallel_size must be 1 or equal), and they step in "
+        "lock-step (a rank without a batch runs only its share of the expert exchange). The service starts "
+        "them together, routes each request to the least-loaded one and relaunches them together. 1: off.",
+    )
+    data_parallel_rank: int = _f(
+        0, "This engine process's data-parallel rank (set by the service for each process it starts)."
+    )
+    data_parallel_address: str = _f(
+        "",
+        "The data-parallel ranks' rendezvous, tcp://HOST:PORT (set by the service; '' with "
+        "data_parallel_size 1).",
+    )
     distributed_executor_backend: str = _f(
         "mp",
         "How the instance's ranks 1..N-1 start: 'mp' (processes on this host, all-reduce through shared "
@@ -360,8 +376,9 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes of the instance: the tensor-parallel ranks, which also split the experts."""
-        return max(self.tensor_parallel_size, self.expert_parallel_size)
+        """Processes of the instance: the tensor-parallel ranks, which also split the experts, or the
+        data-parallel ranks."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size, self.data_parallel_size)
 
     def validate(self) -> None:
         if self.expert_parallel_size < 1:
@@ -374,6 +391,7 @@ class ParallelConfig:
                 f"parallel.expert_parallel_size ({ep}) must be 1 or equal tensor_parallel_size ({tp}): "
                 "experts are split over the tensor-parallel ranks"
             )
+        self._validate_data_parallel()
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(
                 f"parallel.distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}"
@@ -399,6 +417,32 @@ class ParallelConfig:
                 )
         if self.num_redundant_experts and not self.enable_eplb:
             raise ValueError("parallel.num_redundant_experts needs enable_eplb (--enable-eplb)")
+
+    def _validate_data_parallel(self) -> None:
+        dp, ep = self.data_parallel_size, self.expert_parallel_size
+        if dp < 1:
+            raise ValueError("parallel.data_parallel_size must be >= 1")
+        if not 0 <= self.data_parallel_rank < dp:
+            raise ValueError(
+                f"parallel.data_parallel_rank must be in [0, {dp}), got {self.data_parallel_rank}"
+            )
+        if dp == 1:
+            return
+        if ep not in (1, dp):
+            raise ValueError(
+                f"parallel.expert_parallel_size ({ep}) must be 1 or equal data_parallel_size ({dp}): the "
+                "experts are split over the data-parallel ranks"
+            )
+        for flag, on in (
+            ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+            ("enable_dual_batch_overlap", self.enable_dual_batch_overlap),
+            ("enable_eplb", self.enable_eplb),
+            ("distributed_executor_backend ray", self.distributed_executor_backend == "ray"),
+        ):
+            if on:
+                raise ValueError(
+                    f"parallel.{flag} is not supported with data_parallel_size > 1 yet; use one or the other"
+                )
 
 
 @dataclass(frozen=True)

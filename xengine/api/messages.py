@@ -254,6 +254,9 @@ class MoeStatsMsg(msgspec.Struct, kw_only=True):
 
     expert_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    num_idle_exchanges: int = 0  # data parallel: forwards of other ranks this rank served idle
     num_all_reduces: int = 0  # tensor parallel: rank 0's all-reduces so far
     all_reduce: str = ""  # tensor parallel: "shared_memory" (one host) or "torch.distributed"
     dual_batch_overlap: bool = False

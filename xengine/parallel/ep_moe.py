@@ -39,6 +39,7 @@ class ExpertShard:
     ) -> None:
         self.ep = ep
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.num_ranks = ep.world_size
         placement = initial_placement(1, num_experts, ep.world_size, ep.num_redundant)
         self.num_slots = placement.slots_per_rank
@@ -128,6 +129,8 @@ def _ep_forward(
     if tp is not None and ep.eplb is None and not ep.dual_batch_overlap:  # tokens on every rank already
         return tp_experts(ep, tp, shard, hidden, topk_weights, topk_ids)
     num_real = min(ctx.num_tokens, hidden.shape[0])
+    if ep.data_parallel:  # this rank's own tokens (data-parallel attention): all of them, no gather
+        return _own_tokens(ep, shard, hidden, topk_weights, topk_ids, num_real)
     bounds = [num_real * r // ep.world_size for r in range(ep.world_size + 1)]
     lo, hi = bounds[ep.rank], bounds[ep.rank + 1]
     args = (hidden[lo:hi], topk_weights[lo:hi], topk_ids[lo:hi])
@@ -143,6 +146,35 @@ def _ep_forward(
     if num_real < hidden.shape[0]:
         out = torch.cat([out, hidden.new_zeros(hidden.shape[0] - num_real, hidden.shape[1])])
     return out
+
+
+def _own_tokens(
+    ep: ExpertParallel,
+    shard: ExpertShard,
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_real: int,
+) -> torch.Tensor:
+    """Data-parallel attention: every rank dispatches its own ``num_real`` tokens (padding dropped)."""
+    ep.comm.num_layer_calls += 1
+    args = (hidden[:num_real], topk_weights[:num_real], topk_ids[:num_real])
+    (out,) = _interleave(ep, [_micro_batch(ep, shard, *args, 0)])
+    out = out.to(hidden.dtype)
+    if num_real < hidden.shape[0]:
+        out = torch.cat([out, hidden.new_zeros(hidden.shape[0] - num_real, hidden.shape[1])])
+    return out
+
+
+def idle_exchange(ep: ExpertParallel) -> None:
+    """A data-parallel rank without a batch while others run a forward: every MoE layer's exchange,
+    in model order, with no tokens of its own (its experts still serve the others' tokens)."""
+    for shard in ep.layers:
+        device = shard.module.down_proj.device
+        hidden = torch.zeros(0, shard.hidden_size, dtype=ep.act_dtype, device=device)
+        ids = torch.zeros(0, 1, dtype=torch.int64, device=device)
+        ep.comm.num_layer_calls += 1
+        _interleave(ep, [_micro_batch(ep, shard, hidden, ids.to(hidden.dtype), ids, 0)])
 
 
 def _micro_batch(
@@ -161,15 +193,12 @@ def _micro_batch(
     per_slot = torch.bincount(phys, minlength=shard.num_physical)
     _count(ep, shard, topk_ids, per_slot)
     send_rows = hidden[order // top_k]
-    recv_per_slot = torch.empty_like(per_slot)
-    yield dist.all_to_all_single(recv_per_slot, per_slot, group=ep.group, async_op=True)
+    equal = [s] * n
+    recv_per_slot = yield from _exchange(ep, per_slot, equal, equal)
     recv_per_slot = recv_per_slot.view(n, s)
     send_splits = per_slot.view(n, s).sum(1).tolist()
     recv_splits = recv_per_slot.sum(1).tolist()
-    recv_rows = send_rows.new_empty(sum(recv_splits), send_rows.shape[1])
-    yield dist.all_to_all_single(
-        recv_rows, send_rows, recv_splits, send_splits, group=ep.group, async_op=True
-    )
+    recv_rows = yield from _exchange(ep, send_rows, send_splits, recv_splits)
     ep.comm.bytes_sent += send_rows.numel() * send_rows.element_size()
     # rows arrive source-major, slot-minor: group them by local slot for the grouped matmul
     slot_of_row = torch.arange(s, device=recv_per_slot.device).repeat(n)
@@ -181,10 +210,24 @@ def _micro_batch(
     )
     back = torch.empty_like(out)
     back[perm] = out
-    returned = back.new_empty(send_rows.shape[0], back.shape[1])
-    yield dist.all_to_all_single(returned, back, send_splits, recv_splits, group=ep.group, async_op=True)
+    returned = yield from _exchange(ep, back, recv_splits, send_splits)
     dispatched = DispatchedTokens(returned, [], order, num_tokens, top_k)
     return moe.combine(returned, dispatched, topk_weights)
+
+
+def _exchange(
+    ep: ExpertParallel, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+) -> Stage:
+    """One all-to-all of rows: through shared memory where the ranks share a host (synchronous: no
+    overlap to gain on CPU), else ``all_to_all_single`` on the group, yielded while in flight."""
+    if ep.a2a is not None and not ep.dual_batch_overlap:
+        t0 = time.perf_counter()
+        recv = ep.a2a.all_to_all(send.contiguous(), send_splits, recv_splits)
+        ep.comm.exposed_s += time.perf_counter() - t0
+        return recv
+    recv = send.new_empty(sum(recv_splits), *send.shape[1:])
+    yield dist.all_to_all_single(recv, send, recv_splits, send_splits, group=ep.group, async_op=True)
+    return recv
 
 
 def _interleave(ep: ExpertParallel, stages: list[Stage]) -> list[torch.Tensor]:
@@ -216,9 +259,12 @@ def _all_gather(ep: ExpertParallel, local: torch.Tensor, bounds: list[int]) -> t
         if local.shape[0] == width
         else torch.cat([local, local.new_zeros(width - local.shape[0], local.shape[1])])
     )
-    parts = [torch.empty_like(padded) for _ in sizes]
     t0 = time.perf_counter()
-    dist.all_gather(parts, padded.contiguous(), group=ep.group)
+    if ep.a2a is not None:
+        parts = list(ep.a2a.all_gather(padded.contiguous().unsqueeze(0), dim=0).unbind(0))
+    else:
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=ep.group)
     ep.comm.exposed_s += time.perf_counter() - t0
     return torch.cat([p[:size] for p, size in zip(parts, sizes)])
 

@@ -45,6 +45,7 @@ DATA_TIMEOUT = timedelta(seconds=300)  # one MoE collective: a peer that neither
 CONTROL_TIMEOUT = timedelta(days=3650)  # workers wait for the next step as long as the engine idles
 POLL_S = 0.2
 STEP_CHANNEL_BYTES = 4 << 20  # a step message larger than this goes over gloo
+A2A_SLOT_BYTES = 4 << 20  # one rank's share of one all-to-all round (larger exchanges take rounds)
 STOP_WAIT_S = 10.0
 
 
@@ -80,6 +81,10 @@ def init_expert_parallel(
         num_redundant=cfg.num_redundant_experts,
         window=cfg.eplb_window if cfg.enable_eplb else 1,
     )
+    if backend == "gloo" and len(set(hosts)) == 1:  # the MoE exchanges through shared memory too
+        ep.a2a = ShmCommunicator.create(
+            control, rank, world_size, A2A_SLOT_BYTES, timeout_s=DATA_TIMEOUT.total_seconds()
+        )
     if cfg.enable_eplb:
         ep.eplb = Eplb(ep, cfg.eplb_interval)
     set_expert_parallel(ep)
@@ -206,6 +211,8 @@ class ExpertParallelGroup:
                     logger.error("%s", self.failure)
                     if self.tp is not None:  # ranks waiting in a shared-memory collective give up now
                         self.tp.comm.abort(self.failure)
+                    if self.ep.a2a is not None:
+                        self.ep.a2a.abort(self.failure)
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
@@ -243,6 +250,8 @@ class ExpertParallelGroup:
         if self.ray is not None:
             self.ray.close()
         set_expert_parallel(None)
+        if self.ep.a2a is not None:
+            self.ep.a2a.close()
         if self.tp is not None:
             self.tp.comm.close()
             if self.tp.channel is not None:

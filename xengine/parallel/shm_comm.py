@@ -25,6 +25,7 @@ unlinked as soon as every rank has mapped it, so a killed process leaves nothing
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -67,6 +68,7 @@ class ShmCommunicator:
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._views: dict[tuple[torch.dtype, torch.Size], tuple[list[torch.Tensor], ...]] = {}
         self._seq = 0
+        self.peer_pids: dict[int, int] = {}  # rank -> pid (same host): a wait gives up once one is gone
 
     @classmethod
     def create(
@@ -91,6 +93,9 @@ class ShmCommunicator:
         try:
             dist.broadcast_object_list(name, src=0, group=group)
             comm = cls(name[0], rank, world_size, max_bytes, timeout_s)
+            pids: list[object] = [None] * world_size
+            dist.all_gather_object(pids, os.getpid(), group=group)
+            comm.peer_pids = {r: int(p) for r, p in enumerate(pids) if r != rank}  # type: ignore[arg-type]
             dist.barrier(group=group)
         finally:
             if rank == 0:
@@ -164,6 +169,53 @@ class ShmCommunicator:
             dst[:, start : start + n].copy_(mine)
         return torch.cat(gathered.view(self.world_size, *t.shape).unbind(0), dim=dim)
 
+    def all_to_all(
+        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+    ) -> torch.Tensor:
+        """``all_to_all_single`` of rows: ``send`` ``[N, ...]`` holds ``send_splits[r]`` rows for rank r
+        in rank order; returns the ``sum(recv_splits)`` rows sent here, source-major (a new tensor).
+        Each call is one or more rounds: every rank writes its next rows that fit its slot, preceded by
+        how many go to each rank and whether more follow; rounds go on until no rank has more."""
+        _check(send)
+        w, me = self.world_size, self.rank
+        row_shape = send.shape[1:]
+        row_bytes = math.prod(row_shape) * send.element_size()
+        src = send.view(torch.uint8).view(send.shape[0], row_bytes)
+        out = torch.empty((sum(recv_splits), *row_shape), dtype=send.dtype)
+        dst = out.view(torch.uint8).view(out.shape[0], row_bytes)
+        header = -(-(w + 1) * 8 // 64) * 64  # counts per destination, then "more follow"
+        cap = (self.max_bytes - header) // max(1, row_bytes)
+        if cap < 1:
+            raise ValueError(f"one row of {row_bytes} bytes does not fit a {self.max_bytes}-byte slot")
+        ends = torch.tensor(list(send_splits), dtype=torch.int64).cumsum(0).tolist()
+        sent, got = 0, [sum(recv_splits[:r]) for r in range(w)]
+        while True:
+            seq = self._next_seq()
+            slot = self._bytes[seq & 1]
+            take = min(cap, src.shape[0] - sent)
+            starts = [0, *ends[:-1]]
+            counts = [max(0, min(e, sent + take) - max(b, sent)) for b, e in zip(starts, ends)]
+            words = slot[me, :header].view(torch.int64)
+            words[:w] = torch.tensor(counts, dtype=torch.int64)
+            words[w] = int(sent + take < src.shape[0])
+            if take:
+                slot[me, header : header + take * row_bytes].view(take, row_bytes).copy_(
+                    src[sent : sent + take]
+                )
+            sent += take
+            self._arrive_and_wait(seq)
+            more = False
+            for r in range(w):
+                theirs = slot[r, :header].view(torch.int64)[: w + 1].tolist()
+                more |= bool(theirs[w])
+                n = theirs[me]
+                if n:
+                    at = header + sum(theirs[:me]) * row_bytes
+                    dst[got[r] : got[r] + n].copy_(slot[r, at : at + n * row_bytes].view(n, row_bytes))
+                    got[r] += n
+            if not more:
+                return out
+
     def abort(self, reason: str) -> None:
         """Make every rank's current and future waits raise ``CommAbortedError`` with ``reason``
         (safe from any thread of any rank; the first reason wins)."""
@@ -217,11 +269,16 @@ class ShmCommunicator:
             spins += 1
             if spins > SPINS_BEFORE_YIELD:
                 os.sched_yield()
-            if spins % SPINS_PER_CLOCK_CHECK == 0 and time.monotonic() > deadline:
-                late = [r for r, i in enumerate(self._flag_index) if words[i] < seq]
-                msg = f"ranks {late} did not reach collective #{seq} within {self.timeout_s:g}s"
-                self.abort(msg)
-                raise CommAbortedError(f"rank {self.rank}: {msg}")
+            if spins % SPINS_PER_CLOCK_CHECK == 0:
+                gone = [r for r, pid in self.peer_pids.items() if not _alive(pid)]
+                if gone:
+                    self.abort(f"rank(s) {gone} exited")
+                    raise self._aborted()
+                if time.monotonic() > deadline:
+                    late = [r for r, i in enumerate(self._flag_index) if words[i] < seq]
+                    msg = f"ranks {late} did not reach collective #{seq} within {self.timeout_s:g}s"
+                    self.abort(msg)
+                    raise CommAbortedError(f"rank {self.rank}: {msg}")
 
     def _aborted(self) -> CommAbortedError:
         raw = bytes(self._mm[REASON_OFFSET : REASON_OFFSET + REASON_BYTES]).split(b"\0", 1)[0]
@@ -251,6 +308,15 @@ class DistCommunicator:
 
     def close(self) -> None:
         """Nothing to do: the group belongs to its creator."""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (this host) still runs: not gone, not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _check(t: torch.Tensor) -> None:

@@ -28,6 +28,9 @@ class ExpertParallel:
     group: Any  # torch.distributed group of the MoE collectives (all-to-all, all-gather)
     control_group: Any  # the step broadcasts and EPLB agreement (no timeout: workers wait while idle)
     dual_batch_overlap: bool = False
+    data_parallel: bool = False  # every rank has its own tokens (data-parallel attention): no slicing
+    a2a: Any = None  # ``ShmCommunicator`` for the MoE exchanges when every rank shares this host (gloo)
+    act_dtype: Any = None  # the model's activation dtype (an idle data-parallel rank's empty rows)
     num_redundant: int = 0  # EPLB's extra expert slots across all ranks
     window: int = 1  # steps of load history each layer keeps
     eplb: Any = None  # ``xengine.parallel.eplb.Eplb`` when EPLB is on (it imports this module)

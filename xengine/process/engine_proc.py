@@ -92,6 +92,8 @@ class EngineProc:
                 self._engine.check_workers()  # an expert-parallel worker gone: the instance is down
                 if self._has_work() and not self._parent_gone:
                     self._step()
+                elif not self._parent_gone and hasattr(self._engine, "idle"):
+                    self._engine.idle()  # data-parallel ranks: the others' forwards go on
                 self._check_drain_deadline()
             return 0
         except Exception as e:  # noqa: BLE001 - report any failure to the service before dying
@@ -113,7 +115,8 @@ class EngineProc:
 
     def _idle_poll_ms(self) -> int:
         """How long an idle loop waits for input before its next iteration."""
-        return IDLE_POLL_MS
+        parallel = getattr(self._engine, "parallel", None)
+        return getattr(parallel, "idle_poll_ms", IDLE_POLL_MS)
 
     def _housekeeping(self) -> None:
         """Once per loop iteration, after inputs were read (a hook: the cluster engine server applies

@@ -47,10 +47,10 @@ from xservice.cluster.kv_index import prompt_block_hashes
 from xservice.cluster.pd import PDDispatcher, empty_import_counts
 from xservice.cluster.registry import InstanceRegistry, InstanceState
 from xservice.cluster.remote_engine import RemoteEngineClient
-from xservice.cluster.stats_sum import sum_engine_stats
 from xservice.cluster.supervisor import InstanceSupervisor
 from xservice.engine.client import HANG_TIMEOUT_S
 from xservice.engine.errors import EngineDeadError
+from xservice.engine.stats_sum import sum_engine_stats
 from xservice.policies import PLAIN_ROLES, BaseRoutingPolicy, InstanceSnapshot, PDPolicy, RouteRequest
 
 logger = logging.getLogger(__name__)

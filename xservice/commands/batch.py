@@ -220,7 +220,7 @@ async def _run_file(cfg: Any, path: Path, endpoint: str) -> list[dict[str, Any]]
     from tqdm import tqdm
 
     from xservice.batch.lines import InputFileError, parse_lines
-    from xservice.engine.client import EngineClient
+    from xservice.engine.data_parallel import start_engine_client
     from xservice.engine.errors import EngineStartupError
     from xservice.http.metrics import ServiceMetrics
     from xservice.serving.context import ServingContext
@@ -233,7 +233,7 @@ async def _run_file(cfg: Any, path: Path, endpoint: str) -> list[dict[str, Any]]
     tokenizer = cli.load_tokenizer(cfg.model.model)
     print(f"xllm: starting the engine for {cfg.model.model}", file=sys.stderr, flush=True)
     try:
-        client = await EngineClient.start(cfg.engine, cfg.service.engine_startup_timeout_s)
+        client = await start_engine_client(cfg.engine, cfg.service.engine_startup_timeout_s)
     except EngineStartupError as e:
         raise cli.CliError(f"the engine did not start: {str(e).splitlines()[0]}") from e
     try:

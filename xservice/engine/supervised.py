@@ -1,6 +1,7 @@
 """``SupervisedEngine``: single-node serving's engine backend, restarted when its process dies.
 
-It holds one ``EngineClient`` at a time. When that engine dies (killed, crashed, hung past
+It holds one ``EngineClient`` at a time (a ``DataParallelClient`` of D engine processes with
+``data_parallel_size`` D > 1, restarted together). When that engine dies (killed, crashed, hung past
 ``engine_hang_timeout_s``), its in-flight requests fail with ``EngineDeadError`` and the supervisor
 starts a new engine after a backoff chosen by ``RestartPolicy``, registering the rec catalogs again;
 meanwhile requests get 503. Once the restart budget is spent it gives up loudly (``/health/live``
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 from xengine.api.config import EngineConfig
 from xengine.api.messages import AddRequest, CatalogInfo, CompletionDelta, EngineInfo, EngineStats
 from xservice.engine.client import EngineClient
+from xservice.engine.data_parallel import DataParallelClient, start_engine_client
 from xservice.engine.errors import EngineDeadError, EngineStartupError
 from xservice.policies.restart import RestartPolicy
 
@@ -40,7 +42,7 @@ class SupervisedEngine:
         self._policy = policy
         self._startup_timeout_s = startup_timeout_s
         self._hang_timeout_s = hang_timeout_s
-        self._client: EngineClient | None = None
+        self._client: EngineClient | DataParallelClient | None = None
         self._catalogs: dict[str, list[list[int]]] = {}  # registered catalogs, replayed on restart
         self._restart_times: list[float] = []
         self._watch: asyncio.Task[None] | None = None
@@ -59,11 +61,11 @@ class SupervisedEngine:
     ) -> SupervisedEngine:
         """Start the engine (``EngineStartupError`` if it cannot) and supervise it."""
         self = cls(config, policy or RestartPolicy(), startup_timeout_s, hang_timeout_s)
-        self._adopt(await EngineClient.start(config, startup_timeout_s))
+        self._adopt(await start_engine_client(config, startup_timeout_s))
         self._watch = asyncio.get_running_loop().create_task(self._supervise(), name="engine-supervisor")
         return self
 
-    def _adopt(self, client: EngineClient) -> None:
+    def _adopt(self, client: EngineClient | DataParallelClient) -> None:
         client.hang_timeout_s = self._hang_timeout_s
         self._client, self.info = client, client.info
 
@@ -78,7 +80,7 @@ class SupervisedEngine:
             if not await self._restart(client):
                 return
 
-    async def _restart(self, dead: EngineClient | None) -> bool:
+    async def _restart(self, dead: EngineClient | DataParallelClient | None) -> bool:
         """Replace the dead engine; False once the policy gives up (or the supervisor closed)."""
         self.restarting = True
         reason = "the engine stopped"
@@ -96,7 +98,7 @@ class SupervisedEngine:
             self._restart_times.append(time.monotonic())
             self.num_restarts += 1
             try:
-                client = await EngineClient.start(self._config, self._startup_timeout_s)
+                client = await start_engine_client(self._config, self._startup_timeout_s)
             except EngineStartupError as e:
                 logger.error("engine restart failed: %s", str(e).splitlines()[0])
                 continue
@@ -114,7 +116,7 @@ class SupervisedEngine:
             f"{self._policy.window_s:.0f}s; giving up (requests get 503, /health/live fails)"
         )
 
-    async def _replay_catalogs(self, client: EngineClient) -> None:
+    async def _replay_catalogs(self, client: EngineClient | DataParallelClient) -> None:
         for name, items in self._catalogs.items():
             try:
                 await client.register_catalog(name, items)
@@ -123,7 +125,7 @@ class SupervisedEngine:
 
     # ------------------------------------------------------------------ EngineBackend
 
-    def _current(self) -> EngineClient:
+    def _current(self) -> EngineClient | DataParallelClient:
         client = self._client
         if client is None or not client.is_alive:
             state = "gave up restarting it" if self.gave_up else "it is restarting"

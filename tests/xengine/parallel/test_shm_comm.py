@@ -1,6 +1,7 @@
 """The shared-memory collectives between real rank processes joined in a gloo group: all-reduce equal
 (bit for bit) to the fixed-order sum ``x0 + x1 + ...`` on every rank, for any size and many calls in a
-row; all-gather equal to ``torch.cat`` in rank order; a dead peer or ``abort`` ends a wait with
+row; all-gather equal to ``torch.cat`` in rank order; all-to-all delivering each rank's rows for every
+other, in rounds when they overflow a slot; a dead peer or ``abort`` ends a wait with
 ``CommAbortedError`` instead of a hang; nothing left in /dev/shm afterwards.
 """
 
@@ -10,6 +11,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,9 +88,34 @@ def _correctness_rank(rank: int, world_size: int, port: int, out_dir: str) -> No
             got = comm.all_gather(xs[rank], dim=dim)
             assert torch.equal(got, torch.cat(xs, dim=dim)), f"gather {shape} dim {dim}"
         results[f"gather{case}"] = got
+    for case, (width, dtype, most) in enumerate(A2A_CASES):
+        sends, splits = _a2a_inputs(case, world_size, width, dtype, most)
+        got = comm.all_to_all(sends[rank], splits[rank], [splits[r][rank] for r in range(world_size)])
+        expected = torch.cat([_rows_for(sends[r], splits[r], rank) for r in range(world_size)])
+        assert torch.equal(got, expected), f"all_to_all case {case}"
     comm.close()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+# all_to_all: (row width, dtype, most rows one rank sends one peer); the last case's rows overflow a
+# slot (several rounds), width 0 means 1-D rows (the routing counts)
+A2A_CASES = [(8, torch.float32, 5), (0, torch.int64, 4), (300, torch.float32, 40), (64, torch.bfloat16, 0)]
+
+
+def _a2a_inputs(case: int, world_size: int, width: int, dtype: torch.dtype, most: int) -> tuple[list, list]:
+    """Every rank's send rows and splits (random counts, zeros included): each rank can compute all."""
+    g = torch.Generator().manual_seed(500 + case)
+    splits = [[int(torch.randint(0, most + 1, (1,), generator=g)) for _ in range(world_size)]
+              for _ in range(world_size)]  # fmt: skip
+    shape = (lambda n: (n,)) if width == 0 else (lambda n: (n, width))
+    sends = [(torch.randn(shape(sum(sp)), generator=g) * 100).to(dtype) for sp in splits]
+    return sends, splits
+
+
+def _rows_for(send: torch.Tensor, splits: list[int], dest: int) -> torch.Tensor:
+    start = sum(splits[:dest])
+    return send[start : start + splits[dest]]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -102,7 +129,7 @@ def test_all_reduce_and_all_gather_match_fixed_order_on_every_rank(tmp_path: Pat
 
 
 def _dead_peer_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    comm = _join(rank, world_size, port, timeout_s=2.0)
+    comm = _join(rank, world_size, port, timeout_s=300.0)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # a worker gone without a word, before the collective
     error = ""
@@ -117,12 +144,30 @@ def _dead_peer_rank(rank: int, world_size: int, port: int, out_dir: str) -> None
     Path(out_dir, "error.txt").write_text(f"{comm.path}\n{error}")
 
 
-def test_a_dead_peer_raises_after_the_timeout_instead_of_hanging(tmp_path: Path) -> None:
+def test_a_dead_peer_raises_at_once_instead_of_hanging(tmp_path: Path) -> None:
+    """The waiting rank sees the peer's process gone (a zombie counts as gone) long before its 300 s."""
     assert _run_ranks(_dead_peer_rank, 2, tmp_path) == [0, -signal.SIGKILL]
     path, error, later = (tmp_path / "error.txt").read_text().splitlines()
-    assert "ranks [1] did not reach" in error and "2s" in error
+    assert "rank(s) [1] exited" in error
     assert "aborted" in later
     assert not os.path.exists(path)
+
+
+def _stuck_peer_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    comm = _join(rank, world_size, port, timeout_s=2.0)
+    if rank == 1:  # alive but never arrives: the waiting rank gives up after its timeout
+        time.sleep(3.5)
+        return
+    try:
+        comm.all_reduce(torch.ones(16))
+    except CommAbortedError as e:
+        Path(out_dir, "error.txt").write_text(str(e))
+
+
+def test_a_stuck_peer_raises_after_the_timeout(tmp_path: Path) -> None:
+    assert _run_ranks(_stuck_peer_rank, 2, tmp_path) == [0, 0]
+    error = (tmp_path / "error.txt").read_text()
+    assert "ranks [1] did not reach" in error and "2s" in error
 
 
 def _abort_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:

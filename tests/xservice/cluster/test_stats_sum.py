@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from xengine.api.messages import ColocationStatsMsg, EngineStats
-from xservice.cluster.stats_sum import sum_engine_stats
+from xservice.engine.stats_sum import sum_engine_stats
 
 
 def test_counters_add_up_kv_usage_averages_and_latency_is_the_worst() -> None:
