@@ -42,8 +42,7 @@ from xengine.models.loader import load_model, resolve_dtype
 from xengine.models.registry import get_model_class
 from xengine.multimodal.encode_stage import EncodeStage
 from xengine.multimodal.request_images import request_images, vision_spec
-from xengine.parallel.data_parallel import DataParallelRank, start_data_parallel
-from xengine.parallel.group import start_expert_parallel
+from xengine.parallel.data_parallel import start_parallel
 from xengine.parallel.tensor import kv_head_range
 from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
@@ -99,8 +98,7 @@ class Engine:
         self.model_info = info = read_model_info(model_dir)
         check_max_model_len(config.model.max_model_len, model_dir, info)  # before loading weights
         # expert parallel: the workers start and join before the model is built (it holds only its experts)
-        start = start_data_parallel if config.parallel.data_parallel_size > 1 else start_expert_parallel
-        self.parallel = start(config, self.platform)
+        self.parallel = start_parallel(config, self.platform)
         try:
             self._load(config, info, model_dir)
         except BaseException:
@@ -386,10 +384,10 @@ class Engine:
         self.check_workers()
         self._admit_compiled()
         t0 = time.perf_counter()
-        forwards = self.parallel.num_forwards if isinstance(self.parallel, DataParallelRank) else 0
+        forwards = self.parallel.num_forwards if self.parallel is not None else 0
         result = self.loop.step()
-        if isinstance(self.parallel, DataParallelRank) and not self.loop.busy:
-            self.parallel.after_step(forwards)
+        if self.parallel is not None:  # data-parallel ranks: a round if this step ran no forward
+            self.parallel.after_step(forwards, self.loop.busy)
         deltas = collect_deltas(self.scheduler, self.runner)
         self.num_steps += result.executed
         self.last_step_timing = result.timing(time.perf_counter() - t0)
@@ -397,9 +395,13 @@ class Engine:
 
     def idle(self) -> None:
         """A loop iteration with nothing to step: a data-parallel rank still takes part in the others'
-        forwards (``xengine/parallel/data_parallel.py``), and blocks for input briefly."""
-        if isinstance(self.parallel, DataParallelRank):
+        forwards (``xengine/parallel/data_parallel.py``)."""
+        if self.parallel is not None:
             self.parallel.idle()
+
+    def may_exit(self) -> bool:
+        """Drained and asked to stop: data-parallel ranks leave together, after a round saying so."""
+        return self.parallel is None or self.parallel.may_exit()
 
     # ------------------------------------------------------------------ processes
     def check_workers(self) -> None:

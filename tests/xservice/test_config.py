@@ -87,6 +87,12 @@ def test_overrides_beat_the_file() -> None:
     assert cfg.cache.block_size == 32 and cfg.cache.num_blocks == 64  # None means "not given"
 
 
+def test_data_parallel_in_cluster_mode_is_refused_by_name() -> None:
+    overrides = {"parallel": {"data_parallel_size": 2}, "cluster": {"launch": {"instances": "2"}}}
+    with pytest.raises(ValueError, match="data_parallel_size > 1 is not supported in cluster mode"):
+        load_config(CONFIGS / "cpu-tiny-test.yaml", overrides)
+
+
 # ------------------------------------------------------------------- cluster sub-sections, flat keys
 
 NEW_KEY = {**{old: f"{sec}.{name}" for old, (sec, name) in FLAT_KEYS.items()},

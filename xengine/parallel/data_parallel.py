@@ -9,7 +9,8 @@ control group, and a rank with no forward to run takes part in a round every loo
 round says another rank runs a forward, a rank without one runs each MoE layer's exchange with no
 tokens (``ep_moe.idle_exchange``), so the collectives pair up. All-idle rounds cost one small
 all-reduce per ``IDLE_POLL_MS``. A rank that dies breaks its peers' next collective (gloo reports the
-closed connection); they fail loudly and the service relaunches all of them together.
+closed connection); they fail loudly and the service relaunches all of them together. A rank told to
+shut down leaves only after a round in which every rank said it is leaving, so none is left waiting.
 See ``docs/data_parallel.md``.
 """
 
@@ -26,7 +27,7 @@ from ops.platforms import Platform
 from xengine.api.config import CacheConfig, EngineConfig
 from xengine.api.messages import MoeStatsMsg
 from xengine.parallel.ep_moe import idle_exchange
-from xengine.parallel.group import ExpertParallelGroup, init_expert_parallel
+from xengine.parallel.group import ExpertParallelGroup, init_expert_parallel, start_expert_parallel
 from xengine.parallel.state import ExpertParallel, set_expert_parallel
 from xengine.runner.input_batch import ModelInputs
 
@@ -46,6 +47,8 @@ class DataParallelRank(ExpertParallelGroup):
         self.num_rounds = 0
         self.num_idle_exchanges = 0  # rounds this rank had no forward while another rank had one
         self.num_forwards = 0
+        self.leaving = False  # this rank is shutting down (drained): it leaves once every rank is
+        self.all_leaving = False  # the last round said every rank is leaving
 
     @classmethod
     def start(cls, config: EngineConfig, backend: str) -> DataParallelRank:  # type: ignore[override]
@@ -80,10 +83,14 @@ class DataParallelRank(ExpertParallelGroup):
         self.num_forwards += 1
         self.ep.begin_step(self.ep.step_index + 1, 0)
 
-    def after_step(self, forwards_before: int) -> None:
-        """An engine step ended with no forward in flight: if it ran none of its own, a round anyway."""
-        if self.num_forwards == forwards_before:
+    def after_step(self, forwards_before: int, busy: bool) -> None:
+        """An engine step ended: with no forward in flight and none run, a round anyway."""
+        if not busy and self.num_forwards == forwards_before:
             self.idle()
+
+    def may_exit(self) -> bool:
+        self.leaving = True
+        return self.all_leaving
 
     def idle(self) -> None:
         """A loop iteration without a forward: one round; when another rank runs a forward, this rank's
@@ -95,7 +102,8 @@ class DataParallelRank(ExpertParallelGroup):
             self.num_idle_exchanges += 1
 
     def _round(self, mine: int) -> int:
-        flag = torch.tensor([mine], dtype=torch.int64)
+        """The ranks running a forward now; also learns whether every rank is leaving."""
+        flag = torch.tensor([mine, int(self.leaving)], dtype=torch.int64)
         try:
             dist.all_reduce(flag, group=self.ep.control_group)
         except Exception as e:
@@ -106,7 +114,9 @@ class DataParallelRank(ExpertParallelGroup):
             )
             raise
         self.num_rounds += 1
-        return int(flag.item())
+        forwards, leaving = flag.tolist()
+        self.all_leaving = leaving == self.data_parallel_size
+        return forwards
 
     def stats(self) -> MoeStatsMsg:
         return msgspec.structs.replace(
@@ -144,3 +154,11 @@ def start_data_parallel(config: EngineConfig, platform: Platform) -> DataParalle
             "(its draft forwards would not pair with the other ranks' rounds); use method ngram"
         )
     return DataParallelRank.start(config, platform.capabilities.dist_backend)
+
+
+def start_parallel(config: EngineConfig, platform: Platform) -> ExpertParallelGroup | None:
+    """This engine's parallel ranks: its place among the data-parallel ranks, or the worker group it
+    starts (tensor / expert parallel), or None for one process."""
+    if config.parallel.data_parallel_size > 1:
+        return start_data_parallel(config, platform)
+    return start_expert_parallel(config, platform)

@@ -193,6 +193,18 @@ class ExpertParallelGroup:
         publish_step(self.ep.control_group, inputs, block_copies, step, action, self._channel)
         self.ep.begin_step(step, action)
 
+    num_forwards = 0  # data-parallel ranks count their forwards (``data_parallel.py``)
+
+    def after_step(self, forwards_before: int, busy: bool) -> None:
+        """After an engine step (data-parallel ranks: a round when it ran no forward)."""
+
+    def idle(self) -> None:
+        """An engine loop iteration without a step (data-parallel ranks: a round)."""
+
+    def may_exit(self) -> bool:
+        """Whether a drained engine may exit now (data-parallel ranks: once all may)."""
+        return True
+
     def check(self) -> None:
         if self.scan() is not None:
             raise WorkerDiedError(self.failure)

@@ -125,7 +125,10 @@ class EngineProc:
     def _done(self) -> bool:
         if self._parent_gone:
             return True
-        return self._drain_deadline is not None and not self._has_work()
+        if self._drain_deadline is None or self._has_work():
+            return False
+        may_exit = getattr(self._engine, "may_exit", None)  # data-parallel ranks leave together
+        return may_exit is None or may_exit()
 
     def _step(self) -> None:
         self._need_step = False

@@ -96,15 +96,17 @@ def test_dp_greedy_tokens_match_hf(
     prompts, expected = reference(arch)
     kw = {**CONFIGS[config], **MODES[mode], "block_size": BLOCK_SIZE, "max_num_seqs": 16}
 
-    async def run() -> tuple[list, list]:
+    async def run() -> tuple[list, list, list]:
         client = await DataParallelClient.start(dp_config(make_model_dir(arch), dp, **kw), 300)
         try:
             got = await generate(client, prompts, GREEDY)
-            return got, [await c.stats() for c in client.ranks] + [await client.stats()]
+            stats = [await c.stats() for c in client.ranks] + [await client.stats()]
         finally:
             await client.close()
+        return got, stats, [c.process.exit_code for c in client.ranks]
 
-    got, stats = asyncio.run(run())
+    got, stats, exit_codes = asyncio.run(run())
+    assert exit_codes == [0] * dp  # the ranks left together: none broke waiting for another
     for i, (tokens, want) in enumerate(zip(got, expected)):
         assert tokens == want, f"prompt {i} ({len(prompts[i])} tokens)"
     *ranks, total = stats
