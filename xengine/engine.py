@@ -232,7 +232,7 @@ class Engine:
     def _check_stateful(self, graph_mode: str) -> None:
         """A model with recurrent layers runs on one process, without whole-step graphs, for now: refuse
         what it cannot do."""
-        if self.parallel is not None:
+        if self.parallel is not None and not self.parallel.own_pools:
             raise ValueError("expert parallelism is not supported for models with recurrent layers yet")
         if graph_mode == "full":
             raise ValueError(
@@ -242,7 +242,7 @@ class Engine:
 
     def _hybrid_blocker(self) -> str | None:
         """Why sliding-window layers cannot keep a KV pool of their own here (None: they can)."""
-        if self.parallel is not None:
+        if self.parallel is not None and not self.parallel.own_pools:
             return "expert parallelism (the workers hold one pool)"
         if self.graph_mode == "full":
             return "full device graphs (their attention buffers hold one block table)"

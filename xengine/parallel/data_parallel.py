@@ -39,6 +39,7 @@ IDLE_POLL_MS = 5  # how long an idle rank waits for input between two rounds
 class DataParallelRank(ExpertParallelGroup):
     """This engine's place among the data-parallel ranks: its rounds, its idle exchanges."""
 
+    own_pools = True  # a whole engine: its window / state pools as one process builds them
     idle_poll_ms = IDLE_POLL_MS  # the engine process's input wait between two idle rounds
 
     def __init__(self, ep: ExpertParallel, size: int) -> None:

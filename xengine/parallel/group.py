@@ -194,6 +194,8 @@ class ExpertParallelGroup:
         self.ep.begin_step(step, action)
 
     num_forwards = 0  # data-parallel ranks count their forwards (``data_parallel.py``)
+    own_pools = False  # every rank builds its own KV and state pools (data-parallel ranks), or rank 0's
+    # geometry is sent to workers that hold one paged pool
 
     def after_step(self, forwards_before: int, busy: bool) -> None:
         """After an engine step (data-parallel ranks: a round when it ran no forward)."""

@@ -1,7 +1,8 @@
 """Data-parallel attention for MoE models: D engine processes, each with its own requests, KV cache and
 attention, the MoE layers' experts split over all of them and their tokens exchanged by all-to-all.
 
-Greedy tokens identical to HF ``transformers`` for deepseek_v3 (MLA) and qwen3_moe at D = 2 and 4 under
+Greedy tokens identical to HF ``transformers`` for deepseek_v3 (MLA), qwen3_moe and the hybrid MoE models
+mimo_v2_flash (sliding-window pool) and qwen3_next (recurrent-state pool) at D = 2 and 4 under
 prefix caching, chunked prefill, preemption, async scheduling and partial graphs, with requests spread
 over the ranks; a rank with nothing to run serving the others' tokens; a killed rank taking the whole
 instance down at once (no hang); what cannot work refused by name; ``xllm serve
@@ -37,13 +38,16 @@ from xengine.llm import LLM, engine_config
 from xservice.engine.data_parallel import DataParallelClient
 from xservice.engine.errors import EngineDeadError, EngineStartupError
 
-ARCHS = ("deepseek_v3", "qwen3_moe")
+ARCHS = ("deepseek_v3", "qwen3_moe", "mimo_v2_flash", "qwen3_next")
 # (arch, data-parallel size, configuration of test_engine_parity, mode)
 CASES = [
     ("deepseek_v3", 2, "prefix+chunked", "eager"),
     ("deepseek_v3", 2, "preempt", "async"),
     ("qwen3_moe", 2, "prefix+chunked", "async+partial"),
     ("deepseek_v3", 4, "prefix+chunked", "async"),
+    # the hybrid MoE models: each rank keeps its own sliding-window pool / recurrent-state pool
+    ("mimo_v2_flash", 2, "prefix+chunked", "eager"),
+    ("qwen3_next", 2, "preempt", "async"),
 ]
 SLOW_CASES = [
     ("deepseek_v3", 2, "prefix+chunked", "async+partial"),
@@ -120,6 +124,10 @@ def test_dp_greedy_tokens_match_hf(
         assert total.num_preemptions > 0
     if mode.endswith("partial"):
         assert total.graph.num_replays > 0 and total.graph.num_recompiles_after_warmup == 0
+    if arch == "mimo_v2_flash":
+        assert all(s.window_pool is not None and s.window_pool.num_layers > 0 for s in ranks)
+    if arch == "qwen3_next":
+        assert all(s.state_pool is not None and s.state_pool.num_layers > 0 for s in ranks)
 
 
 def test_an_idle_rank_serves_the_others_tokens_and_a_killed_rank_downs_the_instance(make_model_dir) -> None:
