@@ -34,12 +34,6 @@ def validate_request(engine: Engine, req: AddRequest) -> None:
             f"{engine.max_model_len}, set by {engine.kv_setup.len_limit} (prompt must be shorter, leaving room for output)"
         )
     req.params.validate(engine.vocab_size)
-    parallel = engine.parallel
-    if req.params.prompt_logprobs is not None and parallel is not None and parallel.tensor_parallel_size > 1:
-        raise ValueError(
-            "invalid value for 'prompt_logprobs': not supported with tensor_parallel_size > 1 yet (the "
-            "vocabulary-parallel LM head runs on the sampled rows only)"
-        )
     if req.pooling is not None:
         req.pooling.validate(engine.model_info.hidden_size)
         if not req.params.is_prefill_only or req.params.n != 1:

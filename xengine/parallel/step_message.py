@@ -63,9 +63,10 @@ def publish_step(
         meta.slot_mapping,
         torch.tensor([x for pair in copies for x in pair], dtype=torch.int64),
         inputs.logits_indices,  # tensor parallel: every rank computes its columns of these rows' logits
+        torch.tensor([x for span in inputs.prompt_spans for x in span], dtype=torch.int64),  # and these
     ]
     payload = torch.cat([p.to("cpu", torch.int64) for p in parts])
-    _send(group, header + [len(inputs.logits_indices), 0, 0], payload, channel)
+    _send(group, header + [len(inputs.logits_indices), len(inputs.prompt_spans), 0], payload, channel)
 
 
 def publish_control(
@@ -86,12 +87,14 @@ def receive(group: object, device: torch.device, channel: StepChannel | None = N
     kind, t, b, w, c, block_size, step_index, action, *values = header
     if kind != KIND_STEP:
         return StepMessage(kind, values=tuple(values))
-    num_logits = values[0]
+    num_logits, num_spans = values[0], values[1]
     if payload is None:
-        payload = torch.zeros(3 * t + 2 * b + 1 + b * w + 2 * c + num_logits, dtype=torch.int64)
+        payload = torch.zeros(
+            3 * t + 2 * b + 1 + b * w + 2 * c + num_logits + 2 * num_spans, dtype=torch.int64
+        )
         dist.broadcast(payload, 0, group=group)
-    sizes = [t, t, b + 1, b, b * w, t, 2 * c, num_logits]
-    ids, pos, qsl, seq_lens, tables, slots, copies, logits_rows = torch.split(payload, sizes)
+    sizes = [t, t, b + 1, b, b * w, t, 2 * c, num_logits, 2 * num_spans]
+    ids, pos, qsl, seq_lens, tables, slots, copies, logits_rows, spans = torch.split(payload, sizes)
     starts = qsl.tolist()
     lens = seq_lens.tolist()
     query_lens = [starts[i + 1] - starts[i] for i in range(b)]
@@ -107,6 +110,8 @@ def receive(group: object, device: torch.device, channel: StepChannel | None = N
         block_size=block_size,
     )
     inputs = ModelInputs(ids.to(device), pos.to(device), meta, logits_rows.to(device), t)
+    flat = spans.tolist()
+    inputs.prompt_spans = list(zip(flat[::2], flat[1::2]))
     pairs = copies.tolist()
     return StepMessage(kind, inputs, list(zip(pairs[::2], pairs[1::2])), step_index, action)
 

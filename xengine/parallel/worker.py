@@ -34,6 +34,7 @@ from xengine.models.loader import load_model, resolve_dtype
 from xengine.parallel.group import init_expert_parallel
 from xengine.parallel.step_message import KIND_SETUP, KIND_STOP, receive
 from xengine.parallel.tensor import get_tensor_parallel, kv_head_range
+from xengine.runner.prompt_outputs import logit_slices
 
 logger = logging.getLogger("xengine.parallel.worker")
 
@@ -87,6 +88,8 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
             hidden = graph.run(inputs.input_ids, inputs.positions)
         if tp is not None and len(inputs.logits_indices):  # this rank's vocabulary columns of the logits
             model.compute_logits(hidden[inputs.logits_indices])
+        for first, n in logit_slices(inputs.prompt_spans) if tp is not None else ():  # prompt logprobs
+            model.compute_logits(hidden[first : first + n])
         platform.synchronize()
     dist.destroy_process_group()
     return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +21,8 @@ class ModelInputs:
     num_tokens: int
     # the sliding-window layers' metadata when they have a pool of their own (``window_metadata``)
     window_meta: AttentionMetadata | None = None
+    # tensor parallel: ``(first row, rows)`` of the prompt logprobs computed after ``logits_indices``
+    prompt_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _tokens(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

@@ -25,7 +25,12 @@ from xengine.multimodal.step_inputs import MultiModalStep, build_multimodal_step
 from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
 from xengine.runner.input_batch import ModelInputs, build_inputs, window_metadata
-from xengine.runner.prompt_outputs import PromptOutputRows, build_prompt_rows, compute_prompt_outputs
+from xengine.runner.prompt_outputs import (
+    PromptOutputRows,
+    build_prompt_rows,
+    compute_prompt_outputs,
+    logit_spans,
+)
 from xengine.runner.recurrent_inputs import recurrent_metadata
 from xengine.runner.sampling_reuse import SamplingReuse
 from xengine.sampling.beam_search import BeamRows, beam_candidates
@@ -206,6 +211,7 @@ class ModelRunner:
             if prev_rows is not None:
                 inputs.input_ids = _resolve(inputs.input_ids, prev_rows)
             if self.parallel is not None:
+                inputs.prompt_spans = logit_spans(step.prompt_rows)  # tensor parallel: LM-head calls
                 self.parallel.publish(inputs, step.plan.block_copies)
         interrupt = self.interrupt if step.plan.interruptible else None
         resumable = interrupt is not None and prev_rows is None and self._resumable(step)

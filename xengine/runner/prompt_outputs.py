@@ -83,12 +83,25 @@ def compute_prompt_outputs(
         out.embeddings[p.seq_id] = _pool(hidden[p.row], p.params)
 
 
+def logit_slices(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The LM-head calls prompt logprobs make, in order, for row spans ``(first row, rows)``: each
+    ``(first row, rows)`` of at most ``ROWS_PER_SLICE`` (tensor-parallel workers make the same calls)."""
+    return [
+        (first + i, min(ROWS_PER_SLICE, n - i)) for first, n in spans for i in range(0, n, ROWS_PER_SLICE)
+    ]
+
+
+def logit_spans(rows: PromptOutputRows | None) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of each sequence's prompt logprobs in a step."""
+    return [] if rows is None else [(r.first_row, len(r.target_ids)) for r in rows.logprobs]
+
+
 def _prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, r: PromptLogprobRows) -> PromptLogprobs:
     targets = torch.tensor(r.target_ids, dtype=torch.int64, device=hidden.device)
     chosen, ranks, top_lps, top_ids = [], [], [], []
-    for i in range(0, len(r.target_ids), ROWS_PER_SLICE):
-        n = min(ROWS_PER_SLICE, len(r.target_ids) - i)
-        logprobs = model.compute_logits(hidden[r.first_row + i : r.first_row + i + n]).log_softmax(dim=-1)
+    for first, n in logit_slices([(r.first_row, len(r.target_ids))]):
+        i = first - r.first_row
+        logprobs = model.compute_logits(hidden[first : first + n]).log_softmax(dim=-1)
         lp = logprobs.gather(1, targets[i : i + n, None])
         chosen.append(lp[:, 0])
         ranks.append((logprobs > lp).sum(dim=1) + 1)

@@ -163,13 +163,25 @@ def test_what_cannot_split_is_refused(make_model_dir, arch: str, kw: dict, match
         LLM(str(make_model_dir(arch)), num_threads=1, **kw)
 
 
-def test_requests_a_tp_instance_cannot_serve_are_refused_by_field(make_model_dir) -> None:
-    with LLM(str(make_model_dir("qwen3")), tensor_parallel_size=2, num_threads=1) as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
-        with pytest.raises(ValueError, match="'prompt_logprobs'"):
-            llm.engine.add_request(AddRequest(req_id="p", prompt_token_ids=[1, 2, 3], params=params))
-        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 3  # the instance serves on after the refusals
+def test_prompt_logprobs_under_tp_match_one_process(make_model_dir) -> None:
+    """Every rank makes the prompt rows' LM-head calls rank 0 makes (its vocabulary columns, gathered):
+    prompt logprobs and top-2 of TP = 2 within 1e-4 of one process, over a prompt longer than one
+    LM-head slice (256 rows) and another that chunked prefill splits over two steps."""
+    prompts = [list(range(3, 303)), [7, 8, 9, 10, 11] * 20]
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)
+    outs = {}
+    for tp in (1, 2):
+        with LLM(
+            str(make_model_dir("qwen3")), tensor_parallel_size=tp, num_threads=1,
+            enable_chunked_prefill=True, max_num_batched_tokens=320,  # 300 + 20: the second prompt splits
+        ) as llm:  # fmt: skip
+            outs[tp] = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs[1], outs[2]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert pa.keys() == pb.keys()
+            assert all(abs(pa[t] - pb[t]) <= 1e-4 for t in pa), (pa, pb)
 
 
 def test_serve_with_tensor_parallel_answers_like_hf_then_survives_a_killed_rank(
