@@ -41,19 +41,21 @@ from xservice.engine.errors import EngineDeadError, EngineStartupError
 ARCHS = ("deepseek_v3", "qwen3_moe", "mimo_v2_flash", "qwen3_next")
 # (arch, data-parallel size, configuration of test_engine_parity, mode)
 CASES = [
-    ("deepseek_v3", 2, "prefix+chunked", "eager"),
-    ("deepseek_v3", 2, "preempt", "async"),
-    ("qwen3_moe", 2, "prefix+chunked", "async+partial"),
-    ("deepseek_v3", 4, "prefix+chunked", "async"),
+    ("deepseek_v3", 2, "prefix+chunked", "async+partial"),
+    ("deepseek_v3", 4, "preempt", "eager"),
+    ("qwen3_moe", 2, "prefix+chunked", "async"),
     # the hybrid MoE models: each rank keeps its own sliding-window pool / recurrent-state pool
     ("mimo_v2_flash", 2, "prefix+chunked", "eager"),
     ("qwen3_next", 2, "preempt", "async"),
 ]
 SLOW_CASES = [
-    ("deepseek_v3", 2, "prefix+chunked", "async+partial"),
-    ("deepseek_v3", 4, "preempt", "eager"),
+    ("deepseek_v3", 2, "prefix+chunked", "eager"),
+    ("deepseek_v3", 2, "preempt", "async"),
+    ("deepseek_v3", 4, "prefix+chunked", "async"),
+    ("qwen3_moe", 2, "prefix+chunked", "async+partial"),
     ("qwen3_moe", 2, "preempt", "async"),
     ("qwen3_moe", 4, "noprefix+whole", "eager"),
+    ("mimo_v2_flash", 2, "preempt", "async+partial"),
 ]
 PARAMS = [pytest.param(*c, id="-".join(map(str, c))) for c in CASES] + [
     pytest.param(*c, id="-".join(map(str, c)), marks=pytest.mark.slow) for c in SLOW_CASES
