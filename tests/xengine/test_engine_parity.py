@@ -100,6 +100,28 @@ def make_prompts(seed: int) -> list[list[int]]:
     return [p for group in zip(short[:4], long, shared, short[2:] + medium) for p in group]
 
 
+def greedy_reference(hf_oracle: Any, archs: tuple[str, ...], seed: int) -> Any:
+    """``arch -> (prompts, HF's greedy tokens)`` for the parallel parity matrices, computed once per
+    architecture (prompts seeded ``seed`` + the arch's index)."""
+    cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+    def _get(arch: str) -> tuple[list[list[int]], list[list[int]]]:
+        if arch not in cache:
+            prompts = make_prompts(seed=seed + archs.index(arch))
+            oracle = hf_oracle(arch)
+            cache[arch] = prompts, [oracle.greedy(p, MAX_TOKENS) for p in prompts]
+        return cache[arch]
+
+    return _get
+
+
+def case_params(cases: list[tuple], slow_cases: list[tuple]) -> list[Any]:
+    """pytest params of a parity matrix, each named by its fields; ``slow_cases`` marked slow."""
+    return [pytest.param(*c, id="-".join(map(str, c))) for c in cases] + [
+        pytest.param(*c, id="-".join(map(str, c)), marks=pytest.mark.slow) for c in slow_cases
+    ]
+
+
 @dataclass
 class Reference:
     prompts: list[list[int]]

@@ -28,7 +28,13 @@ import pytest
 
 from tests.xengine.parallel.test_moe_expert_parallel import _ancestors
 from tests.xengine.parallel.test_tensor_parallel import MODES
-from tests.xengine.test_engine_parity import BLOCK_SIZE, CONFIGS, MAX_TOKENS, make_prompts
+from tests.xengine.test_engine_parity import (
+    BLOCK_SIZE,
+    CONFIGS,
+    MAX_TOKENS,
+    case_params,
+    greedy_reference,
+)
 from tests.xengine.test_moe_engine import ROOT, TINY_PRESET, serve_moe
 from tests.xservice.batch.helpers import completion_line, write_jsonl
 from xengine.api.config import EngineConfig
@@ -57,24 +63,13 @@ SLOW_CASES = [
     ("qwen3_moe", 4, "noprefix+whole", "eager"),
     ("mimo_v2_flash", 2, "preempt", "async+partial"),
 ]
-PARAMS = [pytest.param(*c, id="-".join(map(str, c))) for c in CASES] + [
-    pytest.param(*c, id="-".join(map(str, c)), marks=pytest.mark.slow) for c in SLOW_CASES
-]
+PARAMS = case_params(CASES, SLOW_CASES)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def reference(hf_oracle):
-    cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
-
-    def _get(arch: str) -> tuple[list[list[int]], list[list[int]]]:
-        if arch not in cache:
-            prompts = make_prompts(seed=80 + ARCHS.index(arch))
-            oracle = hf_oracle(arch)
-            cache[arch] = prompts, [oracle.greedy(p, MAX_TOKENS) for p in prompts]
-        return cache[arch]
-
-    return _get
+    return greedy_reference(hf_oracle, ARCHS, seed=80)
 
 
 def dp_config(model_dir: Path, dp: int, **fields: object) -> EngineConfig:

@@ -19,7 +19,14 @@ import pytest
 import torch
 
 from tests.xengine.parallel.test_moe_expert_parallel import kill_a_worker_mid_stream_then_chat
-from tests.xengine.test_engine_parity import BLOCK_SIZE, CONFIGS, MAX_TOKENS, make_prompts
+from tests.xengine.test_engine_parity import (
+    BLOCK_SIZE,
+    CONFIGS,
+    MAX_TOKENS,
+    case_params,
+    greedy_reference,
+    make_prompts,
+)
 from tests.xengine.test_moe_engine import serve_moe
 from xengine.api.messages import AddRequest, SamplingParams
 from xengine.api.text.tokenizer import Tokenizer
@@ -53,24 +60,13 @@ SLOW_CASES = [
     ("qwen3_moe", 2, "prefix+chunked", "dbo"),
     ("deepseek_v3", 2, "prefix+chunked", "async+partial"),
 ]
-PARAMS = [pytest.param(*c, id="-".join(map(str, c))) for c in CASES] + [
-    pytest.param(*c, id="-".join(map(str, c)), marks=pytest.mark.slow) for c in SLOW_CASES
-]
+PARAMS = case_params(CASES, SLOW_CASES)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def reference(hf_oracle):
-    cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
-
-    def _get(arch: str) -> tuple[list[list[int]], list[list[int]]]:
-        if arch not in cache:
-            prompts = make_prompts(seed=60 + ARCHS.index(arch))
-            oracle = hf_oracle(arch)
-            cache[arch] = prompts, [oracle.greedy(p, MAX_TOKENS) for p in prompts]
-        return cache[arch]
-
-    return _get
+    return greedy_reference(hf_oracle, ARCHS, seed=60)
 
 
 @pytest.mark.parametrize(("arch", "tp", "config", "mode"), PARAMS)
