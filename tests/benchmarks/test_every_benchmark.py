@@ -33,6 +33,7 @@ SLOW_SMOKE = {
     "prfaas.netns",  # three clusters across network namespaces: tests/xservice/cluster/test_cluster_prfaas.py
     "tensor_parallel",  # five multi-process engines: tests/xengine/parallel/test_tensor_parallel.py runs them
     "data_parallel",  # three two-process instances: tests/xengine/parallel/test_data_parallel.py runs them
+    "allreduce",  # spawns rank processes per size: tests/xengine/parallel/test_shm_comm.py tests the communicator
     "cluster_routing",  # tests/benchmarks/test_cluster_benchmarks.py runs it on two tiny instances
     "offline_throughput",  # tests/benchmarks/test_bench_programs.py runs it against HF
 }  # fmt: skip

@@ -57,7 +57,7 @@ class DataParallelRank(ExpertParallelGroup):
         if not par.data_parallel_address:
             raise ValueError(
                 "data_parallel_size > 1 needs parallel.data_parallel_address: the data-parallel ranks are "
-                "engine processes the service starts together (xllm serve / xllm batch), not one LLM object"
+                "engine processes the service starts together (xllm serve / xllm run-batch), not one LLM object"
             )
         ep = init_expert_parallel(
             par.data_parallel_rank, par.data_parallel_size, par.data_parallel_address, backend, par

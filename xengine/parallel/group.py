@@ -21,7 +21,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,7 @@ from xengine.api.messages import MoeStatsMsg
 from xengine.parallel.eplb import NONE, Eplb
 from xengine.parallel.ray_ranks import RayRanks
 from xengine.parallel.shm_channel import StepChannel
-from xengine.parallel.shm_comm import DistCommunicator, ShmCommunicator
+from xengine.parallel.shm_comm import DistCommunicator, ShmCommunicator, ShmUnavailableError
 from xengine.parallel.state import ExpertParallel, set_expert_parallel
 from xengine.parallel.step_message import KIND_SETUP, KIND_STOP, publish_control, publish_step
 from xengine.parallel.tensor import TensorParallel, get_tensor_parallel, set_tensor_parallel
@@ -70,7 +72,7 @@ def init_expert_parallel(
         comm = _communicator(backend, rank, world_size, control, one_host)
         channel = None
         if isinstance(comm, ShmCommunicator):  # the step messages too
-            channel = StepChannel.create(control, rank, STEP_CHANNEL_BYTES, comm.is_aborted)
+            channel = _or_none(lambda: StepChannel.create(control, rank, STEP_CHANNEL_BYTES, comm.is_aborted))
         set_tensor_parallel(TensorParallel(rank, world_size, comm, channel=channel))
     ep = ExpertParallel(
         rank,
@@ -82,9 +84,8 @@ def init_expert_parallel(
         window=cfg.eplb_window if cfg.enable_eplb else 1,
     )
     if backend == "gloo" and len(set(hosts)) == 1:  # the MoE exchanges through shared memory too
-        ep.a2a = ShmCommunicator.create(
-            control, rank, world_size, A2A_SLOT_BYTES, timeout_s=DATA_TIMEOUT.total_seconds()
-        )
+        timeout = DATA_TIMEOUT.total_seconds()
+        ep.a2a = _or_none(lambda: ShmCommunicator.create(control, rank, world_size, A2A_SLOT_BYTES, timeout))
     if cfg.enable_eplb:
         ep.eplb = Eplb(ep, cfg.eplb_interval)
     set_expert_parallel(ep)
@@ -297,8 +298,23 @@ def _communicator(backend: str, rank: int, world_size: int, control: object, one
     """Shared memory between ranks of one host on CPU (gloo); the platform's collectives (or gloo
     between hosts) else."""
     if backend == "gloo" and one_host:
-        return ShmCommunicator.create(control, rank, world_size, timeout_s=DATA_TIMEOUT.total_seconds())
+        timeout = DATA_TIMEOUT.total_seconds()
+        comm = _or_none(lambda: ShmCommunicator.create(control, rank, world_size, timeout_s=timeout))
+        if comm is not None:
+            return comm
     return DistCommunicator(dist.group.WORLD, world_size)
+
+
+def _or_none(create: Callable[[], Any]) -> Any:
+    """A shared-memory segment's user, or None (with a warning) when ``/dev/shm`` cannot hold it: the
+    caller then uses gloo, as between hosts (slower, never wrong)."""
+    try:
+        return create()
+    except ShmUnavailableError as e:
+        logger.warning(
+            "parallel: %s; using torch.distributed instead (enlarge /dev/shm, e.g. docker --shm-size)", e
+        )
+        return None
 
 
 def _comm_name(comm: object) -> str:

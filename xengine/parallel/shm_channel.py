@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import time
 
 import torch
 import torch.distributed as dist
 
-from xengine.parallel.shm_comm import CommAbortedError
+from xengine.parallel.shm_comm import CommAbortedError, create_segment
 
 HEADER_WORDS = 16  # seq, header length, payload length (-1: the payload follows over gloo), header
 SPIN_S = 0.005
@@ -47,21 +46,14 @@ class StepChannel:
 
     @classmethod
     def create(cls, group: object, rank: int, capacity: int, aborted: object) -> StepChannel:
-        """Collective over ``group``: rank 0 creates the segment, every rank maps it, rank 0 unlinks it."""
+        """Collective over ``group``: rank 0 creates the segment, every rank maps it, rank 0 unlinks it
+        (``ShmUnavailableError`` on every rank when ``/dev/shm`` cannot hold it)."""
         capacity = -(-capacity // 64) * 64
-        info = [None]
-        if rank == 0:
-            path = f"/dev/shm/xllm-step-{os.getpid()}-{secrets.token_hex(8)}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, 2 * (8 * HEADER_WORDS + capacity))
-            finally:
-                os.close(fd)
-            info[0] = (path, os.getpid())
+        path = create_segment(group, rank, "step", 2 * (8 * HEADER_WORDS + capacity))
+        info: list[object] = [os.getpid()]
         try:
             dist.broadcast_object_list(info, src=0, group=group)
-            path, owner = info[0]
-            channel = cls(path, rank, capacity, owner, aborted)
+            channel = cls(path, rank, capacity, int(info[0]), aborted)  # type: ignore[arg-type]
             dist.barrier(group=group)
         finally:
             if rank == 0:

@@ -48,6 +48,38 @@ class CommAbortedError(RuntimeError):
     """A collective could not complete: a peer did not arrive in time, or some rank called ``abort``."""
 
 
+class ShmUnavailableError(RuntimeError):
+    """Rank 0 could not reserve the shared-memory segment (``/dev/shm`` too small): every rank raises it,
+    and the caller falls back to ``torch.distributed``."""
+
+
+def create_segment(group: object, rank: int, prefix: str, size: int) -> str:
+    """Collective over ``group``: rank 0 creates a ``size``-byte segment, its pages reserved now (a
+    full ``/dev/shm``, e.g. a container's 64 MB default, fails here rather than as a SIGBUS mid-step),
+    and every rank gets its path (the caller maps it, then rank 0 unlinks it). Raises
+    ``ShmUnavailableError`` on every rank when rank 0 could not."""
+    info: list[object] = [None]
+    if rank == 0:
+        path = f"/dev/shm/xllm-{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)  # zero-filled
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+            info[0] = (path, "")
+        except OSError as e:
+            if os.path.exists(path):
+                os.unlink(path)
+            info[0] = ("", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(info, src=0, group=group)
+    path, error = info[0]  # type: ignore[misc]
+    if not path:
+        raise ShmUnavailableError(f"{size >> 20} MiB of shared memory in /dev/shm: {error}")
+    return path
+
+
 class ShmCommunicator:
     """``all_reduce`` / ``all_gather`` over a shared-memory segment; build it with ``create``."""
 
@@ -80,26 +112,19 @@ class ShmCommunicator:
         timeout_s: float = 300.0,
     ) -> ShmCommunicator:
         """Collective over ``group`` (every rank calls it): rank 0 creates the segment and broadcasts
-        its name, the others map it; after a barrier rank 0 unlinks the name (the mappings stay)."""
+        its name, the others map it; after a barrier rank 0 unlinks the name (the mappings stay).
+        ``ShmUnavailableError`` on every rank when ``/dev/shm`` cannot hold it."""
         max_bytes = -(-max_bytes // 64) * 64  # slots start on cache lines
-        name = [None]
-        if rank == 0:
-            name[0] = f"/dev/shm/xllm-tp-{os.getpid()}-{secrets.token_hex(8)}"
-            fd = os.open(name[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, HEADER_BYTES + 2 * world_size * max_bytes)  # zero-filled: flags 0
-            finally:
-                os.close(fd)
+        path = create_segment(group, rank, "tp", HEADER_BYTES + 2 * world_size * max_bytes)  # flags 0
         try:
-            dist.broadcast_object_list(name, src=0, group=group)
-            comm = cls(name[0], rank, world_size, max_bytes, timeout_s)
+            comm = cls(path, rank, world_size, max_bytes, timeout_s)
             pids: list[object] = [None] * world_size
             dist.all_gather_object(pids, os.getpid(), group=group)
             comm.peer_pids = {r: int(p) for r, p in enumerate(pids) if r != rank}  # type: ignore[arg-type]
             dist.barrier(group=group)
         finally:
             if rank == 0:
-                os.unlink(name[0])
+                os.unlink(path)
         return comm
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

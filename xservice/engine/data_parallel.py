@@ -3,7 +3,8 @@
 With data-parallel attention (``parallel.data_parallel_size`` D > 1) every rank is a whole engine
 process with its own requests, KV cache and attention; only the MoE layers' expert exchange spans
 them (``xengine/parallel/data_parallel.py``). This client starts the D processes together (each told
-its rank and the rendezvous address), sends each new request to the rank with the fewest in flight
+its rank and the rendezvous address), sends each new request to the rank that served the same prompt
+start before while it is not much busier, else to the one with the fewest in flight
 (``xservice/policies/data_parallel.py``), and answers for the instance as a whole: stats summed, the
 instance alive only while every rank is. When one rank dies the others cannot step (their collectives
 break), so the supervisor closes all of them and starts the D ranks again together.
@@ -42,6 +43,7 @@ SAME_ON_EVERY_RANK = (
     "eplb",
     "num_redundant_experts",
 )
+AFFINITY_ENTRIES = 4096  # prompt starts remembered for routing
 PEER_GONE = "a peer rank is gone"  # how a rank reports that another rank's death broke its step
 
 
@@ -54,6 +56,7 @@ class DataParallelClient:
         self.ranks = ranks
         self._owner: dict[str, int] = {}  # request id -> its rank
         self._last = -1
+        self._affinity: dict[int, int] = {}  # prompt start -> the rank that last served it (LRU order)
         self._closed = False
         self.info = msgspec.structs.replace(ranks[0].info)
         self.info.num_total_blocks = sum(c.info.num_total_blocks for c in ranks)
@@ -71,15 +74,17 @@ class DataParallelClient:
             )
             for r in range(par.data_parallel_size)
         ]
-        started = await asyncio.gather(
-            *(EngineClient.start(c, startup_timeout_s) for c in configs), return_exceptions=True
-        )
-        clients = [c for c in started if isinstance(c, EngineClient)]
-        errors = [e for e in started if isinstance(e, BaseException)]
-        if errors:
-            await asyncio.gather(*(c.close(drain_timeout_s=0.0) for c in clients), return_exceptions=True)
-            raise errors[0]
-        return cls(clients)
+        tasks = [asyncio.create_task(EngineClient.start(c, startup_timeout_s)) for c in configs]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:  # the others would wait for it to join until their start-up timeout: stop them now
+            for t in tasks:
+                t.cancel()  # a start being cancelled kills its process
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            live = [c for c in done if isinstance(c, EngineClient)]
+            await asyncio.gather(*(c.close(drain_timeout_s=0.0) for c in live), return_exceptions=True)
+            raise failed[0].exception()  # type: ignore[misc]
+        return cls([t.result() for t in tasks])
 
     async def close(self, drain_timeout_s: float = 10.0) -> None:
         self._closed = True
@@ -88,13 +93,26 @@ class DataParallelClient:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, req: AddRequest) -> AsyncIterator[CompletionDelta]:
-        rank = self._last = pick_rank([c.num_inflight for c in self.ranks], self._last)
+        start = self._prompt_start(req)
+        affinity = self._affinity.get(start) if start is not None else None
+        rank = self._last = pick_rank([c.num_inflight for c in self.ranks], self._last, affinity)
+        if start is not None:  # the rank whose prefix cache now holds this prompt start
+            self._affinity.pop(start, None)
+            self._affinity[start] = rank
+            if len(self._affinity) > AFFINITY_ENTRIES:
+                self._affinity.pop(next(iter(self._affinity)))
         self._owner[req.req_id] = rank
         try:
             async for delta in self.ranks[rank].generate(req):
                 yield delta
         finally:
             self._owner.pop(req.req_id, None)
+
+    def _prompt_start(self, req: AddRequest) -> int | None:
+        """A key of the prompt's first KV block (None when the prompt does not fill one)."""
+        size = self.info.block_size
+        ids = req.prompt_token_ids
+        return hash(tuple(ids[:size])) if len(ids) >= size else None
 
     async def abort(self, req_ids: list[str]) -> None:
         for rank, client in enumerate(self.ranks):

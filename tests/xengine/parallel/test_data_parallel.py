@@ -41,6 +41,7 @@ from xengine.api.config import EngineConfig
 from xengine.api.messages import AddRequest, SamplingParams
 from xengine.api.text.tokenizer import Tokenizer
 from xengine.llm import LLM, engine_config
+from xservice.engine.client import EngineClient
 from xservice.engine.data_parallel import DataParallelClient
 from xservice.engine.errors import EngineDeadError, EngineStartupError
 
@@ -137,13 +138,21 @@ def test_an_idle_rank_serves_the_others_tokens_and_a_killed_rank_downs_the_insta
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         single = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
-    async def run() -> tuple[list, list, str | None, float]:
-        client = await DataParallelClient.start(dp_config(model_dir, 2), 300)
+    async def run() -> tuple[list, list, int, str | None, float]:
+        client = await DataParallelClient.start(dp_config(model_dir, 2, block_size=16), 300)
         try:
             (got,) = await generate(
                 client, [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
             )
             per_rank = [(await c.stats()).moe for c in client.ranks]
+            # one after another, three prompts sharing their first 64 tokens: all go to the rank that
+            # cached that start (round-robin would have computed it once per rank)
+            shared = list(range(100, 164))
+            short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            before = sum([(await c.stats()).prefix_cache_hits for c in client.ranks])
+            for i in range(3):
+                await generate(client, [shared + [7 + i, 8]], short)
+            hits = sum([(await c.stats()).prefix_cache_hits for c in client.ranks]) - before
             long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
             seen, t0 = 0, 0.0
             with pytest.raises(EngineDeadError, match="peer rank is gone"):
@@ -155,11 +164,12 @@ def test_an_idle_rank_serves_the_others_tokens_and_a_killed_rank_downs_the_insta
                         victim = [r for r in range(2) if client.ranks[r].num_inflight == 0][0]
                         os.kill(client.ranks[victim].pid, signal.SIGKILL)
                         t0 = time.monotonic()
-            return got, per_rank, client.dead_reason, time.monotonic() - t0
+            return got, per_rank, hits, client.dead_reason, time.monotonic() - t0
         finally:
             await client.close()
 
-    got, per_rank, reason, took = asyncio.run(run())
+    got, per_rank, hits, reason, took = asyncio.run(run())
+    assert hits >= 2 * 48, hits  # the 2nd and 3rd found the start (whole blocks of it) cached
     assert got == single
     assert sorted(m.num_idle_exchanges > 0 for m in per_rank) == [False, True], per_rank
     assert (
@@ -191,11 +201,30 @@ def test_a_dense_model_is_refused_by_every_rank(make_model_dir) -> None:
         asyncio.run(run())
 
 
+def test_a_rank_that_cannot_start_stops_the_others_at_once(make_model_dir, monkeypatch) -> None:
+    """Rank 1 fails to start (injected): rank 0, a real engine process waiting for it to join, is
+    stopped at once instead of waiting out its start-up timeout, and no engine process is left."""
+    real_start = EngineClient.start
+
+    async def start(config: EngineConfig, timeout_s: float) -> EngineClient:
+        if config.parallel.data_parallel_rank == 1:
+            await asyncio.sleep(1.0)
+            raise EngineStartupError("rank 1 could not start (injected)")
+        return await real_start(config, timeout_s)
+
+    monkeypatch.setattr(EngineClient, "start", staticmethod(start))
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartupError, match="injected"):
+        asyncio.run(DataParallelClient.start(dp_config(make_model_dir("deepseek_v3"), 2), 300))
+    assert time.monotonic() - t0 < 60  # a hang guard, not a timing claim
+    assert _engines_of(os.getpid()) == []
+
+
 def test_serve_with_data_parallel_answers_like_hf_then_relaunches_every_rank(
     make_model_dir, hf_oracle, tmp_path: Path
 ) -> None:
     """``xllm serve --model <deepseek_v3> --data-parallel-size 2``: HF's greedy chat answer through the
-    openai client (both ranks serving); a rank killed mid-stream ends that stream with an error, the
+    openai client; a rank killed mid-stream ends that stream with an error, the
     supervisor relaunches both ranks and the instance answers again."""
     model_dir = make_model_dir("deepseek_v3")
     messages = [{"role": "user", "content": "Name a color."}]

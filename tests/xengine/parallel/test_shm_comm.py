@@ -7,6 +7,7 @@ other, in rounds when they overflow a slot; a dead peer or ``abort`` ends a wait
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from xengine.parallel.shm_comm import CommAbortedError, ShmCommunicator
+from xengine.parallel.shm_comm import CommAbortedError, ShmCommunicator, ShmUnavailableError
 
 MAX_BYTES = 64 << 10  # small slots, so that modest tensors already go in chunks
 # (numel, dtype): one element, odd counts, one slot exactly, over a slot (chunked)
@@ -195,3 +196,31 @@ def test_abort_from_another_thread_unblocks_every_rank(tmp_path: Path) -> None:
     rank1 = (tmp_path / "rank1.txt").read_text().splitlines()
     assert len(rank0) == 2 and len(rank1) == 1
     assert all("rank 0: worker 1 exited" in e for e in rank0 + rank1)
+
+
+def _no_room_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    if rank == 0:  # /dev/shm full (a container's 64 MB default): reserving the pages fails
+
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.posix_fallocate = full
+    try:
+        ShmCommunicator.create(None, rank, world_size, max_bytes=MAX_BYTES)
+        outcome = "created"
+    except ShmUnavailableError as e:
+        outcome = str(e)
+    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+    dist.destroy_process_group()
+
+
+def test_no_room_in_dev_shm_is_refused_on_every_rank_without_leftovers(tmp_path: Path) -> None:
+    """Every rank learns the segment could not be reserved (so all fall back to gloo together); none
+    maps a segment that would SIGBUS on its first large write."""
+    before = set(os.listdir("/dev/shm"))
+    assert _run_ranks(_no_room_rank, 2, tmp_path) == [0, 0]
+    for r in range(2):
+        assert "No space left on device" in (tmp_path / f"rank{r}.txt").read_text()
+    assert not {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("xllm-")}
