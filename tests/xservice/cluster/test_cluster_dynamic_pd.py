@@ -216,8 +216,18 @@ def test_restarted_service_sees_the_roles_in_etcd(
 ) -> None:
     wait_until(lambda: len(cluster.instances()) == 4 and all(i["healthy"] for i in cluster.instances().values()),
                120, "the killed instance to be relaunched")  # fmt: skip
-    roles = {n: i["role"] for n, i in cluster.instances().items()}
-    flips = _dyn(cluster)["flips"]
+
+    def snapshot() -> tuple[dict[str, str], list]:
+        return {n: i["role"] for n, i in cluster.instances().items()}, _dyn(cluster)["flips"]
+
+    def settled() -> tuple[dict[str, str], list] | None:
+        """Roles and flips read twice alike (a flip between the two reads would pair old roles with
+        new flips)."""
+        first = snapshot()
+        time.sleep(0.3)
+        return first if snapshot() == first else None
+
+    roles, flips = wait_until(settled, 60, "a stable snapshot of the roles and flips")
     cluster.stop()
     again = _server(model_dir, etcd)
     try:
