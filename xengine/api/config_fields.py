@@ -1,5 +1,5 @@
 """The one way config fields are declared: a default and the help text the CLI and the YAML reference
-are generated from (``config.py``, ``speculative_config.py``, ``xservice/config.py``)."""
+are generated from (``config.py``, ``parallel_config.py``, ``speculative_config.py``, ``xservice/config.py``)."""
 
 from __future__ import annotations
 
