@@ -26,7 +26,6 @@ from xengine.api.messages import (
     GraphStatsMsg,
     KVExportInfo,
     KVImportResult,
-    SpecDecodeStatsMsg,
 )
 from xengine.beam.catalog import CatalogRegistry
 from xengine.colocation.interrupter import Interrupter, note_arrival
@@ -49,6 +48,7 @@ from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
 from xengine.spec.build import build_drafter
 from xengine.spec.head_proposer import HeadProposer
+from xengine.spec.stats import spec_stats_msg
 from xengine.state_setup import StateSetup, build_stateful_kv, kv_free_layers, state_shapes
 from xengine.step.deltas import collect_deltas
 from xengine.step.execute import EngineBrokenError, StepExecutor
@@ -57,6 +57,7 @@ from xengine.step.normal import NormalLoop
 from xengine.step.overlap import OverlapLoop
 from xengine.step.result import StepTiming
 from xengine.structured.manager import StructuredOutputs, compile_error_message
+from xengine.tiered_kv import start_tiers
 from xengine.validation import validate_request
 
 _MAX_DEFAULT_LEN = 8192
@@ -192,6 +193,7 @@ class Engine:
             encode_stage=self._encode_stage(config),
             drafter=build_drafter(self, config),
         )
+        self.tiers = start_tiers(self, config, kv, model_dir)  # None: no kv_tiers configured
         self._build_step(config, kv)
         self.vocab_size = info.vocab_size
         self.vision = vision_spec(self.model)  # None: a text-only model
@@ -383,6 +385,8 @@ class Engine:
         update. Returns what each request got since the last step."""
         self.check_workers()
         self._admit_compiled()
+        if self.tiers is not None:  # finished tier loads and saves (``xengine/tiered_kv.py``)
+            self.tiers.poll(bool(self.scheduler.running), self.scheduler.seqs)
         t0 = time.perf_counter()
         forwards = self.parallel.num_forwards if self.parallel is not None else 0
         result = self.loop.step()
@@ -413,6 +417,8 @@ class Engine:
         """Stop this instance's worker processes: expert-parallel workers, the grammar sandbox."""
         self.interrupter.close()
         self.structured.close()
+        if self.tiers is not None:
+            self.tiers.close()
         if self.parallel is not None:
             self.parallel.shutdown()
 
@@ -446,23 +452,8 @@ class Engine:
             num_image_cache_hits=getattr(self.runner.images, "num_hits", 0),
             num_image_tokens_encoded=getattr(self.runner.images, "num_encoded_tokens", 0),
             num_encode_steps=getattr(self.scheduler.encode_stage, "num_encode_steps", 0),
-            spec_decode=self._spec_stats(),
-        )
-
-    def _spec_stats(self) -> SpecDecodeStatsMsg | None:
-        drafter = self.scheduler.drafter
-        if drafter is None:
-            return None
-        st = drafter.stats
-        return SpecDecodeStatsMsg(
-            method=drafter.config.method,
-            num_speculative_tokens=drafter.config.num_speculative_tokens,
-            num_drafts=st.num_drafts,
-            num_draft_tokens=st.num_draft_tokens,
-            num_accepted_tokens=st.num_accepted_tokens,
-            accepted_per_pos=list(st.accepted_per_pos),
-            acceptance_rate=st.acceptance_rate,
-            mean_accepted_length=st.mean_accepted_length,
+            spec_decode=spec_stats_msg(self.scheduler.drafter),
+            kv_tiers=self.tiers.stats() if self.tiers is not None else None,
         )
 
     def reset_prefix_cache(self) -> bool:

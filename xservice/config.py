@@ -21,6 +21,7 @@ from xengine.api.config import (
     DeviceConfig,
     EngineConfig,
     ExecutionConfig,
+    KVTiersConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -287,6 +288,7 @@ class XllmConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
@@ -301,6 +303,7 @@ class XllmConfig:
             parallel=self.parallel,
             structured_outputs=self.structured_outputs,
             speculative_config=self.speculative_config,
+            kv_tiers=self.kv_tiers,
         )
 
     def validate(self) -> None:
@@ -326,6 +329,7 @@ _SECTIONS = {
     "parallel": ParallelConfig,
     "structured_outputs": StructuredOutputsConfig,
     "speculative_config": SpeculativeConfig,
+    "kv_tiers": KVTiersConfig,
     "batch": BatchConfig,
     "cluster": ClusterConfig,
 }

@@ -20,6 +20,7 @@ from memory.prefix_cache.base import BasePrefixCache, PrefixMatch
 from xengine.api.block_hash import block_hash
 
 KVEventSink = Callable[[list[int], list[int]], None]
+TierHook = Callable[[list[int], list[int]], None]
 
 
 @dataclass(eq=False)
@@ -41,7 +42,15 @@ class RadixPrefixCache(BasePrefixCache):
         # told the block ids of every node dropped (evicted with its subtree, or reset): state kept
         # beside cached blocks (a sliding-window pool's blocks, ``memory/sliding_window.py``) goes too
         self.forget_sink: Callable[[list[int]], None] | None = None
+        # KV tiers (``xengine/tiered_kv.py``): told ``(hashes, block_ids)`` of nodes as they are stored,
+        # and of nodes about to be dropped while their blocks still hold the KV (write-back)
+        self.stored_hook: TierHook | None = None
+        self.evict_hook: TierHook | None = None
         pool.on_evict = self.evict
+
+    @property
+    def _hashing(self) -> bool:
+        return self.event_sink is not None or self.stored_hook is not None or self.evict_hook is not None
 
     def _chunks(self, token_ids: list[int], num_blocks: int) -> list[tuple[int, ...]]:
         bs = self.block_size
@@ -65,7 +74,7 @@ class RadixPrefixCache(BasePrefixCache):
         A block whose prefix is already cached under another block id is left uncached (it is
         freed normally); the existing node wins so other requests keep sharing it.
         """
-        node, added, stored = self.root, 0, []
+        node, added, stored, blocks = self.root, 0, [], []
         for i, key in enumerate(self._chunks(token_ids, len(block_ids))):
             child = node.children.get(key)
             if child is None:
@@ -77,12 +86,15 @@ class RadixPrefixCache(BasePrefixCache):
                 self._by_block[block_ids[i]] = child
                 self.pool.cached[block_ids[i]] = True
                 added += 1
-                if self.event_sink is not None:
+                if self._hashing:
                     child.hash = block_hash(node.hash, key)
                     stored.append(child.hash)
+                    blocks.append(block_ids[i])
             node = child
         if stored and self.event_sink is not None:
             self.event_sink(stored, [])
+        if stored and self.stored_hook is not None:
+            self.stored_hook(stored, blocks)
         return added
 
     def lock(self, block_ids: list[int]) -> None:
@@ -107,6 +119,8 @@ class RadixPrefixCache(BasePrefixCache):
             self.pool.evict_cached(child.block_id)
             stack.extend(child.children.values())
         self.pool.evict_cached(block_id)
+        if self.evict_hook is not None:
+            self.evict_hook(removed, blocks)
         if self.event_sink is not None:
             self.event_sink([], removed)
         if self.forget_sink is not None:

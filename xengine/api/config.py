@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xengine.api.config_fields import _f
+from xengine.api.kv_tiers_config import KVTiersConfig
 from xengine.api.parallel_config import ParallelConfig
 from xengine.api.speculative_config import SpeculativeConfig
 
@@ -346,6 +347,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
 
     def validate(self) -> None:
         self.model.validate()
@@ -355,6 +357,7 @@ class EngineConfig:
         self.parallel.validate()
         self.structured_outputs.validate()
         self.speculative_config.validate()
+        self.kv_tiers.validate()
 
 
 def replace_section(cfg: Any, section: str, **changes: Any) -> Any:
@@ -388,6 +391,7 @@ def _dataclass_type(ftype: Any) -> type | None:
         "ParallelConfig": ParallelConfig,
         "StructuredOutputsConfig": StructuredOutputsConfig,
         "SpeculativeConfig": SpeculativeConfig,
+        "KVTiersConfig": KVTiersConfig,
         "EngineConfig": EngineConfig,
     }
     if isinstance(ftype, str):

@@ -146,6 +146,40 @@ class SpecDecodeStatsMsg(msgspec.Struct, kw_only=True):
     mean_accepted_length: float = 0.0  # tokens emitted per drafting sequence-step (accepted + 1)
 
 
+class KVTierStatsMsg(msgspec.Struct, kw_only=True):
+    """One KV tier's counters since start (``memory/kv_tiers/base.py``: ``TierStats``)."""
+
+    name: str = ""  # host | disk | store
+    capacity_blocks: int = 0  # 0: bounded by the tier itself (the store)
+    num_blocks: int = 0
+    hits: int = 0  # blocks loaded from it
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    writes: int = 0
+    evictions: int = 0
+    corrupt: int = 0  # blocks that failed their checksum: dropped, recomputed
+    errors: int = 0
+    loads: int = 0
+    load_s: float = 0.0
+    available: bool = True
+
+
+class KVTiersStatsMsg(msgspec.Struct, kw_only=True):
+    """KV tiers behind the prefix cache (``xengine/tiered_kv.py``)."""
+
+    write_policy: str = ""
+    prefetch_policy: str = ""
+    tiers: list[KVTierStatsMsg] = msgspec.field(default_factory=list)
+    num_prefetches: int = 0  # requests whose prompt the tiers held beyond the KV pool
+    num_loaded_blocks: int = 0  # blocks loaded into the KV pool from the tiers
+    num_prefetch_timeouts: int = 0  # requests admitted before their blocks arrived (timeout policy)
+    num_saved_blocks: int = 0  # blocks handed to the tiers
+    load_s: float = 0.0  # summed wall time of prefetches (probe + load)
+    load_latency_p50_ms: float = 0.0
+    load_latency_p90_ms: float = 0.0
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -182,6 +216,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_image_tokens_encoded: int = 0  # the encoded images' tokens (their image pads)
     num_encode_steps: int = 0  # steps that carried image encodes (``scheduler.encode_scheduling: stage``)
     spec_decode: SpecDecodeStatsMsg | None = None  # speculative decoding, when it is on
+    kv_tiers: KVTiersStatsMsg | None = None  # KV tiers behind the prefix cache, when configured
 
 
 class ColocationStatsMsg(msgspec.Struct, kw_only=True):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from memory.kv_cache_manager import ComputedPrefix, KVCacheManager
 from xengine.api.config import SchedulerConfig
@@ -75,6 +75,8 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_computed_prompt_tokens = 0
+        # whether a waiting request may be admitted yet (KV tiers: its prompt's blocks still loading)
+        self.gates: list[Callable[[Request], bool]] = []
 
     def hold(self, seq_ids: Iterable[str] = ()) -> None:
         """Keep ``seq_ids`` out of ``schedule`` (the sequences of a paused step, until it carries on:
@@ -224,7 +226,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
 
     def _admit_waiting(self, cls: int, plan: SchedulePlan) -> None:
         while self.waiting and self._budget > 0:
-            req = self._next_waiting()
+            req = self.next_waiting()
             if req is None or req.rank[0] != cls:
                 return
             if len(self.running) >= self.config.max_num_seqs:
@@ -255,11 +257,15 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
             self.running.append(req)
             self._add_to_plan(plan, req, num_new)
 
-    def _next_waiting(self) -> Request | None:
-        """The first waiting request past the encode stage (rank order)."""
-        if self.encode_stage is None:
-            return self.waiting[0]
-        return next((r for r in self.waiting if self.encode_stage.ready(r)), None)
+    def next_waiting(self) -> Request | None:
+        """The first waiting request past the encode stage and every gate (rank order)."""
+        if self.encode_stage is None and not self.gates:
+            return self.waiting[0] if self.waiting else None
+        stage = self.encode_stage
+        return next(
+            (r for r in self.waiting if (stage is None or stage.ready(r)) and all(g(r) for g in self.gates)),
+            None,
+        )
 
     def _add_to_plan(
         self, plan: SchedulePlan, req: Request, num_new: int, drafts: list[int] | None = None

@@ -39,7 +39,9 @@ class BetweenSteps:
                 self._unpin_for_head()
         s = self.scheduler
         if plan.is_empty and pool_was_free and s.waiting:
-            s.fail(s.waiting[0], "length")  # nothing fits even with the whole pool free: never will
+            head = s.next_waiting()  # None: every waiting request held back (its KV still loading)
+            if head is not None:
+                s.fail(head, "length")  # nothing fits even with the whole pool free: never will
 
     def _unpin_for_head(self) -> None:
         """An empty step with requests waiting and none running: if imported prompts pinned for the
