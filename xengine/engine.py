@@ -377,7 +377,14 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         waiting = bool(len(self.structured.waiting))  # requests whose grammar is compiling
-        return self.scheduler.has_unfinished() or bool(self.scheduler.updated) or self.loop.busy or waiting
+        tiers = self.tiers is not None and self.tiers.busy  # saves pin blocks until they finish
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self.scheduler.updated)
+            or self.loop.busy
+            or waiting
+            or tiers
+        )
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[CompletionDelta]:

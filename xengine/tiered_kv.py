@@ -109,6 +109,8 @@ class TieredKV:
         self.num_prefetches = self.num_loaded_blocks = self.num_timeouts = self.num_saved = 0
         self.load_s = 0.0
         self._latencies: list[float] = []
+        stack = self.stack  # the store connects now, not on the first request's probe
+        self.worker.submit(("connect", 0), lambda: [t.contains([]) for t in stack.tiers])
         if config.write_policy == "write_back":
             self.cache.evict_hook = self._evicted
         elif config.write_policy == "write_through":
@@ -159,8 +161,10 @@ class TieredKV:
     def poll(self, running: bool, seqs: dict[str, Request]) -> None:
         """Apply finished tier jobs; drop the pins of admitted or vanished requests. Waits a little
         for a job when nothing runs but prefetches (no step to run meanwhile)."""
-        wait = 0.002 if not running and any(p.phase != "done" for p in self._prefetches.values()) else 0.0
+        wait = 0.002 if not running and self.worker.num_pending else 0.0
         for (kind, key), result, error in self.worker.poll(wait):
+            if kind == "connect":
+                continue
             if kind == "save":
                 self.kv.pool.free(list(reversed(self._save_pins.pop(key))))
             elif kind == "probe":

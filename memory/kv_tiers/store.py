@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from memory import bind_host
 from memory.kv_tiers.base import KVTier
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,11 @@ class StoreTier(KVTier):
         except ImportError as e:  # the wheel is a dependency of the cluster install
             self._down(f"mooncake is not installed ({e})")
             return False
+        if not bind_host.shim_loaded():
+            logger.warning(
+                "KV store client of this process listens on the wildcard address (no bind shim): run it "
+                "as an engine process of xllm serve / cluster, which confines it to kv_tiers.store_host"
+            )
         client = MooncakeDistributedStore()
         rc = client.setup(self.host, "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", self.master)
         if rc != 0:
@@ -107,7 +113,7 @@ class StoreTier(KVTier):
 
     # ------------------------------------------------------------------ tier
     def contains(self, keys: list[int]) -> list[bool]:
-        if not keys or not self._connected():
+        if not self._connected() or not keys:
             return [False] * len(keys)
         rcs = self._client.batch_is_exist(self._keys(keys))
         if any(rc < 0 for rc in rcs):

@@ -48,6 +48,7 @@ from xengine.api.messages import (
     make_encoder,
     make_input_decoder,
 )
+from xengine.process.store_binds import confine_store_binds
 
 logger = logging.getLogger("xengine.process.engine_proc")
 
@@ -372,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     config = from_dict(EngineConfig, json.loads(args.config_json))
     config.validate()
+    try:
+        confine_store_binds(config, "xengine.process.engine_proc", sys.argv[1:] if argv is None else argv)
+    except (RuntimeError, ValueError) as e:
+        print(f"xllm: error: {e}", file=sys.stderr)
+        return 2
     return serve(config, args.input_addr, args.output_addr, args.parent_pid)
 
 

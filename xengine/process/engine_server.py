@@ -47,6 +47,7 @@ from xengine.process.cluster_agent import ClusterAgent
 from xengine.process.engine_proc import SEND_LINGER_MS, EngineProc, apply_num_threads
 from xengine.process.image_publisher import ImageHashTracker, ImagePublishingAgent
 from xengine.process.observed_engine import ObservedEngine
+from xengine.process.store_binds import confine_store_binds
 
 logger = logging.getLogger("xengine.process.engine_server")
 # a service's first call can arrive before its output connection completes (CURVE handshake): its
@@ -348,12 +349,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def confine_binds(args: argparse.Namespace, argv: list[str]) -> None:
+def confine_binds(args: argparse.Namespace, argv: list[str], config: EngineConfig) -> None:
     """PD roles run a Mooncake transfer engine, whose listeners bind the wildcard address and serve
     anyone: re-execute this process (same pid, same parent) with the ``memory.bind_host`` shim
     preloaded so they bind ``--host`` and refuse other local users' connections. Returns when there
     is nothing to do (other roles, already re-executed)."""
     if args.role not in TRANSFER_ROLES:
+        confine_store_binds(config, ENGINE_SERVER_MODULE, argv, args.host)  # a KV store client's listeners
         return
     from memory.bind_host import exec_env
     from xengine.api.paths import cache_dir
@@ -396,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     config = from_dict(EngineConfig, json.loads(args.config_json))
     config.validate()
     try:
-        confine_binds(args, sys.argv[1:] if argv is None else argv)
+        confine_binds(args, sys.argv[1:] if argv is None else argv, config)
     except (RuntimeError, ValueError) as e:
         print(f"xllm: error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@ from xengine.api.messages import (
     ColocationStatsMsg,
     EngineStats,
     GraphStatsMsg,
+    KVTiersStatsMsg,
+    KVTierStatsMsg,
     SpecDecodeStatsMsg,
     StatePoolStatsMsg,
     WindowPoolStatsMsg,
@@ -63,6 +65,27 @@ def sum_engine_stats(stats: Sequence[EngineStats]) -> EngineStats:
             1.0 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0
         )
         total.spec_decode = spec
+    tiers = [s.kv_tiers for s in stats if s.kv_tiers is not None]
+    if tiers:
+        total.kv_tiers = sum_kv_tiers(tiers)
+    return total
+
+
+def sum_kv_tiers(items: Sequence[KVTiersStatsMsg]) -> KVTiersStatsMsg:
+    """Instances' KV tiers as one: each tier's counters summed by name, latencies the worst instance's."""
+    first = items[0]
+    total = sum_structs(
+        items, KVTiersStatsMsg(write_policy=first.write_policy, prefetch_policy=first.prefetch_policy)
+    )
+    for f in ("load_latency_p50_ms", "load_latency_p90_ms"):
+        setattr(total, f, max(getattr(i, f) for i in items))
+    names = list(dict.fromkeys(t.name for i in items for t in i.tiers))
+    total.tiers = []
+    for name in names:
+        same = [t for i in items for t in i.tiers if t.name == name]
+        tier = sum_structs(same, KVTierStatsMsg(name=name))
+        tier.available = all(t.available for t in same)
+        total.tiers.append(tier)
     return total
 
 

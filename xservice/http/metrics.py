@@ -22,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from xengine.api.messages import EngineStats
+from xservice.http.metrics_kv_tiers import KVTiersCollector
 from xservice.http.metrics_vllm import VllmNamesCollector
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class ServiceMetrics:
         r = self.registry
         self.model_name = "unknown"  # the served name, for the vLLM-named metrics' label (set by the app)
         self.engine_stats: EngineStats | None = None  # from the last scrape
+        r.register(KVTiersCollector(lambda: self.engine_stats))  # per KV tier (metrics_kv_tiers.py)
         self.ttft = Histogram(
             "xllm_time_to_first_token_seconds",
             "Arrival to first token.",
