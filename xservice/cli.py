@@ -19,6 +19,7 @@ from xservice.commands.chat import register_chat
 from xservice.commands.cluster import register_cluster
 from xservice.commands.common import EXIT_USAGE, CliError, load_cli_config
 from xservice.commands.engine import register_engine
+from xservice.commands.kv_store import register_kv_store
 from xservice.commands.model import register_model
 from xservice.commands.plan import register_plan
 from xservice.commands.profile import register_profile
@@ -32,6 +33,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     register_run_batch,
     register_engine,
     register_cluster,
+    register_kv_store,
     register_profile,
     register_plan,
 )

@@ -23,9 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from xengine.api.entrypoints import KV_STORE_MODULE
+
 logger = logging.getLogger("memory.kv_tiers.store_server")
 
-MODULE = "memory.kv_tiers.store_server"
+MODULE = KV_STORE_MODULE
 
 
 def master_binary() -> str:

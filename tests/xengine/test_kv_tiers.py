@@ -6,11 +6,8 @@ with its memory (``memory/kv_tiers/store_server.py``), started here."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,15 +15,14 @@ from typing import Any
 
 import pytest
 
+from tests.kv_store import StoreServer
 from tests.xengine.conftest import random_prompts
-from tests.xservice.conftest import free_port
 from xengine.api.messages import SamplingParams
 from xengine.llm import LLM
 
 BS = 16
 PROMPTS = random_prompts([100, 150, 40, 200, 70], seed=7)
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
@@ -53,25 +49,6 @@ def reference(tiny_qwen3: Path) -> list[list[int]]:
         return _tokens(llm)
 
 
-class StoreServer:
-    def __init__(self, restart_delay_s: float = 1.0) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "memory.kv_tiers.store_server", "--port", str(self.port)]
-        cmd += ["--metrics-port", str(free_port()), "--memory-gb", "0.25", "--restart-delay-s", str(restart_delay_s)]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        assert line, "the KV store server exited before it was ready"
-        self.master = json.loads(line)["store_master"]
-
-    def master_pid(self) -> int:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "mooncake_master"], capture_output=True, text=True)
-        return int(out.stdout.split()[0])
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(30)
-
-
 @pytest.fixture
 def store() -> Iterator[StoreServer]:
     server = StoreServer()
@@ -84,7 +61,10 @@ def store() -> Iterator[StoreServer]:
     [
         pytest.param(dict(host_memory_gb=0.01), id="host"),
         pytest.param(dict(disk_gb=0.01), id="disk"),
-        pytest.param(dict(host_memory_gb=0.01, disk_gb=0.01, write_policy="selective", write_min_hits=1), id="selective"),
+        pytest.param(
+            dict(host_memory_gb=0.01, disk_gb=0.01, write_policy="selective", write_min_hits=1),
+            id="selective",
+        ),
     ],
 )
 def test_prompts_served_from_a_tier_give_the_same_tokens(
@@ -105,14 +85,20 @@ def test_prompts_served_from_a_tier_give_the_same_tokens(
         assert stats.kv_tiers.num_loaded_blocks == full_blocks
         assert sum(t.hits for t in stats.kv_tiers.tiers) == full_blocks
         # only each prompt's tail past its last whole block was computed again
-        assert stats.num_computed_prompt_tokens - before == sum(len(p) - (len(p) - 1) // BS * BS for p in PROMPTS)
+        assert stats.num_computed_prompt_tokens - before == sum(
+            len(p) - (len(p) - 1) // BS * BS for p in PROMPTS
+        )
 
 
-def test_write_back_passes_blocks_l1_evicts_to_the_host_tier(tiny_qwen3: Path, reference: list[list[int]]) -> None:
+def test_write_back_passes_blocks_l1_evicts_to_the_host_tier(
+    tiny_qwen3: Path, reference: list[list[int]]
+) -> None:
     many = random_prompts([200] * 6, seed=11)  # 6 x 13 blocks through a 40-block pool: L1 evicts
     with LLM(str(tiny_qwen3), num_blocks=64, block_size=BS) as base:
         want = _tokens(base, many)
-    with LLM(str(tiny_qwen3), num_blocks=40, block_size=BS, host_memory_gb=0.01, write_policy="write_back") as llm:
+    with LLM(
+        str(tiny_qwen3), num_blocks=40, block_size=BS, host_memory_gb=0.01, write_policy="write_back"
+    ) as llm:
         assert _tokens(llm, many) == want
         _settle(llm)
         assert _tier(llm, "host").writes > 0  # only what L1 evicted
@@ -138,7 +124,9 @@ def test_corrupted_disk_block_is_recomputed_never_served(
         assert tier.corrupt >= len(PROMPTS) and tier.hits == 0
 
 
-def test_a_restarted_instance_finds_its_disk_tier(tiny_qwen3: Path, tmp_path: Path, reference: list[list[int]]) -> None:
+def test_a_restarted_instance_finds_its_disk_tier(
+    tiny_qwen3: Path, tmp_path: Path, reference: list[list[int]]
+) -> None:
     kw = dict(num_blocks=64, block_size=BS, disk_path=str(tmp_path / "arena"), disk_gb=0.01)
     with LLM(str(tiny_qwen3), **kw) as llm:
         assert _tokens(llm) == reference

@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from xengine.api.config import EngineConfig, from_dict
+from xengine.api.entrypoints import ENGINE_PROC_MODULE
 from xengine.api.envs import ENGINE_LOG_LEVEL
 from xengine.api.lifetime import set_parent_death_signal
 from xengine.api.messages import (
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     config = from_dict(EngineConfig, json.loads(args.config_json))
     config.validate()
     try:
-        confine_store_binds(config, "xengine.process.engine_proc", sys.argv[1:] if argv is None else argv)
+        confine_store_binds(config, ENGINE_PROC_MODULE, sys.argv[1:] if argv is None else argv)
     except (RuntimeError, ValueError) as e:
         print(f"xllm: error: {e}", file=sys.stderr)
         return 2

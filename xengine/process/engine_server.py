@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from xengine.api.cluster.keys import ROLES, TRANSFER_ROLES, InstanceRecord
-from xengine.api.config import EngineConfig, from_dict
+from xengine.api.config import EngineConfig, from_dict, replace_section
 from xengine.api.embed_messages import EMBED_CALLS
 from xengine.api.entrypoints import ENGINE_SERVER_MODULE
 from xengine.api.envs import ENGINE_LOG_LEVEL
@@ -397,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     config = from_dict(EngineConfig, json.loads(args.config_json))
     config.validate()
+    if config.kv_tiers.disk_path:  # one disk tier file per instance (it is locked while open)
+        config = replace_section(config, "kv_tiers", disk_path=f"{config.kv_tiers.disk_path}.{args.name}")
     try:
         confine_binds(args, sys.argv[1:] if argv is None else argv, config)
     except (RuntimeError, ValueError) as e:
