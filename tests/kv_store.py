@@ -1,4 +1,4 @@
-"""A real cluster KV store for tests: ``python -m memory.kv_tiers.store_server`` (``mooncake_master``
+"""A real cluster KV store for tests: ``python -m xengine.process.kv_store_server`` (``mooncake_master``
 and its memory) on free loopback ports, stopped by ``stop``."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class StoreServer:
     def __init__(self, restart_delay_s: float = 1.0) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "memory.kv_tiers.store_server", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "xengine.process.kv_store_server", "--port", str(self.port)]
         cmd += [
             "--metrics-port",
             str(free_port()),

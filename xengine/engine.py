@@ -47,8 +47,8 @@ from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
 from xengine.scheduler.scheduler import Scheduler
 from xengine.spec.build import build_drafter
+from xengine.spec.drafting import spec_stats_msg
 from xengine.spec.head_proposer import HeadProposer
-from xengine.spec.stats import spec_stats_msg
 from xengine.state_setup import StateSetup, build_stateful_kv, kv_free_layers, state_shapes
 from xengine.step.deltas import collect_deltas
 from xengine.step.execute import EngineBrokenError, StepExecutor
@@ -193,7 +193,8 @@ class Engine:
             encode_stage=self._encode_stage(config),
             drafter=build_drafter(self, config),
         )
-        self.tiers = start_tiers(self, config, kv, model_dir)  # None: no kv_tiers configured
+        tiered = (self.platform, self.parallel, self.state_setup, self.scheduler)  # KV tiers (or None)
+        self.tiers = start_tiers(config, kv, model_dir, *tiered)
         self._build_step(config, kv)
         self.vocab_size = info.vocab_size
         self.vision = vision_spec(self.model)  # None: a text-only model

@@ -19,7 +19,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,15 +32,16 @@ from memory.kv_tiers.stack import Probe, TierStack
 from memory.kv_tiers.store import StoreTier
 from memory.kv_tiers.worker import TierWorker
 from memory.prefix_cache.radix import RadixPrefixCache
+from ops.platforms import Platform
 from xengine.api.block_hash import prompt_block_hashes
 from xengine.api.config import EngineConfig
 from xengine.api.kv_tiers_config import KVTiersConfig
 from xengine.api.messages import KVTiersStatsMsg, KVTierStatsMsg
 from xengine.kv_setup import KVSetup
+from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
-
-if TYPE_CHECKING:
-    from xengine.engine import Engine
+from xengine.scheduler.scheduler import Scheduler
+from xengine.state_setup import StateSetup
 
 logger = logging.getLogger(__name__)
 
@@ -327,18 +327,26 @@ def build_tiered_kv(
     return TieredKV(config, kv, kv_caches, tiers)
 
 
-def start_tiers(engine: Engine, config: EngineConfig, kv: KVSetup, model_dir: str) -> TieredKV | None:
+def start_tiers(
+    config: EngineConfig,
+    kv: KVSetup,
+    model_dir: str,
+    platform: Platform,
+    parallel: ExpertParallelGroup | None,
+    state_setup: StateSetup | None,
+    scheduler: Scheduler,
+) -> TieredKV | None:
     """The engine's KV tiers (None: ``kv_tiers`` names none), its scheduler gated on their prefetches;
     ``ValueError`` naming what rules them out for this instance."""
     tiers = config.kv_tiers
     if not tiers.enabled:
         return None
-    parallel, spec_method = engine.parallel, config.speculative_config.method
+    spec_method = config.speculative_config.method
     blockers = [
         (not config.cache.enable_prefix_caching, "cache.enable_prefix_caching off (the tiers back the prefix cache)"),
-        (engine.platform.capabilities.emulated, "the emulated device (its KV is a timed stand-in)"),
+        (platform.capabilities.emulated, "the emulated device (its KV is a timed stand-in)"),
         (kv.layout_name == "xtensor", "cache.kv_layout xtensor (use paged)"),
-        (kv.manager.window is not None or engine.state_setup is not None, "a hybrid model's sliding-window or recurrent layers"),
+        (kv.manager.window is not None or state_setup is not None, "a hybrid model's sliding-window or recurrent layers"),
         (parallel is not None and parallel.tp is not None, "tensor parallelism (each rank holds part of a block)"),
         (parallel is not None and config.parallel.data_parallel_size == 1, "expert parallelism without data-parallel attention"),
         (config.speculative_config.enabled and spec_method != "ngram", f"speculative decoding by {spec_method} (its KV is not tiered)"),
@@ -350,7 +358,7 @@ def start_tiers(engine: Engine, config: EngineConfig, kv: KVSetup, model_dir: st
             )
     fingerprint = layout_fingerprint(model_dir, kv.spec, config.model.quantization)
     rank = config.parallel.data_parallel_rank if config.parallel.data_parallel_size > 1 else None
-    pin = engine.platform.torch_device().type != "cpu"
+    pin = platform.torch_device().type != "cpu"
     tiered = build_tiered_kv(tiers, kv.manager, kv.kv_caches, kv.spec, fingerprint, pin, rank)
-    engine.scheduler.gates.append(tiered.ready)
+    scheduler.gates.append(tiered.ready)
     return tiered

@@ -36,6 +36,7 @@ SLOW_SMOKE = {
     "allreduce",  # spawns rank processes per size: tests/xengine/parallel/test_shm_comm.py tests the communicator
     "cluster_routing",  # tests/benchmarks/test_cluster_benchmarks.py runs it on two tiny instances
     "offline_throughput",  # tests/benchmarks/test_bench_programs.py runs it against HF
+    "kv_tiers",  # four configurations and a KV store: tests/xengine/test_kv_tiers.py runs each tier
 }  # fmt: skip
 
 

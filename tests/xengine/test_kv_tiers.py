@@ -2,7 +2,7 @@
 and off for prompts served from each tier (host, disk, the Mooncake Store across instances), under each
 write policy; a corrupted disk block recomputed, never served; a restarted instance finding its disk
 tier; prefetch policies; the store's master killed mid-run. The store is a real ``mooncake_master``
-with its memory (``memory/kv_tiers/store_server.py``), started here."""
+with its memory (``xengine/process/kv_store_server.py``), started here."""
 
 from __future__ import annotations
 

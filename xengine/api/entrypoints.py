@@ -7,4 +7,4 @@ they are part of the contract between the two layers and named in one place.
 
 ENGINE_PROC_MODULE = "xengine.process.engine_proc"  # single node: the service's own engine process
 ENGINE_SERVER_MODULE = "xengine.process.engine_server"  # cluster: an instance that registers in the store
-KV_STORE_MODULE = "memory.kv_tiers.store_server"  # the cluster KV store: mooncake_master and its memory
+KV_STORE_MODULE = "xengine.process.kv_store_server"  # the cluster KV store: mooncake_master and its memory

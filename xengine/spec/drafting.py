@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from xengine.api.config import SpeculativeConfig
+from xengine.api.messages import SpecDecodeStatsMsg
 from xengine.request import Request
 from xengine.spec.ngram import NgramIndex
 from xengine.spec.stats import SpecDecodeStats
@@ -127,3 +128,20 @@ class Drafter:
         """Draft tokens for ``req`` this step (``budget``: the step's tokens left, its own one included)."""
         k = self._limit(req, is_beam, budget)
         return self.proposer.propose(req, k) if k > 0 else []
+
+
+def spec_stats_msg(drafter: Drafter | None) -> SpecDecodeStatsMsg | None:
+    """The drafter's counters as the engine reports them (None: speculative decoding is off)."""
+    if drafter is None:
+        return None
+    st = drafter.stats
+    return SpecDecodeStatsMsg(
+        method=drafter.config.method,
+        num_speculative_tokens=drafter.config.num_speculative_tokens,
+        num_drafts=st.num_drafts,
+        num_draft_tokens=st.num_draft_tokens,
+        num_accepted_tokens=st.num_accepted_tokens,
+        accepted_per_pos=list(st.accepted_per_pos),
+        acceptance_rate=st.acceptance_rate,
+        mean_accepted_length=st.mean_accepted_length,
+    )

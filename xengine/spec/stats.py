@@ -3,12 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from xengine.api.messages import SpecDecodeStatsMsg
-
-if TYPE_CHECKING:
-    from xengine.spec.drafting import Drafter
 
 
 @dataclass
@@ -48,20 +42,3 @@ class SpecDecodeStats:
 
     def acceptance_per_pos(self) -> list[float]:
         return [a / p if p else 0.0 for a, p in zip(self.accepted_per_pos, self.proposed_per_pos)]
-
-
-def spec_stats_msg(drafter: Drafter | None) -> SpecDecodeStatsMsg | None:
-    """The drafter's counters as the engine reports them (None: speculative decoding is off)."""
-    if drafter is None:
-        return None
-    st = drafter.stats
-    return SpecDecodeStatsMsg(
-        method=drafter.config.method,
-        num_speculative_tokens=drafter.config.num_speculative_tokens,
-        num_drafts=st.num_drafts,
-        num_draft_tokens=st.num_draft_tokens,
-        num_accepted_tokens=st.num_accepted_tokens,
-        accepted_per_pos=list(st.accepted_per_pos),
-        acceptance_rate=st.acceptance_rate,
-        mean_accepted_length=st.mean_accepted_length,
-    )

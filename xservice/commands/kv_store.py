@@ -1,7 +1,7 @@
 """``xllm kv-store``: the cluster KV store the ``kv_tiers.store_master`` setting points at.
 
 ``xllm kv-store [--host 127.0.0.1] [--port 50051] [--memory-gb 4]`` becomes (exec) ``python -m
-memory.kv_tiers.store_server``: a ``mooncake_master`` on ``--host`` and the store memory behind it, the
+xengine.process.kv_store_server``: a ``mooncake_master`` on ``--host`` and the store memory behind it, the
 master restarted if it exits. Engine instances started with ``--store-master HOST:PORT`` share prompt
 KV through it (``docs/kv_tiers.md``). Ctrl-C / SIGTERM stops both.
 """

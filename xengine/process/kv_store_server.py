@@ -1,6 +1,6 @@
 """The cluster KV store: a ``mooncake_master`` and the memory behind it, in one supervised process.
 
-``python -m memory.kv_tiers.store_server --memory-gb 4`` (``xllm kv-store`` runs it) starts the master
+``python -m xengine.process.kv_store_server --memory-gb 4`` (``xllm kv-store`` runs it) starts the master
 on ``--host`` (loopback by default) and becomes the store's memory: a Mooncake Store client that mounts
 ``--memory-gb`` of segment and serves the records instances put (instances mount none: a record outlives
 the instance that wrote it). Its own transfer engine would bind the wildcard address, so the process
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from xengine.api.entrypoints import KV_STORE_MODULE
 
-logger = logging.getLogger("memory.kv_tiers.store_server")
+logger = logging.getLogger(__name__)
 
 MODULE = KV_STORE_MODULE
 
