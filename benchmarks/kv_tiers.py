@@ -124,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="qwen3")
     p.add_argument("--size", default="small")
-    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-tokens", type=int, default=192)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--pool-blocks", type=int, default=None, help="KV pool blocks (default: working set / 10)")
-    p.add_argument("--long-prompt", type=int, default=4096)
+    p.add_argument("--long-prompt", type=int, default=4000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     add_smoke_flag(p)
@@ -139,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     from xengine.llm import LLM
 
     model = str(generated_checkpoint(args.arch, args.size))
-    args.vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    hf = json.loads((Path(model) / "config.json").read_text())
+    args.vocab = hf["vocab_size"]
     final_ctx = args.turns * (args.turn_tokens + args.output_len)
     working_blocks = args.conversations * final_ctx // BLOCK_SIZE
     pool = args.pool_blocks or max(final_ctx // BLOCK_SIZE + 4, working_blocks // 10)
-    max_len = max(final_ctx, args.long_prompt) + 64
+    max_len = min(max(final_ctx, args.long_prompt) + 64, hf["max_position_embeddings"])
     base = dict(
         block_size=BLOCK_SIZE,
         num_blocks=pool,

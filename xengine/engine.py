@@ -322,6 +322,7 @@ class Engine:
             kv_bytes_per_token=spec.bytes_per_block // spec.block_size,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             num_threads=torch.get_num_threads(),
+            kv_tiers=[t.name for t in self.tiers.stack.tiers] if self.tiers is not None else [],
         )
 
     # ------------------------------------------------------------------ requests

@@ -325,6 +325,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     kv_bytes_per_token: int = 0  # K and V of every layer
     weight_bytes: int = 0
     num_threads: int = 0  # CPU intra-op threads
+    kv_tiers: list[str] = []  # KV tiers behind the prefix cache: host, disk, store (``docs/kv_tiers.md``)
 
 
 class CatalogInfo(msgspec.Struct, kw_only=True):

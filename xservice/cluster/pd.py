@@ -50,6 +50,7 @@ import msgspec
 
 from xengine.api.image_keys import cache_token_ids
 from xengine.api.messages import AddRequest, CompletionDelta, KVExportInfo, KVImportResult, PromptLogprobs
+from xservice.cluster.pd_metrics import PDCounters
 from xservice.cluster.prfaas.link import transfer
 from xservice.cluster.prfaas.prefix import bring_prefix
 from xservice.cluster.remote_engine import RemoteEngineClient
@@ -79,14 +80,6 @@ class _Export:
     export_id: str
     info: KVExportInfo
     next_token_id: int | None  # the prefill's token: keys a draft head's blocks of the prompt
-
-
-@dataclass
-class PDCounters:
-    num_requests: int = 0  # requests that ran PD disaggregated
-    num_prefill_retries: int = 0  # prefills re-dispatched or redone after a prefill instance failed
-    num_fallbacks: int = 0  # requests (or decode halves) that ran without a KV transfer
-    num_kept_on_prefill: int = 0  # dynamic PD: decoded on the prefill instance (no transfer needed)
 
 
 class PDPool(Protocol):
@@ -395,6 +388,9 @@ class PDDispatcher:
                 except _KV_ERRORS as e:  # the source is gone or broken: redo the prefill elsewhere
                     logger.info("KV import of %s into %s failed (%s)", req.req_id, decode.name, e)
                     self._release(export)
+                    if "store" in decode.info.kv_tiers:  # P wrote the prompt through: D loads it from L3
+                        export, self.counters.num_store_restores = None, self.counters.num_store_restores + 1
+                        return decode, sub_id  # (docs/kv_tiers.md)
                     num_failed += 1
                     self.counters.num_prefill_retries += 1
                     retry = num_failed < MAX_KV_ATTEMPTS and self._pick_prefill(not_=export.client)

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from xservice.cluster.dynamic_pd import DynamicPD
+
+
+@dataclass
+class PDCounters:
+    """PD disaggregation's counters (``xservice/cluster/pd.py``)."""
+
+    num_requests: int = 0  # requests that ran PD disaggregated
+    num_prefill_retries: int = 0  # prefills re-dispatched or redone after a prefill instance failed
+    num_fallbacks: int = 0  # requests (or decode halves) that ran without a KV transfer
+    num_kept_on_prefill: int = 0  # dynamic PD: decoded on the prefill instance (no transfer needed)
+    # the prefill instance died after its export: the decode side loaded the prompt from the KV store
+    num_store_restores: int = 0
 
 
 class DynamicPDCollector:

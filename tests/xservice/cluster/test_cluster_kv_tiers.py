@@ -1,0 +1,98 @@
+"""Failover that restores KV: a cluster of two mixed instances sharing a Mooncake Store tier (a real
+``mooncake_master`` and its memory, ``tests/kv_store.py``) and a real etcd. A stream's instance is
+killed (``kill -9``) mid-stream; the request migrates to the other instance, which loads the prompt and
+the tokens streamed so far from the store (written through by the dead instance) and computes only the
+tail past the last whole block: the survivor's computed prompt tokens say so. The text equals the run
+without the fault."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.kv_store import StoreServer
+from tests.xservice.cluster.helpers import (
+    HEARTBEAT_S,
+    ClusterServer,
+    EtcdServer,
+    freeze_a_busy_instance,
+    wait_until,
+)
+
+BS = 16
+PROMPT = "Long story: " + " ".join(f"w{i}" for i in range(50))  # ~100 tokens of the tiny tokenizer
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[StoreServer]:
+    server = StoreServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd: EtcdServer, store: StoreServer, model_dir: Path) -> Iterator[ClusterServer]:
+    server = ClusterServer(
+        model_dir,
+        {
+            "instances": "engine-0:mixed,engine-1:mixed",
+            "metadata_store": "etcd",
+            "etcd_endpoint": etcd.endpoint,
+            "key_prefix": "/xllm-kv-tiers-test",
+            "routing_policy": "cache_aware",
+            "lease_ttl_s": 3.0,
+            "heartbeat_interval_s": HEARTBEAT_S,
+        },
+        engine={"kv_tiers": {"store_master": store.master}},
+    )
+    yield server
+    server.stop()
+
+
+def _stream(cluster: ClusterServer, out: list[str]) -> None:
+    client = cluster.openai()
+    for chunk in client.completions.create(
+        model="xllm-tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    ):  # fmt: skip
+        out.append(chunk.choices[0].text)
+
+
+def _instance_stats(cluster: ClusterServer) -> dict[str, Any]:
+    return cluster.http.get("/v1/admin/stats").json()["instances"]
+
+
+def test_a_migrated_request_loads_its_kv_from_the_store(cluster: ClusterServer) -> None:
+    baseline: list[str] = []
+    _stream(cluster, baseline)
+    holder = max(_instance_stats(cluster).items(), key=lambda kv: kv[1]["num_computed_prompt_tokens"])[0]
+
+    chunks: list[str] = []
+    thread = threading.Thread(target=_stream, args=(cluster, chunks))
+    thread.start()  # cache-aware routing sends it to the holder of its prefix again
+    wait_until(lambda: len(chunks) >= 40, 60, "the stream to be well under way")
+    victim = wait_until(lambda: freeze_a_busy_instance(cluster), 60, "the stream's instance frozen")
+    assert victim["name"] == holder
+    survivor = next(n for n in _instance_stats(cluster) if n != holder)
+    before = _instance_stats(cluster)[survivor]
+    streamed = len(chunks)
+    os.kill(victim["pid"], signal.SIGKILL)
+    thread.join(120)
+    assert "".join(chunks) == "".join(baseline)
+    assert cluster.admin()["num_migrations"] >= 1
+
+    after = _instance_stats(cluster)[survivor]
+    store_hits = next(t for t in after["kv_tiers"]["tiers"] if t["name"] == "store")["hits"]
+    store_hits -= next(t for t in before["kv_tiers"]["tiers"] if t["name"] == "store")["hits"]
+    recomputed = after["num_computed_prompt_tokens"] - before["num_computed_prompt_tokens"]
+    # the migrated prompt is the original prompt plus the tokens streamed before the kill: its whole
+    # blocks came from the store, so the survivor computed at most the tail past the last one
+    assert store_hits * BS >= streamed, (store_hits, streamed)
+    assert recomputed < 2 * BS, recomputed
