@@ -88,18 +88,22 @@ class TierStack:
 
     def load(self, keys: list[int], probe: Probe, out: torch.Tensor) -> int:
         """Load the probed run into ``out``; how many leading blocks arrived intact."""
-        done = 0
+        done, lower = 0, []
         while done < probe.num_blocks:
             t = probe.tiers[done]
             end = next((i for i in range(done, probe.num_blocks) if probe.tiers[i] != t), probe.num_blocks)
             tier = self.tiers[t]
             got = tier.get_into(keys[done:end], out[done:end])
-            if self.host is not None and tier is not self.host:
-                for i in range(done, done + got):  # promoted: the next hit is a host hit
-                    self.host.put(keys[i], out[i])
+            if tier is not self.host:
+                lower.extend(range(done, done + got))
             done += got
             if done < end:
                 break
+        if self.host is not None:  # promoted once the run is in (not to evict a host block it reads)
+            for i in lower:
+                for old, record in self.host.put(keys[i], out[i]):
+                    if self.write_policy == "write_back":  # L2 is the only copy: pass it down
+                        self._put_lower([old], record.view(1, -1))
         return done
 
     def close(self) -> None:

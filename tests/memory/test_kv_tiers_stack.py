@@ -151,8 +151,8 @@ def test_stack_load_stops_at_corrupt_disk_block(disks):
 # ---------------------------------------------------------------- TierWorker
 def collect(worker, n):
     got = []
-    for _ in range(50):
-        got += worker.poll(timeout=5.0)
+    for _ in range(10):
+        got += worker.poll(timeout=2.0)
         if len(got) >= n:
             break
     return got

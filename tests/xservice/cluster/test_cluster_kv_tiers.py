@@ -26,8 +26,8 @@ from tests.xservice.cluster.helpers import (
 )
 
 BS = 16
-PROMPT = "Long story: " + " ".join(f"w{i}" for i in range(50))  # ~100 tokens of the tiny tokenizer
-MAX_TOKENS = 120
+PROMPT = "Long story: " + " ".join(f"w{i}" for i in range(40))  # ~115 tokens of the tiny tokenizer
+MAX_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def cluster(etcd: EtcdServer, store: StoreServer, model_dir: Path) -> Iterator[C
             "lease_ttl_s": 3.0,
             "heartbeat_interval_s": HEARTBEAT_S,
         },
-        engine={"kv_tiers": {"store_master": store.master}},
+        engine={"kv_tiers": {"store_master": store.master}, "model": {"max_model_len": 512}},
     )
     yield server
     server.stop()
@@ -72,16 +72,18 @@ def _instance_stats(cluster: ClusterServer) -> dict[str, Any]:
 def test_a_migrated_request_loads_its_kv_from_the_store(cluster: ClusterServer) -> None:
     baseline: list[str] = []
     _stream(cluster, baseline)
-    holder = max(_instance_stats(cluster).items(), key=lambda kv: kv[1]["num_computed_prompt_tokens"])[0]
+    stats = _instance_stats(cluster)
+    holder = max(stats.items(), key=lambda kv: kv[1]["num_computed_prompt_tokens"])[0]
+    survivor = next(n for n in stats if n != holder)
+    before = stats[survivor]  # idle until the migrated request comes (a frozen instance's lease runs out)
 
     chunks: list[str] = []
     thread = threading.Thread(target=_stream, args=(cluster, chunks))
     thread.start()  # cache-aware routing sends it to the holder of its prefix again
-    wait_until(lambda: len(chunks) >= 40, 60, "the stream to be well under way")
-    victim = wait_until(lambda: freeze_a_busy_instance(cluster), 60, "the stream's instance frozen")
+    victim = wait_until(  # past its first blocks of output, then frozen (its stream cannot finish)
+        lambda: len(chunks) >= 20 and freeze_a_busy_instance(cluster), 60, "the stream's instance frozen"
+    )
     assert victim["name"] == holder
-    survivor = next(n for n in _instance_stats(cluster) if n != holder)
-    before = _instance_stats(cluster)[survivor]
     streamed = len(chunks)
     os.kill(victim["pid"], signal.SIGKILL)
     thread.join(120)
