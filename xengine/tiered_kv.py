@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,6 +274,18 @@ class TieredKV:
                 due_b.append(b)
         if due_h:
             self._save(due_h, due_b)
+
+    def set_event_sink(self, sink: Callable[[str, list[int], list[int]], None]) -> None:
+        """Tell ``sink(tier, stored, removed)`` what each tier holds, from now on (called on the tier
+        worker's thread), starting with what it holds already (a disk tier's last run)."""
+        tiers = self.stack.tiers
+
+        def start() -> None:
+            for tier in tiers:
+                tier.on_change = sink
+                tier.changed(tier.held(), [])
+
+        self.worker.submit(("connect", 2), start)
 
     # ------------------------------------------------------------------ stats, shutdown
     @property

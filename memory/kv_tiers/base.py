@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,17 @@ class KVTier(ABC):
     def __init__(self, record_bytes: int) -> None:
         self.record_bytes = record_bytes
         self.stats = TierStats(self.name)
+        # told (tier name, keys stored, keys dropped) as they change: the cluster's index of what each
+        # instance's tiers hold (``xengine/process/cluster_agent.py``)
+        self.on_change: Callable[[str, list[int], list[int]], None] | None = None
+
+    def changed(self, stored: list[int], removed: list[int]) -> None:
+        if self.on_change is not None and (stored or removed):
+            self.on_change(self.name, stored, removed)
+
+    def held(self) -> list[int]:
+        """Every key held (empty where the tier cannot list them: the store)."""
+        return []
 
     @abstractmethod
     def contains(self, keys: list[int]) -> list[bool]:

@@ -97,10 +97,12 @@ class DiskTier(KVTier):
         if key in self._slots:
             self._slots.move_to_end(key)
             return []
+        dropped = []
         if self._free:
             slot = self._free.pop()
         else:
-            _, slot = self._slots.popitem(last=False)
+            old, slot = self._slots.popitem(last=False)
+            dropped.append(old)
             self.stats.evictions += 1
         data = memoryview(record.numpy())
         header = _SLOT_HEADER.pack(_SLOT_MAGIC, 0, key, self.record_bytes, zlib.crc32(data))
@@ -110,11 +112,13 @@ class DiskTier(KVTier):
             self._free.append(slot)
             self.stats.errors += 1
             logger.warning("disk KV tier %s: write failed (%s); the block stays uncached here", self.path, e)
+            self.changed([], dropped)
             return []
         self._slots[key] = slot
         self.stats.writes += 1
         self.stats.bytes_written += self.record_bytes
         self.stats.num_blocks = len(self._slots)
+        self.changed([key], dropped)
         return []
 
     def _get_into(self, keys: list[int], out: torch.Tensor) -> int:
@@ -142,8 +146,12 @@ class DiskTier(KVTier):
             del self._slots[key]
             self._free.append(slot)
             self.stats.num_blocks = len(self._slots)
+            self.changed([], [key])
             logger.warning("disk KV tier %s: block %016x failed its checksum; recomputing it", self.path, key)
         return ok
+
+    def held(self) -> list[int]:
+        return list(self._slots)
 
     def close(self) -> None:
         if self._fd >= 0:

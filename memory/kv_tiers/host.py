@@ -32,7 +32,7 @@ class HostTier(KVTier):
         if key in self._slots:
             self._slots.move_to_end(key)
             return []
-        evicted = []
+        evicted: list[tuple[int, torch.Tensor]] = []
         if self._free:
             slot = self._free.pop()
         else:
@@ -44,6 +44,7 @@ class HostTier(KVTier):
         self.stats.writes += 1
         self.stats.bytes_written += self.record_bytes
         self.stats.num_blocks = len(self._slots)
+        self.changed([key], [old for old, _ in evicted])
         return evicted
 
     def _get_into(self, keys: list[int], out: torch.Tensor) -> int:
@@ -54,6 +55,9 @@ class HostTier(KVTier):
             self._slots.move_to_end(key)
             out[i].copy_(self.arena[slot])
         return len(keys)
+
+    def held(self) -> list[int]:
+        return list(self._slots)
 
     def get_view(self, key: int) -> torch.Tensor | None:
         """The record held for ``key`` in place (valid until the next ``put``), or None."""

@@ -135,6 +135,7 @@ class StoreTier(KVTier):
             self.staging[:n].copy_(records[first : first + n])
             base, rb = self.staging.data_ptr(), self.record_bytes
             rcs = self._client.batch_put_from(self._keys(part), [base + i * rb for i in range(n)], [rb] * n)
+            self.changed([k for k, rc in zip(part, rcs) if rc == 0], [])
             stored = sum(1 for rc in rcs if rc == 0)
             self.stats.writes += stored
             self.stats.bytes_written += stored * rb

@@ -29,6 +29,7 @@ logger = logging.getLogger("xengine.process.cluster_agent")
 
 MAX_BACKOFF_S = 5.0
 FULL_KV_EVERY_S = 20.0  # republish the whole KV set now and then, healing any lost batch
+MAX_TIER_HASHES = 1 << 16  # per KV tier, the newest hashes an instance reports (an etcd value stays small)
 EWMA_ALPHA = 0.2
 MAX_PENDING_SAMPLES = 4096  # per kind, while reports cannot be sent (the oldest go first)
 FENCE_TIMEOUT_S = 30.0  # how long the engine loop may take to drop a fenced incarnation's requests
@@ -64,6 +65,10 @@ class ClusterAgent:
         self._load_fn = load_fn
         self._events: collections.deque[tuple[list[int], list[int]]] = collections.deque()
         self._hashes: set[int] = set()
+        # KV tiers: (tier, stored, removed) from the tier worker's thread; what each tier holds
+        self._tier_events: collections.deque[tuple[str, list[int], list[int]]] = collections.deque()
+        self._tier_hashes: dict[str, dict[int, None]] = {}
+        self.prefill_token_ms: float | None = None
         # raw performance samples (``keys.LoadReport.prefills`` / ``steps``): appended by the engine
         # thread, drained by this agent's (deque append / popleft are atomic)
         self._prefills: collections.deque[list[float]] = collections.deque(maxlen=MAX_PENDING_SAMPLES)
@@ -100,6 +105,10 @@ class ClusterAgent:
         """Prefix-cache event sink (called in the engine thread; O(1))."""
         self._events.append((stored, removed))
 
+    def on_tier_events(self, tier: str, stored: list[int], removed: list[int]) -> None:
+        """KV tier event sink (``xengine/tiered_kv.py``; called on the tier worker's thread; O(1))."""
+        self._tier_events.append((tier, stored, removed))
+
     def observe_ttft(self, ms: float) -> None:
         self.ttft_ms = ms if self.ttft_ms is None else (1 - EWMA_ALPHA) * self.ttft_ms + EWMA_ALPHA * ms
 
@@ -109,6 +118,10 @@ class ClusterAgent:
     def observe_prefill(self, uncached_tokens: int, queue_s: float, compute_s: float) -> None:
         """A request's first token came (engine thread; O(1)): one ``LoadReport.prefills`` sample."""
         self._prefills.append([uncached_tokens, queue_s, compute_s])
+        if uncached_tokens > 0:
+            ms = 1000 * compute_s / uncached_tokens
+            old = self.prefill_token_ms
+            self.prefill_token_ms = ms if old is None else (1 - EWMA_ALPHA) * old + EWMA_ALPHA * ms
 
     def observe_step(self, num_seqs: int, context_tokens: int, prefill_tokens: int, step_s: float) -> None:
         """A non-empty step ran (engine thread; O(1)): one ``LoadReport.steps`` sample."""
@@ -225,6 +238,8 @@ class ClusterAgent:
             sent_at=time.time(),
             prefills=_take_samples(self._prefills, keys.MAX_SAMPLES),
             steps=_take_samples(self._steps, keys.MAX_SAMPLES),
+            tier_block_load_ms=_tier_load_ms(stats),
+            prefill_token_ms=self.prefill_token_ms,
         )
         await store.put(keys.key(self.key_prefix, "load", self.record.name), keys.encode(report), self._lease)
 
@@ -240,20 +255,44 @@ class ClusterAgent:
             for h in stored:
                 final[h] = True
 
+    def _drain_tier_events(self) -> dict[str, dict[int, bool]]:
+        """Per tier, each hash's latest change since the last drain, applied to the tier's set (the
+        newest ``MAX_TIER_HASHES`` of each are kept: the store is told no removals)."""
+        final: dict[str, dict[int, bool]] = {}
+        while self._tier_events:
+            tier, stored, removed = self._tier_events.popleft()
+            changes = final.setdefault(tier, {})
+            held = self._tier_hashes.setdefault(tier, {})
+            for h in removed:
+                changes[h] = False
+                held.pop(h, None)
+            for h in stored:
+                changes[h] = True
+                held.pop(h, None)
+                held[h] = None
+            while len(held) > MAX_TIER_HASHES:
+                held.pop(next(iter(held)))
+        return final
+
     async def _publish_kv(self, store: Any) -> None:
         from xengine.api.cluster import keys
 
         changes = self._drain_events()
         for h, present in changes.items():
             (self._hashes.add if present else self._hashes.discard)(h)
+        tiers = self._drain_tier_events()
         now = time.monotonic()
-        full = self._need_full or (changes and now - self._last_full > FULL_KV_EVERY_S)
-        if not full and not changes:
+        full = self._need_full or ((changes or tiers) and now - self._last_full > FULL_KV_EVERY_S)
+        if not full and not changes and not tiers:
             return
         self._kv_seq += 1
         if full:
             batch = keys.KVEventBatch(
-                incarnation=self.record.incarnation, seq=self._kv_seq, full=True, stored=sorted(self._hashes)
+                incarnation=self.record.incarnation,
+                seq=self._kv_seq,
+                full=True,
+                stored=sorted(self._hashes),
+                tier_stored={t: list(held) for t, held in self._tier_hashes.items()},
             )
         else:
             batch = keys.KVEventBatch(
@@ -261,6 +300,8 @@ class ClusterAgent:
                 seq=self._kv_seq,
                 stored=[h for h, p in changes.items() if p],
                 removed=[h for h, p in changes.items() if not p],
+                tier_stored={t: [h for h, p in c.items() if p] for t, c in tiers.items()},
+                tier_removed={t: [h for h, p in c.items() if not p] for t, c in tiers.items()},
             )
         self._need_full = True  # until this batch is known to have landed
         await store.put(
@@ -277,6 +318,14 @@ class ClusterAgent:
             await store.revoke(self._lease)
         except Exception:  # noqa: BLE001 - the lease expires on its own
             logger.debug("lease revoke failed", exc_info=True)
+
+
+def _tier_load_ms(stats: Any) -> dict[str, float]:
+    """Mean milliseconds per block loaded from each KV tier so far (tiers with loads only)."""
+    tiers = getattr(stats, "kv_tiers", None)
+    if tiers is None:
+        return {}
+    return {t.name: 1000 * t.load_s / t.hits for t in tiers.tiers if t.hits}
 
 
 def _take_samples(pending: collections.deque[list[float]], limit: int) -> list[list[float]]:

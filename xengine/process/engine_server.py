@@ -285,6 +285,8 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         set_event_sink = getattr(getattr(engine, "kv", None), "set_event_sink", None)
         if set_event_sink is not None:  # the prefix cache's block events feed the service's index
             set_event_sink(agent.on_kv_events)
+        if getattr(engine, "tiers", None) is not None:  # and what its KV tiers hold (docs/kv_tiers.md)
+            engine.tiers.set_event_sink(agent.on_tier_events)
         proc = ServedEngineProc(ObservedEngine(engine, agent, guard), inp, out, args.parent_pid)
         proc.images = tracker
         agent.fence = proc.fence

@@ -48,6 +48,7 @@ from xservice.cluster.pd import PDDispatcher, empty_import_counts
 from xservice.cluster.registry import InstanceRegistry, InstanceState
 from xservice.cluster.remote_engine import RemoteEngineClient
 from xservice.cluster.supervisor import InstanceSupervisor
+from xservice.cluster.tier_route import tier_route
 from xservice.engine.client import HANG_TIMEOUT_S
 from xservice.engine.errors import EngineDeadError
 from xservice.engine.stats_sum import sum_engine_stats
@@ -248,7 +249,8 @@ class InstancePool:
         """The prompt's whole-block count and, per instance, how many leading blocks it holds
         (``prompt_token_ids`` as the prefix caches key them: ``cache_token_ids`` for image prompts)."""
         hashes = prompt_block_hashes(prompt_token_ids, self.info.block_size)
-        return RouteRequest(num_blocks=len(hashes), matched_blocks=self.registry.kv_index.match(hashes))
+        matched = self.registry.kv_index.match(hashes)
+        return tier_route(hashes, matched, self.clients, self.registry, self.info.block_size)
 
     @contextlib.contextmanager
     def track(
@@ -460,6 +462,7 @@ class InstancePool:
                     "load": msgspec.to_builtins(state.load) if state.load else None,
                     "heartbeat_age_s": round(time.monotonic() - state.last_heartbeat, 3),
                     "num_kv_blocks_indexed": self.registry.kv_index.num_blocks(name),
+                    "kv_tier_blocks_indexed": self.registry.tier_index.counts(name),  # host, disk
                     "num_inflight": self._inflight.get(name, 0),
                     "num_routed": self.num_routed.get(name, 0),
                     "kv_imported": dict(self.pd.imported.get(name, empty_import_counts())),
@@ -474,6 +477,7 @@ class InstancePool:
             "store_ok": self.registry.store_ok,
             "num_migrations": self.num_migrations,
             "num_stale_rejected": self.registry.num_stale_rejected,
+            "kv_store_blocks_indexed": len(self.registry.tier_index.store),  # written to the KV store
             "pd": dataclasses.asdict(self.pd.counters),
             "epd": self.pd.view() if hasattr(self.pd, "view") else {"strategy": "none"},
             "epd_auto": self.epd_auto,

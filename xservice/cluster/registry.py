@@ -31,7 +31,7 @@ from typing import Any
 
 from xengine.api.cluster import keys
 from xengine.api.cluster.store import BaseMetadataStore, StoreUnavailableError, WatchEvent
-from xservice.cluster.kv_index import GlobalKVIndex
+from xservice.cluster.kv_index import GlobalKVIndex, TierKVIndex
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class InstanceRegistry:
         self.persist_kv = persist_kv
         self.instances: dict[str, InstanceState] = {}
         self.kv_index = GlobalKVIndex()
+        self.tier_index = TierKVIndex()  # what their KV tiers hold (docs/kv_tiers.md)
         self.num_stale_rejected = 0
         self.store_ok = False
         self._store_ok_since = 0.0
@@ -220,6 +221,7 @@ class InstanceRegistry:
         else:
             self.kv_index.remove(name, batch.removed)
             self.kv_index.add(name, batch.stored)
+        self.tier_index.apply(name, batch.full, batch.tier_stored, batch.tier_removed)
         self._dirty_kv.add(name)
 
     def _revive(self, name: str, state: InstanceState) -> None:
@@ -234,6 +236,7 @@ class InstanceRegistry:
             return
         logger.warning("instance %s down: %s", name, reason)
         self.kv_index.drop(name)
+        self.tier_index.drop(name)
         self._dirty_kv.discard(name)
         if self.persist_kv:
             self._spawn(self._forget_kv(name))

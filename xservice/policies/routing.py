@@ -6,7 +6,9 @@ its load, and the request's prefix-cache match per instance (leading prompt bloc
 - ``round_robin``: the next candidate after the last pick, in name order.
 - ``least_load``: the lowest load; ties to the name.
 - ``cache_aware`` (MiMo §3.1 / xLLM §3.4): ``score = match_weight * matched_fraction - normalized_load``,
-  highest wins; ties to the lower load, then the name.
+  highest wins; ties to the lower load, then the name. With KV tiers (``docs/kv_tiers.md``) a prefix an
+  instance holds in L2 or L3 counts too, each block discounted by its price: the instance's measured
+  load time of a block from that tier over its measured time to compute one (``tier_cost``).
 
 Load is ``max(num_inflight, num_running + num_waiting)``: what this service routed and has not seen
 finish (exact, immediate), or what the engine last reported (includes other services' work).
@@ -41,6 +43,34 @@ class InstanceSnapshot:
 class RouteRequest:
     num_blocks: int = 0  # full prompt blocks
     matched_blocks: Mapping[str, int] | None = None  # instance -> leading blocks it holds
+    # KV tiers: instance -> leading blocks it holds in L1 or L2, and in any tier (L3: its disk, the store)
+    tier_blocks: Mapping[str, tuple[int, int]] | None = None
+    # instance -> what loading one L2 / L3 block costs as a fraction of computing it (0: free as an L1 hit)
+    tier_cost: Mapping[str, tuple[float, float]] | None = None
+
+
+DEFAULT_TIER_COST = (0.05, 0.25)  # (L2, L3) before an instance has measured its loads and prefills
+
+
+def tier_cost(
+    load_ms_per_block: float | None, prefill_ms_per_token: float | None, block_size: int, default: float
+) -> float:
+    """A tier hit's price: measured load time of a block over the measured time to compute one (0..1);
+    ``default`` until both are measured."""
+    if not load_ms_per_block or not prefill_ms_per_token:
+        return default
+    return min(1.0, load_ms_per_block / (prefill_ms_per_token * block_size))
+
+
+def effective_blocks(request: RouteRequest, name: str) -> float:
+    """Leading prompt blocks an instance need not compute, L2 and L3 hits discounted by their price."""
+    l1 = (request.matched_blocks or {}).get(name, 0)
+    tiers = (request.tier_blocks or {}).get(name)
+    if tiers is None:
+        return float(l1)
+    l2, l3 = max(tiers[0], l1), max(tiers[1], tiers[0], l1)
+    c2, c3 = (request.tier_cost or {}).get(name, DEFAULT_TIER_COST)
+    return l1 + (l2 - l1) * (1.0 - c2) + (l3 - l2) * (1.0 - c3)
 
 
 class BaseRoutingPolicy(abc.ABC):
@@ -86,10 +116,9 @@ class CacheAwarePolicy(BaseRoutingPolicy):
     def scores(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> dict[str, float]:
         ordered = _check(candidates)
         max_load = max(c.load for c in ordered)
-        matched = request.matched_blocks or {}
         out = {}
         for c in ordered:
-            frac = matched.get(c.name, 0) / request.num_blocks if request.num_blocks else 0.0
+            frac = effective_blocks(request, c.name) / request.num_blocks if request.num_blocks else 0.0
             norm_load = c.load / max_load if max_load > 0 else 0.0
             out[c.name] = self.match_weight * frac - norm_load
         return out

@@ -78,8 +78,10 @@ def test_a_migrated_request_loads_its_kv_from_the_store(cluster: ClusterServer) 
     before = stats[survivor]  # idle until the migrated request comes (a frozen instance's lease runs out)
 
     chunks: list[str] = []
+    idle = lambda: all(i["load"]["num_running"] == 0 for i in cluster.instances().values())  # noqa: E731
+    wait_until(idle, 30, "heartbeats saying both instances are idle")
     thread = threading.Thread(target=_stream, args=(cluster, chunks))
-    thread.start()  # cache-aware routing sends it to the holder of its prefix again
+    thread.start()  # cache-aware routing sends it to the holder of its prefix in L1 again
     victim = wait_until(  # past its first blocks of output, then frozen (its stream cannot finish)
         lambda: len(chunks) >= 20 and freeze_a_busy_instance(cluster), 60, "the stream's instance frozen"
     )
@@ -97,4 +99,15 @@ def test_a_migrated_request_loads_its_kv_from_the_store(cluster: ClusterServer) 
     # the migrated prompt is the original prompt plus the tokens streamed before the kill: its whole
     # blocks came from the store, so the survivor computed at most the tail past the last one
     assert store_hits * BS >= streamed, (store_hits, streamed)
+    # the service's index learnt from the instances' KV events what they wrote to the store, and the
+    # survivor's heartbeats carry what routing prices an L3 hit with: its measured block load time
+    # from the store against its measured prefill time per token
+    assert cluster.admin()["kv_store_blocks_indexed"] >= store_hits
+
+    def priced() -> dict[str, Any] | None:
+        load = cluster.instances()[survivor]["load"]
+        return load if load.get("tier_block_load_ms", {}).get("store") and load["prefill_token_ms"] else None
+
+    load = wait_until(priced, 30, "the survivor's heartbeat with its measured load and prefill times")
+    assert 0 < load["tier_block_load_ms"]["store"] < 1000
     assert recomputed < 2 * BS, recomputed

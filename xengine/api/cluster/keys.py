@@ -59,6 +59,11 @@ class LoadReport(msgspec.Struct, kw_only=True):
     # step's sequences attend once it ran; tokens computed beyond one per decoding sequence; the
     # step's wall time: sync, the whole step; async, from the previous step's completion while busy)
     steps: list[list[float]] = []
+    # KV tiers (``docs/kv_tiers.md``): mean milliseconds to load one block from each tier (host, disk,
+    # store) so far, and the recent mean prefill compute per uncached prompt token (EWMA): what an L2 /
+    # L3 hit saves against recomputing it, for cache-aware routing
+    tier_block_load_ms: dict[str, float] = {}
+    prefill_token_ms: float | None = None
 
 
 MAX_SAMPLES = 64  # per kind and LoadReport
@@ -72,6 +77,10 @@ class KVEventBatch(msgspec.Struct, kw_only=True):
     full: bool = False
     stored: list[int] = []
     removed: list[int] = []
+    # the same per KV tier behind the prefix cache (host, disk; store: what this instance wrote there);
+    # with ``full``, each tier's whole set
+    tier_stored: dict[str, list[int]] = {}
+    tier_removed: dict[str, list[int]] = {}
 
 
 class KVSnapshot(msgspec.Struct, kw_only=True):
