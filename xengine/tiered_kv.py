@@ -354,6 +354,10 @@ def start_tiers(
     tiers = config.kv_tiers
     if not tiers.enabled:
         return None
+    if tiers.store_master == "auto":
+        raise ValueError(
+            "kv_tiers.store_master auto needs xllm serve (it starts the store); give host:port here"
+        )
     spec_method = config.speculative_config.method
     blockers = [
         (not config.cache.enable_prefix_caching, "cache.enable_prefix_caching off (the tiers back the prefix cache)"),

@@ -30,9 +30,11 @@ class KVTiersConfig:
     store_master: str = _f(
         "",
         "L3 across instances: host:port of a mooncake_master (`xllm kv-store` starts one with the memory "
-        "behind it, on loopback). Instances of the same model and KV layout share prefixes through it, and a "
-        "request migrated off a dead instance loads its prompt from it. Empty: no store tier.",
+        "behind it, on loopback), or auto: xllm serve starts one for its instances (store_memory_gb). "
+        "Instances of the same model and KV layout share prefixes through it, and a request migrated off a "
+        "dead instance loads its prompt from it. Empty: no store tier.",
     )
+    store_memory_gb: float = _f(4.0, "store_master auto: memory of the KV store the service starts, in GiB.")
     store_host: str = _f(
         "127.0.0.1",
         "Address this instance's Mooncake Store client listens on (its transfer engine; kept there by the "
@@ -64,10 +66,11 @@ class KVTiersConfig:
             raise ValueError("kv_tiers.host_memory_gb must be >= 0")
         if self.disk_path and self.disk_gb <= 0:
             raise ValueError("kv_tiers.disk_gb must be > 0 with kv_tiers.disk_path")
-        if self.store_master and (
-            ":" not in self.store_master or not self.store_master.rsplit(":", 1)[1].isdigit()
-        ):
-            raise ValueError(f"kv_tiers.store_master must be host:port, got {self.store_master!r}")
+        master = self.store_master
+        if master and master != "auto" and (":" not in master or not master.rsplit(":", 1)[1].isdigit()):
+            raise ValueError(f"kv_tiers.store_master must be host:port or auto, got {master!r}")
+        if self.store_memory_gb <= 0:
+            raise ValueError("kv_tiers.store_memory_gb must be > 0")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"kv_tiers.write_policy must be one of {', '.join(WRITE_POLICIES)}, got {self.write_policy!r}"

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from xengine.api.entrypoints import KV_STORE_MODULE
+from xengine.api.lifetime import set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class StoreServer:
             "-enable_http_metadata_server=false",
             "-logtostderr=false",
         ]
-        self.master = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self.master = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=set_parent_death_signal
+        )  # the master goes with this process, however it ends
         self.num_master_starts += 1
         deadline = time.monotonic() + timeout_s
         while not _port_open(self.host, self.port):
@@ -124,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--metrics-port", type=int, default=None, help="The master's HTTP metrics port (default port+1)."
     )
     p.add_argument("--memory-gb", type=float, default=4.0, help="Store memory this process mounts, in GiB.")
+    p.add_argument("--parent-pid", type=int, default=None, help="Exit when this is no longer the parent.")
     p.add_argument(
         "--restart-delay-s", type=float, default=1.0, help="Wait before restarting a master that exited."
     )
@@ -136,6 +140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kv-store %(levelname)s %(message)s")
+    if args.parent_pid is not None:  # started by a service: it goes with it
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != args.parent_pid:
+            return 0
     from memory.bind_host import exec_env
     from xengine.api.paths import cache_dir
 

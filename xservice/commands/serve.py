@@ -85,11 +85,16 @@ async def serve(cfg: XllmConfig, sock: socket.socket) -> int:
     """Start the engine, serve HTTP on ``sock`` until a signal, then stop both gracefully."""
     from xservice.engine.errors import EngineStartupError
     from xservice.engine.supervised import SupervisedEngine
+    from xservice.kv_store_process import start_auto_store
 
     phases = _SignalPhases()
-    client = None
+    client = store = None
     try:
         tokenizer = load_tokenizer(cfg.model.model)
+        try:  # kv_tiers.store_master auto: the KV store first (docs/kv_tiers.md)
+            cfg, store = await start_auto_store(cfg)
+        except RuntimeError as e:
+            raise CliError(str(e)) from e
         if cfg.cluster.enabled:
             from xengine.api.cluster.store import StoreUnavailableError
             from xengine.api.security import ClusterKeyError
@@ -116,6 +121,8 @@ async def serve(cfg: XllmConfig, sock: socket.socket) -> int:
         phases.closing = True
         if client is not None:
             await client.close()
+        if store is not None:
+            store.stop()
         phases.restore()
         sock.close()
 

@@ -9,6 +9,7 @@ data dir, so a restart keeps the data.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -231,3 +232,34 @@ def start_streams(client: openai.OpenAI, out: dict[str, Any]) -> list[threading.
     ]
     [t.start() for t in threads]
     return threads
+
+
+def ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def process_tree(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            children.setdefault(ppid(int(entry)), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def tcp_listeners(pids: set[int]) -> dict[int, list[tuple[str, int]]]:
+    """``ss -ltnp``: ``{pid: [(address, port)]}`` of the TCP listeners of ``pids``."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found: dict[int, list[tuple[str, int]]] = {}
+    for line in out.splitlines():
+        host, _, port = line.split()[3].rpartition(":")
+        for pid in {int(p) for p in re.findall(r"pid=(\d+),", line)} & pids:
+            found.setdefault(pid, []).append((host.strip("[]"), int(port)))
+    return found

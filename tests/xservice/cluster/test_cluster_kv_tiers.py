@@ -1,5 +1,6 @@
 """Failover that restores KV: a cluster of two mixed instances sharing a Mooncake Store tier (a real
-``mooncake_master`` and its memory, ``tests/kv_store.py``) and a real etcd. A stream's instance is
+``mooncake_master`` and its memory, which the service starts: ``kv_tiers.store_master: auto``) and a
+real etcd. Every listener of the service, its engines and the store is on loopback. A stream's instance is
 killed (``kill -9``) mid-stream; the request migrates to the other instance, which loads the prompt and
 the tokens streamed so far from the store (written through by the dead instance) and computes only the
 tail past the last whole block: the survivor's computed prompt tokens say so. The text equals the run
@@ -16,12 +17,13 @@ from typing import Any
 
 import pytest
 
-from tests.kv_store import StoreServer
 from tests.xservice.cluster.helpers import (
     HEARTBEAT_S,
     ClusterServer,
     EtcdServer,
     freeze_a_busy_instance,
+    process_tree,
+    tcp_listeners,
     wait_until,
 )
 
@@ -31,14 +33,7 @@ MAX_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
-def store() -> Iterator[StoreServer]:
-    server = StoreServer()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(etcd: EtcdServer, store: StoreServer, model_dir: Path) -> Iterator[ClusterServer]:
+def cluster(etcd: EtcdServer, model_dir: Path) -> Iterator[ClusterServer]:
     server = ClusterServer(
         model_dir,
         {
@@ -50,10 +45,24 @@ def cluster(etcd: EtcdServer, store: StoreServer, model_dir: Path) -> Iterator[C
             "lease_ttl_s": 3.0,
             "heartbeat_interval_s": HEARTBEAT_S,
         },
-        engine={"kv_tiers": {"store_master": store.master}, "model": {"max_model_len": 512}},
+        engine={
+            "kv_tiers": {"store_master": "auto", "store_memory_gb": 0.25},
+            "model": {"max_model_len": 512},
+        },
     )
     yield server
     server.stop()
+
+
+def test_the_service_its_engines_and_the_store_listen_on_loopback_only(cluster: ClusterServer) -> None:
+    tree = process_tree(cluster.proc.pid)
+    listening = tcp_listeners(tree)
+    names = {pid: open(f"/proc/{pid}/comm").read().strip() for pid in listening}
+    assert "mooncake_master" in names.values()  # started by the service (store_master: auto)
+    engines = {i["pid"] for i in cluster.instances().values()}
+    assert engines <= set(listening)
+    for pid, addrs in listening.items():
+        assert all(host in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for host, _ in addrs), (names[pid], addrs)
 
 
 def _stream(cluster: ClusterServer, out: list[str]) -> None:

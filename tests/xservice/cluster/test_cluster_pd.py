@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +23,15 @@ from typing import Any
 import openai
 import pytest
 
-from tests.xservice.cluster.helpers import ClusterServer, colocated_texts, complete, wait_until
+from tests.xservice.cluster.helpers import (
+    ClusterServer,
+    colocated_texts,
+    complete,
+    ppid,
+    process_tree,
+    tcp_listeners,
+    wait_until,
+)
 
 pytest.importorskip("mooncake.engine")
 
@@ -101,53 +107,22 @@ def test_pd_batch_is_token_identical_to_a_colocated_engine(cluster: ClusterServe
     assert all(routed[n] > 0 for n in routed)  # both prefill and both decode instances served
 
 
-def _ppid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
-def _process_tree(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            children.setdefault(_ppid(int(entry)), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
-def _listeners(pids: set[int]) -> dict[int, list[tuple[str, int]]]:
-    """``ss -ltnp``: ``{pid: [(address, port)]}`` of the TCP listeners of ``pids``."""
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    found: dict[int, list[tuple[str, int]]] = {}
-    for line in out.splitlines():
-        host, _, port = line.split()[3].rpartition(":")
-        for pid in {int(p) for p in re.findall(r"pid=(\d+),", line)} & pids:
-            found.setdefault(pid, []).append((host.strip("[]"), int(port)))
-    return found
-
-
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (Debian iproute2)")
 def test_the_cluster_listens_on_loopback_only(cluster: ClusterServer) -> None:
     watchdog = cluster.proc.pid  # ``xllm serve``: the watchdog, whose child is the API server
     engines = {i["pid"]: i for i in cluster.instances().values()}
     assert len(engines) == 4
-    tree = _process_tree(watchdog)  # the service, its engines and any helper process
+    tree = process_tree(watchdog)  # the service, its engines and any helper process
     assert set(engines) <= tree
-    (service,) = {_ppid(pid) for pid in engines}  # the API server launched them all
-    assert _ppid(service) == watchdog
-    listening = _listeners(tree)
+    (service,) = {ppid(pid) for pid in engines}  # the API server launched them all
+    assert ppid(service) == watchdog
+    listening = tcp_listeners(tree)
     assert service in listening
     for pid, addrs in listening.items():
         assert all(host in LOOPBACK for host, _ in addrs), (pid, addrs)  # nothing on 0.0.0.0 / [::]
     lo, hi = KV_PORTS
     for pid, inst in engines.items():
-        assert _ppid(pid) == service  # re-executed with the bind-host shim: same pid, same parent
+        assert ppid(pid) == service  # re-executed with the bind-host shim: same pid, same parent
         with open(f"/proc/{pid}/maps") as f:
             assert "/bind_host-" in f.read(), inst["name"]
         ports = {p for _, p in listening[pid]}
