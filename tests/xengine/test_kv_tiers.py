@@ -150,7 +150,8 @@ def test_timeout_policy_admits_a_request_whose_blocks_do_not_arrive(
             assert _tokens(llm, PROMPTS[:1]) == reference[:1]
         finally:
             gate.set()
-        assert llm.engine.get_stats().kv_tiers.num_prefetch_timeouts == 1
+        stats = llm.engine.get_stats().kv_tiers
+        assert stats.num_prefetch_timeouts == 1, stats
 
 
 def test_instances_share_prefixes_through_the_store(
