@@ -1,46 +1,14 @@
+"""KV tiers one by one (``memory/kv_tiers/``): the host tier's LRU, the disk tier's checksums, recovery and
+lock."""
+
 import os
 
 import pytest
 import torch
 
-from memory.kv_tiers.disk import _SLOT_HEADER, DiskTier
+from memory.kv_tiers.disk import _SLOT_HEADER
 from memory.kv_tiers.host import HostTier
-
-RB = 256  # record bytes
-
-
-def rec(seed, nbytes=RB):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-
-
-@pytest.fixture
-def disks(tmp_path):
-    opened = []
-
-    def make(name="kv.bin", record_bytes=RB, capacity=4, fingerprint=1):
-        d = DiskTier(tmp_path / name, record_bytes, capacity, fingerprint)
-        opened.append(d)
-        return d
-
-    yield make
-    for d in opened:
-        d.close()
-
-
-def get(tier, keys, nbytes=RB):
-    out = torch.zeros((len(keys), nbytes), dtype=torch.uint8)
-    return tier.get_into(keys, out), out
-
-
-def damage(disk, key, at=0):
-    """Flip bytes of ``key``'s record in the file, ``at`` bytes into the record."""
-    pos = disk._offset(disk._slots[key]) + _SLOT_HEADER.size + at
-    with open(disk.path, "r+b") as f:
-        f.seek(pos)
-        old = f.read(4)
-        f.seek(pos)
-        f.write(bytes(b ^ 0xFF for b in old))
+from tests.memory.kv_tiers_util import RB, damage, get, rec
 
 
 # ---------------------------------------------------------------- HostTier
