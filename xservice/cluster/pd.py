@@ -344,9 +344,10 @@ class PDDispatcher:
                 info = await client.kv_export(export_id, _kv_ids(req), KV_CALL_TIMEOUT_S, first)
                 return _Export(client, export_id, info, first)
             except _KV_ERRORS as e:
-                logger.info(
-                    "KV export of %s from %s failed (%s); redoing the prefill", req.req_id, client.name, e
-                )
+                logger.info("KV export of %s from %s failed (%s)", req.req_id, client.name, e)
+                if attempt == 1 and first is not None and self._store_decodes():  # it wrote the prompt
+                    self.counters.num_store_restores += 1  # through: the decode side loads it from L3
+                    return None
                 self.counters.num_prefill_retries += 1
                 client = None
         return None
@@ -390,7 +391,7 @@ class PDDispatcher:
                     self._release(export)
                     if "store" in decode.info.kv_tiers:  # P wrote the prompt through: D loads it from L3
                         export, self.counters.num_store_restores = None, self.counters.num_store_restores + 1
-                        return decode, sub_id  # (docs/kv_tiers.md)
+                        return decode, sub_id
                     num_failed += 1
                     self.counters.num_prefill_retries += 1
                     retry = num_failed < MAX_KV_ATTEMPTS and self._pick_prefill(not_=export.client)
@@ -406,6 +407,10 @@ class PDDispatcher:
             if export is not None:  # cancelled (client gone) or failed: P's pin is not needed
                 self._release(export)
         raise AssertionError("unreachable")
+
+    def _store_decodes(self) -> bool:
+        """Decode instances load prompts from a KV store tier (``docs/kv_tiers.md``)."""
+        return any("store" in c.info.kv_tiers for c in self.pool.clients.values())
 
     def _count_import(self, name: str, result: KVImportResult) -> None:
         """Per decode instance: blocks transferred and hit, bytes moved, a draft head's blocks moved."""
