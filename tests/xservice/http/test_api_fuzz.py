@@ -396,4 +396,5 @@ def test_server_still_serves_after_fuzzing(fuzz_server: Any, engine_pid: int) ->
         )  # the same engine, never restarted
         metrics = http.get("/metrics").text
     server_errors = re.findall(r'xllm_request_errors_total\{code="5\d\d"\} (\S+)', metrics)
-    assert all(float(n) == 0 for n in server_errors), server_errors
+    tracebacks = [line for line in fuzz_server.log_tail(200_000).splitlines() if "unhandled error" in line]
+    assert all(float(n) == 0 for n in server_errors), (server_errors, tracebacks[:5], fuzz_server.log_tail())
