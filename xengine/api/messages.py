@@ -18,6 +18,7 @@ from xengine.api.embed_messages import (  # noqa: F401 - EPD embedding transfer,
     EmbedImportResult,
     EmbedRelease,
 )
+from xengine.api.kv_tiers_messages import KVTiersStatsMsg, KVTierStatsMsg  # noqa: F401 - re-exported
 from xengine.api.multimodal import ImageInput
 from xengine.api.sampling_params import (  # noqa: F401 - re-exported: the messages' field types
     MAX_BEAM_WIDTH,
@@ -144,40 +145,6 @@ class SpecDecodeStatsMsg(msgspec.Struct, kw_only=True):
     accepted_per_pos: list[int] = msgspec.field(default_factory=list)
     acceptance_rate: float = 0.0
     mean_accepted_length: float = 0.0  # tokens emitted per drafting sequence-step (accepted + 1)
-
-
-class KVTierStatsMsg(msgspec.Struct, kw_only=True):
-    """One KV tier's counters since start (``memory/kv_tiers/base.py``: ``TierStats``)."""
-
-    name: str = ""  # host | disk | store
-    capacity_blocks: int = 0  # 0: bounded by the tier itself (the store)
-    num_blocks: int = 0
-    hits: int = 0  # blocks loaded from it
-    misses: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    writes: int = 0
-    evictions: int = 0
-    corrupt: int = 0  # blocks that failed their checksum: dropped, recomputed
-    errors: int = 0
-    loads: int = 0
-    load_s: float = 0.0
-    available: bool = True
-
-
-class KVTiersStatsMsg(msgspec.Struct, kw_only=True):
-    """KV tiers behind the prefix cache (``xengine/tiered_kv.py``)."""
-
-    write_policy: str = ""
-    prefetch_policy: str = ""
-    tiers: list[KVTierStatsMsg] = msgspec.field(default_factory=list)
-    num_prefetches: int = 0  # requests whose prompt the tiers held beyond the KV pool
-    num_loaded_blocks: int = 0  # blocks loaded into the KV pool from the tiers
-    num_prefetch_timeouts: int = 0  # requests admitted before their blocks arrived (timeout policy)
-    num_saved_blocks: int = 0  # blocks handed to the tiers
-    load_s: float = 0.0  # summed wall time of prefetches (probe + load)
-    load_latency_p50_ms: float = 0.0
-    load_latency_p90_ms: float = 0.0
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
