@@ -100,7 +100,8 @@ def _check_input_items(items: list[Any], limits: RequestLimits) -> None:
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             continue
-        field = _ITEM_PARTS.get(item.get("type", "message"))  # a message item may leave its type out
+        kind = item.get("type", "message")  # a message item may leave its type out
+        field = _ITEM_PARTS.get(kind) if isinstance(kind, str) else None  # any other type: a 400 later
         parts = item.get(field) if field else None
         if isinstance(parts, list):
             num_parts += len(parts)

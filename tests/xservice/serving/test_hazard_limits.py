@@ -106,6 +106,8 @@ def test_counts_refuse_one_over_each_limit(route: str, body: dict[str, Any], par
         {"input": ["a text"] * 100},  # embeddings inputs: counted by their own route
         {"messages": "not a list", "tools": "nor this", "logit_bias": 3},  # left to validation
         ["not", "an", "object"],
+        # item types of any JSON type: left to validation (a list or object type once raised TypeError)
+        {"input": [{"type": ["message"]}, {"type": {"a": 1}}, {"type": None}, {"type": 3}]},
     ],
 )
 def test_counts_accept_what_is_within_limits(body: Any) -> None:
@@ -145,6 +147,16 @@ def test_server_serves_at_the_limits(conn: httpx.Client) -> None:
     resp = conn.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_item_type_of_any_json_type_is_a_400(conn: httpx.Client) -> None:
+    """What a fuzzing run found: an input item whose type is a list or object (the counts looked it up
+    as a key) is a 400 at that item's type, not a 500."""
+    for kind in (["message"], {"a": 1}):
+        body = {"input": [{"role": "user", "content": "hi"}, {"type": kind, "content": []}]}
+        resp = conn.post("/v1/responses", json=body)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "input.1.type", resp.text
 
 
 def test_counts_come_before_validation(conn: httpx.Client) -> None:
