@@ -10,6 +10,8 @@ pool still holds each window (``usable_prefix``). See ``docs/hybrid_memory.md``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memory.kv_cache_manager import ComputedPrefix, KVCacheManager, KVPlacement
 from memory.prefix_cache.radix import KVEventSink
 from memory.sliding_window import SlidingWindowBlocks
@@ -30,6 +32,10 @@ class HybridKVCacheManager(KVCacheManager):
         if self.prefix_cache is not None:
             self.prefix_cache.forget_sink = self._forget
         self._published = {}
+        # KV tiers (``xengine/tiered_hybrid.py``): told ``(cached full blocks of positions [0, n), done, n,
+        # ended)`` after blocks ``[done, n)`` of a sequence were cached and their window blocks mapped, and
+        # (``ended``: ``done == n``) when a sequence is about to give its blocks back
+        self.cached_hook: Callable[[list[int], int, int, bool], None] | None = None
 
     def _forget(self, full_blocks: list[int]) -> None:
         """The full-attention cache dropped these blocks: their window mappings and events go too."""
@@ -109,16 +115,21 @@ class HybridKVCacheManager(KVCacheManager):
         new = range(done, num_full)
         if all(self.pool.cached[table[j]] for j in new):  # the usual case: its own blocks went in
             self.window.record(req_id, [(j, table[j]) for j in new])
-            return
-        # another request cached some of these positions first: map the blocks the cache holds
-        cached = self.prefix_cache.match(token_ids[: num_full * self.block_size], num_full).block_ids
-        self.window.record(req_id, [(j, cached[j]) for j in range(done, len(cached))])
+            cached = table[:num_full]
+        else:  # another request cached some of these positions first: map the blocks the cache holds
+            cached = self.prefix_cache.match(token_ids[: num_full * self.block_size], num_full).block_ids
+            self.window.record(req_id, [(j, cached[j]) for j in range(done, len(cached))])
+        if self.cached_hook is not None:
+            self.cached_hook(cached, done, len(cached), False)
 
     def trim(self, req_id: str, num_tokens: int) -> None:
         super().trim(req_id, num_tokens)
         self.window.trim(req_id, num_tokens)
 
     def free(self, req_id: str) -> None:
+        n = self._num_cached_blocks.get(req_id, 0)
+        if self.cached_hook is not None and n:
+            self.cached_hook(self.block_tables.get(req_id, [])[:n], n, n, True)
         super().free(req_id)
         self.window.free(req_id)
 

@@ -63,6 +63,8 @@ class RecurrentStateSlots:
         self.on_keyed: Callable[[int], None] | None = None
         self.on_dropped: Callable[[int], None] | None = None
         self._orphans: set[int] = set()  # pinned slots whose key went: freed at their last unpin
+        # KV tiers (``xengine/tiered_hybrid.py``): told each block a sequence's own snapshot was keyed by
+        self.recorded_hook: Callable[[int], None] | None = None
         self.num_snapshots_taken = 0
         self.num_snapshot_hits = 0
 
@@ -208,6 +210,8 @@ class RecurrentStateSlots:
                 self._free_snap.append(slot)
             else:
                 self.key(block, slot)
+                if self.recorded_hook is not None:
+                    self.recorded_hook(block)
         if left:
             self._pending[seq_id] = left
         else:

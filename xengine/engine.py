@@ -57,7 +57,7 @@ from xengine.step.normal import NormalLoop
 from xengine.step.overlap import OverlapLoop
 from xengine.step.result import StepTiming
 from xengine.structured.manager import StructuredOutputs, compile_error_message
-from xengine.tiered_kv import start_tiers
+from xengine.tiered_kv_setup import start_tiers
 from xengine.validation import validate_request
 
 _MAX_DEFAULT_LEN = 8192

@@ -14,60 +14,30 @@ most ``prefetch_timeout_s``, under ``best_effort`` never held back. Saves follow
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from memory.kv_cache_manager import KVCacheManager
-from memory.kv_layout import KVCacheSpec
 from memory.kv_tiers.base import KVTier
-from memory.kv_tiers.disk import DiskTier
-from memory.kv_tiers.host import HostTier
 from memory.kv_tiers.records import BlockRecords
 from memory.kv_tiers.stack import Probe, TierStack
-from memory.kv_tiers.store import StoreTier
 from memory.kv_tiers.worker import TierWorker
 from memory.prefix_cache.radix import RadixPrefixCache
-from ops.platforms import Platform
 from xengine.api.block_hash import prompt_block_hashes
-from xengine.api.config import EngineConfig
 from xengine.api.kv_tiers_config import KVTiersConfig
 from xengine.api.messages import KVTiersStatsMsg, KVTierStatsMsg
-from xengine.kv_setup import KVSetup
-from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
-from xengine.scheduler.scheduler import Scheduler
-from xengine.state_setup import StateSetup
+from xengine.tiered_hybrid import Claim, HybridProbe, HybridSidecar
 
 logger = logging.getLogger(__name__)
 
 PIN_TIMEOUT_S = 60.0  # a loaded prompt's pin outlives a request that never comes back for it
 _MAX_HIT_COUNTS = 1 << 20
 _LATENCIES = 1024  # prefetch latencies kept for the percentiles
-
-
-def layout_fingerprint(model_dir: str, spec: KVCacheSpec, quantization: str) -> int:
-    """Names the KV a block record holds: the model (its config and the ends of each weight file, so a
-    fine-tune differs from its base), the weights' quantization and the KV layout (block size, layers,
-    heads, element type). Instances agreeing on it can share records."""
-    h = hashlib.blake2b(digest_size=8)
-    root = Path(model_dir)
-    h.update((root / "config.json").read_bytes())
-    for f in sorted(root.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f.name.encode() + size.to_bytes(8, "little"))
-        with f.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
-    geometry = (spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.cache_dtype_name)
-    h.update(repr((geometry, quantization)).encode())
-    return int.from_bytes(h.digest(), "little")
 
 
 @dataclass
@@ -83,6 +53,9 @@ class _Prefetch:
     pinned: list[int] = field(default_factory=list)  # pool blocks held until the request is admitted
     new: list[int] = field(default_factory=list)  # blocks being loaded into
     given_up: bool = False  # admitted before its blocks arrived
+    hashes: list[int] = field(default_factory=list)  # hybrid: every whole block's chained hash
+    usable: int = 0  # hybrid: blocks of the L1 hit its other layers can resume after
+    claim: Claim | None = None  # hybrid: the checkpoint's window blocks and snapshot being loaded
 
 
 class TieredKV:
@@ -92,7 +65,10 @@ class TieredKV:
         kv: KVCacheManager,
         kv_caches: list[torch.Tensor],
         tiers: list[KVTier],
+        sidecar: HybridSidecar | None = None,
     ) -> None:
+        """``kv_caches``: the full-attention layers'; ``sidecar``: a hybrid model's other layers
+        (``xengine/tiered_hybrid.py``)."""
         if not isinstance(kv.prefix_cache, RadixPrefixCache):
             raise ValueError("kv_tiers needs the prefix cache (cache.enable_prefix_caching)")
         self.config = config
@@ -102,20 +78,25 @@ class TieredKV:
         self.records = BlockRecords(kv_caches)
         self.stack = TierStack(tiers, config.write_policy)
         self.worker = TierWorker()
+        self.sidecar = sidecar
         self._prefetches: dict[str, _Prefetch] = {}
-        self._save_pins: dict[int, list[int]] = {}
+        self._save_pins: dict[int, Callable[[], None]] = {}  # save job -> what frees its pins
         self._next_save = 0
         self._hits: dict[int, int] = {}  # selective: L1 prefix hits per block hash
         self._loading_into_cache = False
         self.num_prefetches = self.num_loaded_blocks = self.num_timeouts = self.num_saved = 0
+        self.num_saved_window_blocks = self.num_saved_states = self.num_loaded_checkpoints = 0
         self.load_s = 0.0
         self._latencies: list[float] = []
         stack = self.stack  # the store connects now, not on the first request's probe
         self.worker.submit(("connect", 0), lambda: [t.contains([]) for t in stack.tiers])
         if config.write_policy == "write_back":
             self.cache.evict_hook = self._evicted
-        elif config.write_policy == "write_through":
-            self.cache.stored_hook = self._stored
+        self.cache.stored_hook = self._stored  # (and the prefix cache hashes every block it stores)
+        if sidecar is not None and sidecar.window is not None:
+            kv.cached_hook = self._window_cached  # type: ignore[attr-defined]
+        if sidecar is not None and sidecar.states is not None:
+            sidecar.states.recorded_hook = self._state_recorded
 
     # ------------------------------------------------------------------ scheduler gate
     def ready(self, req: Request) -> bool:
@@ -144,18 +125,29 @@ class TieredKV:
         if num_full < 1:
             return None
         hashes = prompt_block_hashes(tokens[: num_full * bs], bs)
-        first = self.cache.match(tokens, num_full).num_blocks
+        l1 = self.cache.match(tokens, num_full).block_ids
+        first = len(l1)
         if self.config.write_policy == "selective":
-            self._count_hits(hashes[:first], self.cache.match(tokens, first).block_ids)
-        if first == num_full:
+            self._count_hits(hashes[:first], l1)
+        side = self.sidecar
+        usable = side.usable(l1) if side is not None else first
+        if first == num_full if side is None else not side.resume_points(usable, num_full):
             return None
         now = time.monotonic()
         pf = _Prefetch(
             list(tokens[: num_full * bs]), hashes[first:], first, now, now + self.config.prefetch_timeout_s
         )
         self._prefetches[req.seq_id] = pf
-        keys = pf.keys
-        self.worker.submit(("probe", req.seq_id), lambda: self.stack.probe(keys))
+        keys, stack = pf.keys, self.stack
+        if side is None:
+            self.worker.submit(("probe", req.seq_id), lambda: stack.probe(keys))
+        else:
+            pf.hashes, pf.usable = hashes, usable
+            window = side.window
+            mapped = {j for j, b in enumerate(l1) if b in window.by_full} if window is not None else set()
+            self.worker.submit(
+                ("probe", req.seq_id), lambda: side.probe(stack, keys, hashes, first, usable, mapped)
+            )
         return pf
 
     # ------------------------------------------------------------------ between steps
@@ -167,7 +159,7 @@ class TieredKV:
             if kind == "connect":
                 continue
             if kind == "save":
-                self.kv.pool.free(list(reversed(self._save_pins.pop(key))))
+                self._save_pins.pop(key)()
             elif kind == "probe":
                 self._probed(key, result, error)
             else:
@@ -181,42 +173,63 @@ class TieredKV:
             if admitted or now - pf.started > PIN_TIMEOUT_S:
                 self._release(seq_id)
 
-    def _probed(self, seq_id: str, probe: Probe | None, error: BaseException | None) -> None:
+    def _probed(self, seq_id: str, probe: Probe | HybridProbe | None, error: BaseException | None) -> None:
         pf = self._prefetches.get(seq_id)
         if pf is None:
             return
+        k = 0
+        if isinstance(probe, HybridProbe):  # a hybrid model: the full blocks up to the resume point found
+            k, probe = probe.k, probe.full
         n = probe.num_blocks if probe is not None and error is None else 0
+        if self.sidecar is not None:
+            n = max(0, k - pf.first) if k and error is None else -1
         hit = self.cache.match(pf.token_ids, pf.first).block_ids
-        n = min(n, self.kv.pool.num_free_blocks - sum(1 for b in hit if self.kv.pool.ref_cnt[b] == 0))
-        if n <= 0 or len(hit) < pf.first:  # nothing held, no room, or the L1 part was evicted meanwhile
-            self._done(pf)
+        room = self.kv.pool.num_free_blocks - sum(1 for b in hit if self.kv.pool.ref_cnt[b] == 0)
+        if self.sidecar is not None and n > room:
+            n = -1  # a checkpoint's blocks come whole or not at all
+        n = min(n, room)
+        if n < 0 or (n == 0 and not k) or len(hit) < pf.first:
+            self._done(pf)  # nothing held, no room, or the L1 part was evicted meanwhile
             return
+        if k:
+            assert self.sidecar is not None
+            pf.claim = self.sidecar.claim(k, hit, pf.first)
+            if pf.claim is None:
+                self._done(pf)
+                return
         self.num_prefetches += 1
         self.cache.lock(hit)
         pf.pinned = hit
         pf.new = self.kv.pool.allocate(n)
         pf.phase = "load"
-        keys, new = pf.keys[:n], pf.new
+        keys, new, claim, hashes = pf.keys[:n], pf.new, pf.claim, pf.hashes
         tiers = Probe(probe.tiers[:n])
-        self.worker.submit(("load", seq_id), lambda: self._load_job(keys, tiers, new))
+        self.worker.submit(("load", seq_id), lambda: self._load_job(keys, tiers, new, hashes, claim))
 
-    def _load_job(self, keys: list[int], probe: Probe, block_ids: list[int]) -> int:
-        """On the worker: records from the tiers into the pool blocks ``block_ids``."""
+    def _load_job(
+        self, keys: list[int], probe: Probe, block_ids: list[int], hashes: list[int], claim: Claim | None
+    ) -> tuple[int, bool]:
+        """On the worker: records from the tiers into the pool blocks ``block_ids`` (and a hybrid model's
+        window blocks and snapshot into those ``claim`` took); how many blocks arrived and whether
+        the hybrid part did."""
         out = self.records.empty(len(keys))
         got = self.stack.load(keys, probe, out)
         if got:
             self.records.scatter(block_ids[:got], out[:got])
-        return got
+        if claim is None or got < len(keys):
+            return got, False
+        assert self.sidecar is not None
+        return got, self.sidecar.load(self.stack, hashes, claim)
 
-    def _loaded(self, seq_id: str, got: int | None, error: BaseException | None) -> None:
+    def _loaded(self, seq_id: str, result: tuple[int, bool] | None, error: BaseException | None) -> None:
         pf = self._prefetches.get(seq_id)
         if pf is None:
             return
-        got = got if error is None and got is not None else 0
+        got, whole = result if error is None and result is not None else (0, False)
         new, kept = pf.new[got:], pf.new[:got]
         self.kv.pool.free(list(reversed(new)))  # never loaded: back to the free queue, uncached
+        bs, n = self.block_size, pf.first + len(kept)
         if kept:
-            bs, n = self.block_size, pf.first + len(kept)
             self._loading_into_cache = True
             try:
                 self.cache.insert(pf.token_ids[: n * bs], pf.pinned + kept, pf.first)
@@ -225,6 +238,15 @@ class TieredKV:
             self.num_loaded_blocks += len(kept)
         pf.pinned = pf.pinned + kept
         pf.new = []
+        claim = pf.claim
+        if claim is not None and self.sidecar is not None:
+            fulls = self.cache.match(pf.token_ids[: claim.k * bs], claim.k).block_ids
+            if whole and len(fulls) == claim.k:
+                self.sidecar.commit(claim, fulls)
+                self.num_loaded_checkpoints += 1
+            else:
+                self.sidecar.release(claim)
+                pf.claim = None
         self._done(pf)
 
     def _done(self, pf: _Prefetch) -> None:
@@ -237,17 +259,20 @@ class TieredKV:
         pf = self._prefetches.pop(seq_id)
         if pf.pinned:
             self.kv.pool.free(list(reversed(pf.pinned)))
+        if pf.claim is not None and self.sidecar is not None:
+            self.sidecar.release(pf.claim)
 
     # ------------------------------------------------------------------ saves
     def _stored(self, hashes: list[int], block_ids: list[int]) -> None:
-        """write_through: blocks the prefix cache just stored (not those it got from the tiers)."""
-        if not self._loading_into_cache:
+        """Blocks the prefix cache just stored (not those it got from the tiers): saved under write_through."""
+        if not self._loading_into_cache and self.config.write_policy == "write_through":
             self._save(hashes, block_ids)
 
     def _save(self, hashes: list[int], block_ids: list[int]) -> None:
         self.kv.pool.touch(block_ids)  # pinned while the worker copies them out
         job, self._next_save = self._next_save, self._next_save + 1
-        self._save_pins[job] = list(block_ids)
+        pool, ids = self.kv.pool, list(reversed(block_ids))
+        self._save_pins[job] = lambda: pool.free(ids)
         self.num_saved += len(block_ids)
         records, stack = self.records, self.stack
         ids = list(block_ids)
@@ -258,8 +283,46 @@ class TieredKV:
         records = self.records.gather(block_ids)
         self.num_saved += len(block_ids)
         job, self._next_save = self._next_save, self._next_save + 1
-        self._save_pins[job] = []
+        self._save_pins[job] = lambda: None
         self.worker.submit(("save", job), lambda: self.stack.save(hashes, records))
+
+    # ------------------------------------------------------------------ hybrid models
+    def _window_cached(self, fulls: list[int], done: int, n: int, ended: bool) -> None:
+        """A window model cached blocks ``[done, n)`` of a sequence (or the sequence ``ended``): save the
+        window blocks its checkpoints need (``HybridSidecar.window_positions``)."""
+        side = self.sidecar
+        assert side is not None
+        positions = side.window_positions(done, n, ended)
+        hashes = [self.cache.hash_of(fulls[j]) for j in positions]
+        kept = [(j, h) for j, h in zip(positions, hashes) if h is not None]
+        pinned = side.pin_windows([fulls[j] for j, _ in kept])
+        if not pinned:
+            return
+        keys = [key for i, _ in pinned for key in side.window_keys(kept[i][1])]
+        wins = [w for _, w in pinned]
+        self.num_saved_window_blocks += len(wins)
+        self._save_hybrid(keys, lambda: side.pack_windows(wins), lambda: side.unpin(wins, None))
+
+    def _state_recorded(self, block: int) -> None:
+        """A recurrent model keyed a sequence's snapshot by ``block``: save it."""
+        side = self.sidecar
+        assert side is not None
+        h = self.cache.hash_of(block)
+        slot = side.pin_state(block) if h is not None else None
+        if h is None or slot is None:
+            return
+        self.num_saved_states += 1
+        self._save_hybrid(side.state_keys(h), lambda: side.pack_state(slot), lambda: side.unpin([], slot))
+
+    def _save_hybrid(
+        self, keys: list[int], pack: Callable[[], torch.Tensor], unpin: Callable[[], None]
+    ) -> None:
+        """Every write policy saves a hybrid model's window blocks and snapshots as they are made: they are
+        what lets it resume from the tiers at all, and a small part of what it stores."""
+        job, self._next_save = self._next_save, self._next_save + 1
+        self._save_pins[job] = unpin
+        stack = self.stack
+        self.worker.submit(("save", job), lambda: stack.save(keys, pack()))
 
     def _count_hits(self, hashes: list[int], block_ids: list[int]) -> None:
         """selective: a block is saved once its prefix hits reach ``write_min_hits``."""
@@ -306,6 +369,9 @@ class TieredKV:
             num_loaded_blocks=self.num_loaded_blocks,
             num_prefetch_timeouts=self.num_timeouts,
             num_saved_blocks=self.num_saved,
+            num_saved_window_blocks=self.num_saved_window_blocks,
+            num_saved_states=self.num_saved_states,
+            num_loaded_checkpoints=self.num_loaded_checkpoints,
             load_s=self.load_s,
             load_latency_p50_ms=pct(0.5),
             load_latency_p90_ms=pct(0.9),
@@ -314,68 +380,3 @@ class TieredKV:
     def close(self) -> None:
         self.worker.close()
         self.stack.close()
-
-
-def build_tiered_kv(
-    config: KVTiersConfig,
-    kv: KVCacheManager,
-    kv_caches: list[torch.Tensor],
-    spec: KVCacheSpec,
-    fingerprint: int,
-    pin_memory: bool = False,
-    rank: int | None = None,
-) -> TieredKV:
-    """The tiers ``config`` asks for over this instance's KV (``rank``: a data-parallel rank's, whose
-    disk file is its own)."""
-    records = BlockRecords(kv_caches)
-    rb = records.record_bytes
-    tiers: list[KVTier] = []
-    if config.host_memory_gb > 0:
-        tiers.append(HostTier(rb, max(1, int(config.host_memory_gb * (1 << 30)) // rb), pin_memory))
-    if config.disk_path:
-        path = config.disk_path + (f".dp{rank}" if rank is not None else "")
-        tiers.append(DiskTier(path, rb, max(1, int(config.disk_gb * (1 << 30)) // rb), fingerprint))
-    if config.store_master:
-        tiers.append(StoreTier(config.store_master, config.store_host, rb, fingerprint))
-    return TieredKV(config, kv, kv_caches, tiers)
-
-
-def start_tiers(
-    config: EngineConfig,
-    kv: KVSetup,
-    model_dir: str,
-    platform: Platform,
-    parallel: ExpertParallelGroup | None,
-    state_setup: StateSetup | None,
-    scheduler: Scheduler,
-) -> TieredKV | None:
-    """The engine's KV tiers (None: ``kv_tiers`` names none), its scheduler gated on their prefetches;
-    ``ValueError`` naming what rules them out for this instance."""
-    tiers = config.kv_tiers
-    if not tiers.enabled:
-        return None
-    if tiers.store_master == "auto":
-        raise ValueError(
-            "kv_tiers.store_master auto needs xllm serve (it starts the store); give host:port here"
-        )
-    spec_method = config.speculative_config.method
-    blockers = [
-        (not config.cache.enable_prefix_caching, "cache.enable_prefix_caching off (the tiers back the prefix cache)"),
-        (platform.capabilities.emulated, "the emulated device (its KV is a timed stand-in)"),
-        (kv.layout_name == "xtensor", "cache.kv_layout xtensor (use paged)"),
-        (kv.manager.window is not None or state_setup is not None, "a hybrid model's sliding-window or recurrent layers"),
-        (parallel is not None and parallel.tp is not None, "tensor parallelism (each rank holds part of a block)"),
-        (parallel is not None and config.parallel.data_parallel_size == 1, "expert parallelism without data-parallel attention"),
-        (config.speculative_config.enabled and spec_method != "ngram", f"speculative decoding by {spec_method} (its KV is not tiered)"),
-    ]  # fmt: skip
-    for blocked, why in blockers:
-        if blocked:
-            raise ValueError(
-                f"kv_tiers cannot run with {why} yet; remove the kv_tiers settings or change that"
-            )
-    fingerprint = layout_fingerprint(model_dir, kv.spec, config.model.quantization)
-    rank = config.parallel.data_parallel_rank if config.parallel.data_parallel_size > 1 else None
-    pin = platform.torch_device().type != "cpu"
-    tiered = build_tiered_kv(tiers, kv.manager, kv.kv_caches, kv.spec, fingerprint, pin, rank)
-    scheduler.gates.append(tiered.ready)
-    return tiered

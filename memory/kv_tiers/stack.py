@@ -86,6 +86,17 @@ class TierStack:
         run = next((i for i, w in enumerate(where) if w is None), len(keys))
         return Probe([w for w in where[:run] if w is not None])
 
+    def held(self, keys: list[int]) -> list[bool]:
+        """Whether some tier holds each of ``keys`` (not only a leading run)."""
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            left = [i for i, f in enumerate(found) if not f]
+            if not left:
+                break
+            for i, h in zip(left, tier.contains([keys[i] for i in left])):
+                found[i] = h
+        return found
+
     def load(self, keys: list[int], probe: Probe, out: torch.Tensor) -> int:
         """Load the probed run into ``out``; how many leading blocks arrived intact."""
         done, lower = 0, []

@@ -149,9 +149,9 @@ class RadixPrefixCache(BasePrefixCache):
         return path[::-1]
 
     def hash_of(self, block_id: int) -> int | None:
-        """The chained hash of the node holding ``block_id`` (None: not cached, or no event sink)."""
+        """The chained hash of the node holding ``block_id`` (None: not cached, or nothing hashes)."""
         node = self._by_block.get(block_id)
-        return node.hash if node is not None and self.event_sink is not None else None
+        return node.hash if node is not None and self._hashing else None
 
     @property
     def num_cached_blocks(self) -> int:

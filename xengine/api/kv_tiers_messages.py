@@ -35,6 +35,11 @@ class KVTiersStatsMsg(msgspec.Struct, kw_only=True):
     num_loaded_blocks: int = 0  # blocks loaded into the KV pool from the tiers
     num_prefetch_timeouts: int = 0  # requests admitted before their blocks arrived (timeout policy)
     num_saved_blocks: int = 0  # blocks handed to the tiers
+    # hybrid models (``xengine/tiered_hybrid.py``): window blocks and state snapshots handed to the
+    # tiers, and prefetches that resumed their other layers from the tiers
+    num_saved_window_blocks: int = 0
+    num_saved_states: int = 0
+    num_loaded_checkpoints: int = 0
     load_s: float = 0.0  # summed wall time of prefetches (probe + load)
     load_latency_p50_ms: float = 0.0
     load_latency_p90_ms: float = 0.0

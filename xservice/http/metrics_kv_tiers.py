@@ -57,6 +57,12 @@ class KVTiersCollector:
             ("num_loaded_blocks", "Blocks loaded into the KV pool from the tiers."),
             ("num_prefetch_timeouts", "Requests admitted before their tier blocks arrived."),
             ("num_saved_blocks", "Blocks handed to the tiers."),
+            ("num_saved_window_blocks", "Hybrid models: window blocks handed to the tiers."),
+            ("num_saved_states", "Hybrid models: recurrent state snapshots handed to the tiers."),
+            (
+                "num_loaded_checkpoints",
+                "Hybrid models: prefetches whose window blocks / state came from the tiers.",
+            ),
         ):
             family = CounterMetricFamily(f"xllm_kv_tiers_{field}", doc)
             family.add_metric([], getattr(tiers, field))
