@@ -6,10 +6,10 @@ reads (``span(k)``, about ``window / block_size`` blocks), a recurrent layer the
 prefix's end. The tiers keep, beside every full-attention block:
 
 - **window blocks** (each the window layers' KV of one block, stored under a key derived from the
-  block's chained hash) only of the spans of *checkpoints*: every ``max(window,
-  cache.state_snapshot_interval)`` tokens of a sequence as it is cached, and where a sequence ends (or
-  is preempted), the point a follow-up turn of a chat resumes from. So at most about one window per
-  ``window`` tokens of prompt is stored, not the window layers' KV of every block;
+  block's chained hash) only of the spans of *checkpoints*: every ``kv_tiers.window_checkpoint_tokens``
+  (default twice the window) tokens of a sequence as it is cached, and where a sequence ends (or is
+  preempted), the point a follow-up turn of a chat resumes from. So about one window per two windows of
+  prompt is stored, not the window layers' KV of every block;
 - **state snapshots**: the recurrent state at each ``cache.state_snapshot_interval`` (the positions the
   recurrent pool snapshots anyway), under a key derived from the hash of the block they end.
 
@@ -69,6 +69,7 @@ class HybridSidecar:
         interval: int,
         chunk_bytes: int,
         window: SlidingWindowBlocks | None = None,
+        window_every_tokens: int = 0,
         window_caches: list[torch.Tensor] | None = None,
         states: RecurrentStateSlots | None = None,
         state_tensors: list[torch.Tensor] | None = None,
@@ -86,7 +87,7 @@ class HybridSidecar:
         self.window_every = self.window_chunks = 0
         if window is not None:
             self.window_records = BlockRecords(window_caches or [])
-            self.window_every = -(-max(interval, window.window) // block_size)
+            self.window_every = -(-(window_every_tokens or 2 * window.window) // block_size)
             self.window_chunks = _chunks(self.window_records.record_bytes, chunk_bytes)
         self.state_tensors = list(state_tensors or [])
         self._state_bytes = [t[0].nbytes for t in self.state_tensors]

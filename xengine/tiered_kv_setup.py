@@ -128,6 +128,7 @@ def _sidecar(
         config.cache.state_snapshot_interval,
         BlockRecords(full).record_bytes,
         window,
+        config.kv_tiers.window_checkpoint_tokens,
         [kv.kv_caches[i] for i in sorted(kv.window_layers)],
         states.slots if states is not None else None,
         [t for ts in states.pool.layers.values() for t in ts] if states is not None else None,

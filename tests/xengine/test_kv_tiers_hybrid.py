@@ -48,8 +48,8 @@ def _computed(engine: Any) -> int:
 
 def _resume_blocks(n: int, arch: str = "qwen3_next") -> int:
     """Blocks a prompt of ``n`` tokens resumes after from the tiers (a token is always left to compute):
-    a recurrent model's last snapshot; a window model's last block (with checkpoints every 2 blocks and
-    a window of 2 blocks, every window block of the first pass was stored)."""
+    a recurrent model's last snapshot; a window model's last block (each prompt's first pass ended
+    there, and its window was stored where it ended)."""
     whole = (n - 1) // BS
     return whole if arch in ("gemma3", "mimo_v2_flash") else whole // (EVERY // BS) * (EVERY // BS)
 
@@ -179,11 +179,13 @@ def _checkpoint_hashes(engine: Any) -> list[int]:
 def test_window_blocks_stored_only_where_a_hit_resumes(
     make_model_dir: Any, references: Any, arch: str
 ) -> None:
-    """Checkpoints every 4 blocks with a 2-block window: the tiers get the window blocks of each
-    checkpoint's window and of where each sequence ended, not of every block; a chat's next turn (the
-    last prompt, its answer and new tokens) resumes from the tiers exactly where the last turn ended."""
-    settings = {**SETTINGS, "state_snapshot_interval": 64}
+    """Checkpoints every 4 blocks (the default: twice the 2-block window): the tiers get the window
+    blocks of each checkpoint's window and of where each sequence ended, not of every block; a chat's
+    next turn (the last prompt, its answer and new tokens) resumes from the tiers exactly where the last
+    turn ended, another prompt sharing part of it at the last checkpoint within the shared part."""
+    settings = SETTINGS
     engine = make_engine(make_model_dir(arch), **settings, host_memory_gb=0.02)
+    assert engine.tiers.sidecar.window_every == 4
     prompt = PROMPTS[0]
     answer = _generate(engine, "t1", prompt)
     assert answer == references[arch][0]
@@ -204,5 +206,13 @@ def test_window_blocks_stored_only_where_a_hit_resumes(
     assert _generate(engine, "t2", follow) == want
     assert _computed(engine) - before == len(follow) - ended * BS  # resumed where the first turn ended
     assert engine.get_stats().kv_tiers.num_loaded_checkpoints == 1
+    assert engine.reset_prefix_cache()
+    other = prompt[: 7 * BS + 5] + random_prompts([30], seed=10)[0]  # shares 7 whole blocks
+    want = _generate(base, "o", other)
+    before = _computed(engine)
+    assert _generate(engine, "t3", other) == want
+    # windows kept: [2, 4) and [6, 8) (checkpoints 4 and 8), [7, 9) (the end at 9): 7's window [5, 7) is
+    # not whole, nor 6's or 5's; the checkpoint at 4 is
+    assert _computed(engine) - before == len(other) - 4 * BS
     engine.shutdown()
     base.shutdown()

@@ -96,8 +96,7 @@ class CacheConfig:
         "Recurrent models (Qwen3-Next, Nemotron-H): prefix caching keeps a copy of every recurrent layer's "
         "state each this many tokens of a sequence (prefill and decode), so a later prompt sharing the "
         "prefix resumes from the last such position it shares. A multiple of block_size; smaller: longer "
-        "hits, more copies. With kv_tiers, the tiers keep these snapshots, and a window model's window "
-        "blocks each max(window, this) tokens.",
+        "hits, more copies. With kv_tiers, the tiers keep these snapshots too.",
     )
     state_snapshot_slots: int | None = _f(
         None,

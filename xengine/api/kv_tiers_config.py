@@ -56,6 +56,12 @@ class KVTiersConfig:
     prefetch_timeout_s: float = _f(
         5.0, "prefetch_policy timeout: the longest a request waits for its blocks."
     )
+    window_checkpoint_tokens: int = _f(
+        0,
+        "Sliding-window models: the tiers keep the window blocks a resume needs each this many tokens of a "
+        "sequence (and where it ends); a prompt sharing a prefix resumes from the last such point in it. "
+        "0: twice the window (at most half the window layers' KV is stored); the window itself: all of it.",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -84,3 +90,5 @@ class KVTiersConfig:
             )
         if self.prefetch_timeout_s <= 0:
             raise ValueError("kv_tiers.prefetch_timeout_s must be > 0")
+        if self.window_checkpoint_tokens < 0:
+            raise ValueError("kv_tiers.window_checkpoint_tokens must be >= 0 (0: twice the window)")
