@@ -183,6 +183,7 @@ class Engine:
             states=self.state_setup,
             window_layout=kv.window_layout,
         )
+        self.runner.sampler.logprobs_mode = config.model.logprobs_mode  # raw or processed (as vLLM)
         self.runner.capture_graphs(execution.buckets())
         self.scheduler = Scheduler(
             config.scheduler,

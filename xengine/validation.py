@@ -33,7 +33,7 @@ def validate_request(engine: Engine, req: AddRequest) -> None:
             f"invalid value for 'prompt': {len(ids)} tokens, the maximum context length is "
             f"{engine.max_model_len}, set by {engine.kv_setup.len_limit} (prompt must be shorter, leaving room for output)"
         )
-    req.params.validate(engine.vocab_size)
+    req.params.validate(engine.vocab_size, engine.config.model.max_logprobs)
     if req.pooling is not None:
         req.pooling.validate(engine.model_info.hidden_size)
         if not req.params.is_prefill_only or req.params.n != 1:

@@ -143,6 +143,25 @@ class ServiceConfig:
     max_image_bytes: int = _f(20 * 1024 * 1024, "Largest encoded image accepted in a request.")
     max_image_pixels: int = _f(40_000_000, "Largest decoded image (width * height) accepted in a request.")
     max_images_per_request: int = _f(16, "Most images accepted in one chat request.")
+    # vLLM's server options of the OpenAI surface (same names, same meaning)
+    enable_force_include_usage: bool = _f(
+        False, "Streams carry usage on every chunk (and the final usage chunk) whatever stream_options say."
+    )
+    return_tokens_as_token_ids: bool = _f(
+        False,
+        "Logprob tokens as 'token_id:<id>' unless a request says otherwise (its return_tokens_as_token_ids).",
+    )
+    enable_server_load_tracking: bool = _f(
+        False, "GET /load answers {'server_load': generation requests in flight}."
+    )
+    enable_tokenizer_info_endpoint: bool = _f(
+        False, "GET /tokenizer_info: the tokenizer's configuration and chat template (it may expose them)."
+    )
+    enable_per_request_metrics: bool = _f(
+        False,
+        "Responses (and a stream's final usage chunk) carry 'metrics': TTFT, generation and queue time, mean "
+        "ITL and tokens/s of the request (n = 1).",
+    )
     record_trace: str = _f(
         "",
         "Append one JSON line per finished request (arrival, prompt and output tokens, TTFT, TPOT) to this "

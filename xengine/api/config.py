@@ -42,7 +42,25 @@ class ModelConfig:
         "runs as it is.",
     )
 
+    logprobs_mode: str = _f(
+        "raw_logprobs",
+        "What logprobs report (vLLM's --logprobs-mode): raw_logprobs (the model's own distribution, before "
+        "penalties, biases, allowed ids, grammar and temperature), raw_logits, processed_logprobs or "
+        "processed_logits (what the token is drawn from, after all of them).",
+    )
+    max_logprobs: int = _f(
+        20,
+        "Most alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs); -1: "
+        "the whole vocabulary. A request's -1 asks for the whole vocabulary, within this limit.",
+    )
+
     def validate(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"model.logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}"
+            )
+        if self.max_logprobs < -1:
+            raise ValueError("model.max_logprobs must be >= -1 (-1: the whole vocabulary)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -54,6 +72,7 @@ class ModelConfig:
 
 
 KV_LAYOUTS = ("auto", "paged", "xtensor")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 QUANTIZATIONS = ("none", "w8a8", "int8", "int4", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
@@ -326,6 +345,12 @@ class StructuredOutputsConfig:
     )
     sandbox_memory_mib: int = _f(
         1024, "Address space a grammar sandbox process may use past its start-up size (a crash guard)."
+    )
+    disable_additional_properties: bool = _f(
+        True,
+        "A JSON schema's objects that do not set additionalProperties admit no other keys, as vLLM's default "
+        "backend (xgrammar) reads them; false: they admit any (JSON Schema's own reading). A request's "
+        "structured_outputs.disable_additional_properties overrides it.",
     )
 
     def validate(self) -> None:

@@ -39,7 +39,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structural_tag: str | None = None  # a structural tag spec, as JSON text
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False  # objects without "additionalProperties" get false
+    # objects without "additionalProperties" get false (None: the engine's
+    # structured_outputs.disable_additional_properties, true by default as vLLM's default backend)
+    disable_additional_properties: bool | None = None
     # Output tokens this grammar already produced, which are the tail of the prompt: a request resumed
     # on another instance (PD hand-off, migration). Its matchers consume them before the first step.
     resume_token_ids: list[int] | None = None
@@ -99,8 +101,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # scoring) is read whatever its tokens' ranks.
     logprob_token_ids: list[int] | None = None
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the field and its allowed range."""
+    def validate(self, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Raise ``ValueError`` naming the field and its allowed range (``max_logprobs``: the most
+        alternatives per token, -1: the vocabulary's size)."""
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         _check(
             _finite(self.temperature) and 0.0 <= self.temperature <= 100.0,
@@ -159,13 +162,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for t in self.stop_token_ids:
             ok = isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size)
             _check(ok, "stop_token_ids", f"each id must be in [0, {vocab_size})")
+        cap = vocab_size if max_logprobs == -1 and vocab_size is not None else max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            _check(
-                v is None or (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS),
-                name,
-                f"must be in [0, {MAX_LOGPROBS}]",
-            )
+            _check(v is None or (isinstance(v, int) and 0 <= v <= cap), name, f"must be in [0, {cap}]")
         self._validate_logprob_token_ids(vocab_size)
         check_constraints(self, vocab_size)  # structured outputs, logit_bias, allow-list, bad words
         if self.use_beam_search or self.catalog is not None:

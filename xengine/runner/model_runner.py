@@ -35,7 +35,7 @@ from xengine.runner.recurrent_inputs import recurrent_metadata
 from xengine.runner.sampling_reuse import SamplingReuse
 from xengine.sampling.beam_search import BeamRows, beam_candidates
 from xengine.sampling.metadata import SamplingMetadata
-from xengine.sampling.sampler import Sampler, SamplerOutput, process_logits
+from xengine.sampling.sampler import Sampler, SamplerOutput, process_logits, processed_logprobs, raw_logprobs
 from xengine.scheduler.plan import SampledToken, SchedulePlan, StepOutput
 from xengine.spec.hidden_rows import HiddenRows
 from xengine.spec.verify import DraftGroup, verify
@@ -390,7 +390,11 @@ class ModelRunner:
                 for row, token in pairs:
                     row_tokens[row] = token
             sampling.grammar.accept(row_tokens)
-        logprobs = processed.log_softmax(dim=1) if meta.max_num_logprobs is not None else None
+        logprobs = None
+        if meta.max_num_logprobs is not None:  # as the sampler reports them (model.logprobs_mode)
+            mode = self.sampler.logprobs_mode
+            logprobs = raw_logprobs(logits.float(), mode)
+            logprobs = processed_logprobs(processed, meta, mode) if logprobs is None else logprobs
         for pairs in emitted:
             for row, token in pairs:
                 req = sampling.rows[row][0]

@@ -3,10 +3,12 @@
 Order per step: banned ids (min_tokens, bad words) -> allowed_token_ids -> penalties -> logit_bias
 -> grammar bitmask -> (logprobs) -> greedy argmax | temperature, top-k, top-p, min-p, random draw.
 
-Logprobs are the log-softmax of the logits after bans, penalties, biases and the grammar mask but
-before temperature and truncation: they describe the distribution the token is drawn from (a
-masked id has logprob -inf) and are identical for greedy and random rows, the same choice as
-vLLM's "processed" logprobs.
+Reported logprobs follow ``model.logprobs_mode`` (vLLM's ``--logprobs-mode``): ``raw_logprobs`` (the
+default) is the log-softmax of the model's own logits, before any of the above, so a score does not
+depend on the request's constraints; ``raw_logits`` those logits; ``processed_logprobs`` /
+``processed_logits`` what the token is drawn from: after bans, penalties, biases and the grammar
+mask, and for sampled rows temperature, top-k / top-p and min-p (a masked id has -inf). Beam search
+scores the processed log-softmax whatever the mode.
 """
 
 from __future__ import annotations
@@ -42,9 +44,16 @@ class SamplerOutput:
 class Sampler:
     """Samples the next token of every row of a float32 [B, V] logits batch."""
 
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        self.logprobs_mode = logprobs_mode
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = process_logits(logits.float(), meta)
-        logprobs = logits.log_softmax(dim=1) if meta.max_num_logprobs is not None else None
+        raw = logits.float()
+        wanted = meta.max_num_logprobs is not None
+        logprobs = raw_logprobs(raw, self.logprobs_mode) if wanted else None  # before any processing
+        logits = process_logits(raw, meta)
+        if wanted and logprobs is None:
+            logprobs = processed_logprobs(logits, meta, self.logprobs_mode)
         if meta.all_greedy:
             sampled = row_argmax(logits)
         else:
@@ -58,6 +67,31 @@ class Sampler:
         if meta.logprob_token_ids is not None:
             out.token_id_logprobs = gather_token_logprobs(logprobs, meta.logprob_token_ids)
         return out
+
+
+def raw_logprobs(raw: torch.Tensor, mode: str) -> torch.Tensor | None:
+    """The reported values of a raw mode (None: a processed mode)."""
+    if mode == "raw_logprobs":
+        return raw.log_softmax(dim=1)
+    if mode == "raw_logits":
+        return raw.clone()
+    return None
+
+
+def processed_logprobs(logits: torch.Tensor, meta: SamplingMetadata, mode: str) -> torch.Tensor:
+    """The reported values of a processed mode from the processed ``logits``: greedy rows as they are,
+    sampled rows after temperature, top-k / top-p and min-p (what their token is drawn from)."""
+    out = logits
+    if not meta.all_greedy:
+        scaled = sampling_logits(logits, meta)
+        kept = sampling_probs(logits, meta) > 0  # min-p's cut too
+        drawn = scaled.masked_fill(~kept, float("-inf"))
+        out = (
+            drawn
+            if meta.all_random
+            else torch.where((meta.temperature < GREEDY_TEMPERATURE)[:, None], logits, drawn)
+        )
+    return out if mode == "processed_logits" else out.log_softmax(dim=1)
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -95,9 +129,8 @@ def random_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return inverse_cdf_sample(sampling_probs(logits, meta), meta.generators)
 
 
-def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The (possibly unnormalised) distribution each row's token is drawn from: temperature, top-k /
-    top-p, softmax, min-p (greedy rows: the distribution at temperature 1, never drawn from)."""
+def sampling_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature, then top-k / top-p (cut entries -inf); greedy rows at temperature 1."""
     temperature = meta.temperature
     if not meta.all_random:  # greedy rows divide by 1: finite, and their draw is discarded
         temperature = temperature.masked_fill(temperature < GREEDY_TEMPERATURE, 1.0)
@@ -106,7 +139,13 @@ def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     elif meta.top_k is not None:
         logits = apply_top_k(logits, meta.top_k, meta.max_top_k)
-    probs = logits.softmax(dim=1)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The (possibly unnormalised) distribution each row's token is drawn from: temperature, top-k /
+    top-p, softmax, min-p (greedy rows: the distribution at temperature 1, never drawn from)."""
+    probs = sampling_logits(logits, meta).softmax(dim=1)
     if meta.min_p is not None:
         probs = apply_min_p(probs, meta.min_p)
     return probs

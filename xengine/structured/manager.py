@@ -33,9 +33,10 @@ def compile_error_message(error: BaseException) -> str:
 
 
 class StructuredOutputs:
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(self, compiler: GrammarCompiler, closed_objects: bool = True) -> None:
         self.compiler = compiler
         self.waiting = GrammarWaitQueue()
+        self.closed_objects = closed_objects  # structured_outputs.disable_additional_properties
 
     @classmethod
     def for_model(
@@ -58,7 +59,8 @@ class StructuredOutputs:
         limits = SandboxLimits(config.compile_timeout_s, config.sandbox_memory_mib << 20)
         sandbox = GrammarSandbox(limits, tokenizer_file, vocab_size, eos_token_ids)
         cache = CompiledGrammarCache(max_bytes=int(config.cache_mib * 2**20))
-        return cls(GrammarCompiler(factory, cache, sandbox, int(config.max_compiled_mib * 2**20)))
+        compiler = GrammarCompiler(factory, cache, sandbox, int(config.max_compiled_mib * 2**20))
+        return cls(compiler, config.disable_additional_properties)
 
     def admit(self, request: Request, catalog: object = None) -> bool:
         """True when ``request`` (constrained) can be scheduled now (its grammar attached); False when it
@@ -70,6 +72,8 @@ class StructuredOutputs:
             raise ValueError(
                 "invalid value for 'structured_outputs': 'resume_token_ids' must be the end of the prompt"
             )
+        if so.disable_additional_properties is None and (so.json is not None or so.json_object):
+            so.disable_additional_properties = self.closed_objects
         future = self.compiler.submit(grammar_spec(so))
         if not future.done():
             self.waiting.add(request, catalog, future)

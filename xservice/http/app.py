@@ -31,6 +31,7 @@ from xservice.routes import (
     models,
     rec,
     responses,
+    server_info,
     tokenize,
     version,
 )
@@ -55,6 +56,7 @@ ROUTERS = (
     embeddings.router,
     invocations.router,
     tokenize.router,
+    server_info.router,
     metrics.router,
     admin.router,
     files.router,

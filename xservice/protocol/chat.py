@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal, Union
 from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from xservice.protocol.base import UNSUPPORTED_FIELDS, APIRequest, APIResponse, now
-from xservice.protocol.common import PromptLogprobs, Usage
+from xservice.protocol.common import PerRequestMetrics, PromptLogprobs, Usage
 from xservice.protocol.sampling import SamplingRequest
 from xservice.protocol.tools import ChatTool, DeltaToolCall, MessageToolCall, ToolCall, ToolChoice
 
@@ -47,7 +47,9 @@ class ChatMessage(APIRequest):
         "function_call": _LEGACY_FUNCTIONS,
     }
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "system", "developer", "user", "assistant", "tool", or any other role: passed to the chat template,
+    # which decides what it makes of it (as vLLM)
+    role: str = Field(min_length=1)
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -148,6 +150,11 @@ class ChatCompletionResponse(APIResponse):
     usage: Usage
     prompt_token_ids: list[int] | None = None  # with ``return_token_ids`` (null otherwise, as in vLLM)
     prompt_logprobs: PromptLogprobs | None = None  # with ``prompt_logprobs`` (null otherwise, as in vLLM)
+    metrics: PerRequestMetrics | None = None  # service.enable_per_request_metrics (left out otherwise)
+
+    @model_serializer(mode="wrap")
+    def _drop_metrics(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_none(handler(self), "metrics")
 
 
 class ChatDelta(APIResponse):
@@ -186,10 +193,11 @@ class ChatCompletionChunk(APIResponse):
     usage: Usage | None = None
     # with ``return_token_ids``: the prompt's token ids, on the first chunk only (left out otherwise)
     prompt_token_ids: list[int] | None = None
+    metrics: PerRequestMetrics | None = None  # on the final usage chunk (enable_per_request_metrics)
 
     @model_serializer(mode="wrap")
     def _drop_prompt_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "prompt_token_ids")
+        return _drop_none(handler(self), "prompt_token_ids", "metrics")
 
 
 def _drop_none(out: dict[str, Any], *keys: str) -> dict[str, Any]:

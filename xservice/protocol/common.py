@@ -81,10 +81,23 @@ class ModelList(APIResponse):
     data: list[ModelCard]
 
 
+class PerRequestMetrics(APIResponse):
+    """One request's timing (vLLM's ``--enable-per-request-metrics``): TTFT from its first scheduling,
+    decode time (first to last token), time queued in the engine, mean inter-token latency, and output
+    tokens per second from its first scheduling to its last token."""
+
+    time_to_first_token_ms: float | None = None
+    generation_time_ms: float | None = None
+    queue_time_ms: float | None = None
+    mean_itl_ms: float | None = None
+    tokens_per_second: float | None = None
+
+
 class TokenizeResponse(APIResponse):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str | None] | None = None  # with return_token_strs
 
 
 class DetokenizeResponse(APIResponse):

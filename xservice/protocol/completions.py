@@ -7,7 +7,7 @@ from typing import Any, Literal, Union
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from xservice.protocol.base import APIResponse, now
-from xservice.protocol.common import PromptLogprobs, Usage
+from xservice.protocol.common import PerRequestMetrics, PromptLogprobs, Usage
 from xservice.protocol.sampling import SamplingRequest
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]
@@ -65,3 +65,11 @@ class CompletionResponse(APIResponse):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    metrics: PerRequestMetrics | None = None  # service.enable_per_request_metrics (left out otherwise)
+
+    @model_serializer(mode="wrap")
+    def _drop_metrics(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("metrics") is None:
+            out.pop("metrics", None)
+        return out

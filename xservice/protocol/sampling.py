@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from xservice.protocol.base import IGNORED_FIELDS, UNSUPPORTED_FIELDS, APIRequest
 from xservice.protocol.structured import ResponseFormat, StructuredOutputsRequest
@@ -36,6 +36,8 @@ class SamplingRequest(APIRequest):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     ignored_fields: ClassVar[dict[str, str]] = IGNORED_FIELDS
+    # the server's structured_outputs.disable_additional_properties (``apply_server_options``)
+    _closed_objects: bool = PrivateAttr(default=True)
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
     model: str | None = None
@@ -68,7 +70,7 @@ class SamplingRequest(APIRequest):
     # vLLM extensions: token ids in the response, logprob tokens as "token_id:<id>", prompt
     # truncation (keep ``truncate_prompt_tokens`` tokens; -1: the context less one) and detokenization
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's (service.return_tokens_as_token_ids)
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
     spaces_between_special_tokens: bool = True

@@ -52,5 +52,5 @@ class StructuredOutputsRequest(APIRequest):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool | None = None  # None: the server's default (true, as vLLM's)
     whitespace_pattern: str | None = None

@@ -21,6 +21,7 @@ class TokenizeRequest(APIRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     continue_final_message: bool = False
+    return_token_strs: bool = False  # the tokens as the tokenizer's strings too ('token_strs')
 
 
 class DetokenizeRequest(APIRequest):

@@ -29,8 +29,13 @@ def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _tokenize_response(ids: list[int], max_model_len: int) -> Response:
-    return _json(TokenizeResponse.model_construct(tokens=ids, count=len(ids), max_model_len=max_model_len))
+def _tokenize_response(ctx: ServingContext, ids: list[int], token_strs: bool) -> Response:
+    strs = ctx.tokenizer.convert_ids_to_tokens(ids) if token_strs else None
+    return _json(
+        TokenizeResponse.model_construct(
+            tokens=ids, count=len(ids), max_model_len=ctx.max_model_len, token_strs=strs
+        )
+    )
 
 
 def _detokenize_response(ctx: ServingContext, ids: list[int]) -> Response:
@@ -80,7 +85,7 @@ async def tokenize(body: TokenizeRequest, ctx: ServingContext = Depends(get_ctx)
         check_text_chars(len(body.prompt), ctx.max_model_len, ctx.text.max_token_chars, "prompt")
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = await ctx.text.encode(body.prompt, add_special_tokens=add_special)
-    return await ctx.text.run(len(ids), _tokenize_response, ids, ctx.max_model_len)
+    return await ctx.text.run(len(ids), _tokenize_response, ctx, ids, body.return_token_strs)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(404))

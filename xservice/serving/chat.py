@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from xengine.api.messages import MAX_LOGPROBS
 from xservice.http.errors import InvalidRequestError
 from xservice.protocol import (
     ChatChoice,
@@ -21,15 +20,24 @@ from xservice.protocol import (
     Usage,
     dump,
 )
+from xservice.protocol.common import PerRequestMetrics
 from xservice.serving.chat_output import ChatOutput, chat_options
 from xservice.serving.chat_render import ChatRender
 from xservice.serving.context import ServingContext, new_request_id
 from xservice.serving.generation import Generation
 from xservice.serving.logprobs import TokenText, chat_logprobs
-from xservice.serving.params import build_sampling_params, check_n, check_stream_options, resolve_max_tokens
+from xservice.serving.params import (
+    apply_server_options,
+    build_sampling_params,
+    check_n,
+    check_stream_options,
+    num_logprobs,
+    resolve_max_tokens,
+)
 from xservice.serving.prompt_logprobs import check_prompt_logprobs, prompt_logprobs_field
 from xservice.serving.prompts import chat_prompt
 from xservice.serving.reasoning.tokens import count_reasoning_tokens
+from xservice.serving.request_metrics import request_metrics
 from xservice.serving.slo import request_slo
 from xservice.serving.sse_chunks import ChatChunks
 from xservice.serving.streaming import (
@@ -46,13 +54,9 @@ from xservice.serving.truncation import resolve_truncation
 _RENAME = {"logprobs": "top_logprobs"}
 
 
-def _num_logprobs(body: ChatCompletionRequest) -> int | None:
-    top = body.top_logprobs
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise InvalidRequestError(
-            f"invalid value for 'top_logprobs': must be in [0, {MAX_LOGPROBS}], got {top}",
-            param="top_logprobs",
-        )
+def _num_logprobs(ctx: ServingContext, body: ChatCompletionRequest) -> int | None:
+    top = num_logprobs(body.top_logprobs, "top_logprobs", ctx.config.model.max_logprobs, ctx.vocab_size)
+    body.top_logprobs = top  # -1 made the vocabulary's size: what the response lists
     if not body.logprobs:
         if top:
             raise InvalidRequestError("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
@@ -83,12 +87,12 @@ async def _generation(
     max_tokens = resolve_max_tokens(
         requested, len(prompt_ids), ctx.max_model_len, default=None, param=param, where="messages"
     )
-    check_prompt_logprobs(body)
+    check_prompt_logprobs(body, ctx)
     await check_structured_outputs(body)  # the grammar sandbox, off the event loop
     params = build_sampling_params(
         body,
         max_tokens=max_tokens,
-        logprobs=_num_logprobs(body),
+        logprobs=_num_logprobs(ctx, body),
         vocab_size=ctx.vocab_size,
         rename=_RENAME,
         prompt_logprobs=body.prompt_logprobs,
@@ -130,6 +134,9 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     check_n(body.n, ctx.config.service.max_n)
     check_stream_options(body)
+    apply_server_options(
+        body, ctx.config.service, ctx.config.structured_outputs.disable_additional_properties
+    )
     req_id = new_request_id("chatcmpl")
     render, output = await chat_options(ctx, body)
     gen = await _generation(ctx, body, req_id, arrival, render, output)
@@ -184,6 +191,7 @@ def _response(
         usage=_usage(gen, reasoning_tokens),
         prompt_token_ids=prompt_ids,
         prompt_logprobs=prompt_logprobs,
+        metrics=request_metrics(ctx, [gen]),
     )
 
 
@@ -200,12 +208,18 @@ async def _stream(
         index: int = 0,
         prompt_ids: list[int] | None = None,
         usage: Usage | None = None,
+        metrics: PerRequestMetrics | None = None,
     ) -> dict[str, Any]:
         if usage is None and body.continuous_usage:  # choice ``index``'s usage so far
             usage = Usage.of(len(gen.prompt_ids), num_tokens[index], gen.state.num_cached_tokens)
         return dump(
             ChatCompletionChunk(
-                id=gen.req_id, model=ctx.model_name, choices=choices, usage=usage, prompt_token_ids=prompt_ids
+                id=gen.req_id,
+                model=ctx.model_name,
+                choices=choices,
+                usage=usage,
+                prompt_token_ids=prompt_ids,
+                metrics=metrics,
             )
         )
 
@@ -251,7 +265,8 @@ async def _stream(
         )
         yield chunk([choice], delta.index)
     if body.include_usage:
-        yield chunk([], usage=_usage(gen, await _reasoning_tokens(ctx, gen, output)))
+        usage = _usage(gen, await _reasoning_tokens(ctx, gen, output))
+        yield chunk([], usage=usage, metrics=request_metrics(ctx, [gen]))
 
 
 def _reasoning_fields(text: str | None) -> dict[str, str | None]:

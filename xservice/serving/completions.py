@@ -22,10 +22,18 @@ from xservice.protocol import (
     Usage,
     dump,
 )
+from xservice.protocol.common import PerRequestMetrics
 from xservice.serving.context import ServingContext, new_request_id
 from xservice.serving.generation import Generation, collect_all
 from xservice.serving.logprobs import CompletionLogprobsBuilder, TokenText
-from xservice.serving.params import build_sampling_params, check_n, check_stream_options, resolve_max_tokens
+from xservice.serving.params import (
+    apply_server_options,
+    build_sampling_params,
+    check_n,
+    check_stream_options,
+    num_logprobs,
+    resolve_max_tokens,
+)
 from xservice.serving.prompt_logprobs import (
     check_prompt_logprobs,
     concat,
@@ -35,6 +43,7 @@ from xservice.serving.prompt_logprobs import (
     prompt_only_max_tokens,
 )
 from xservice.serving.prompts import completion_prompts
+from xservice.serving.request_metrics import request_metrics
 from xservice.serving.slo import request_slo
 from xservice.serving.sse_chunks import CompletionChunks
 from xservice.serving.streaming import (
@@ -47,7 +56,6 @@ from xservice.serving.streaming import (
 from xservice.serving.structured import check_structured_outputs, constraint_rename
 from xservice.serving.truncation import resolve_truncation
 
-MAX_COMPLETION_LOGPROBS = 5
 MAX_PROMPTS = 64
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 DEFAULT_BEAM_WIDTH = 4
@@ -119,14 +127,9 @@ def _beam_params(body: CompletionRequest, params: SamplingParams, vocab_size: in
     return params
 
 
-def _check_fields(body: CompletionRequest) -> None:
-    lp = body.logprobs
-    if lp is not None and not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
-        raise InvalidRequestError(
-            f"invalid value for 'logprobs': must be in [0, {MAX_COMPLETION_LOGPROBS}], got {lp}",
-            param="logprobs",
-        )
-    check_prompt_logprobs(body)
+def _check_fields(ctx: ServingContext, body: CompletionRequest) -> None:
+    body.logprobs = num_logprobs(body.logprobs, "logprobs", ctx.config.model.max_logprobs, ctx.vocab_size)
+    check_prompt_logprobs(body, ctx)
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequestError("'best_of' other than 'n' is not supported.", param="best_of")
     if body.suffix:
@@ -195,7 +198,10 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     body = _resolve_beam_fields(body, ctx.config.scheduler.max_beam_width)
     check_n(body.n, ctx.config.service.max_n)
     check_stream_options(body)
-    _check_fields(body)
+    apply_server_options(
+        body, ctx.config.service, ctx.config.structured_outputs.disable_additional_properties
+    )
+    _check_fields(ctx, body)
     req_id = new_request_id("cmpl")
     gens, prompt_texts = await _generations(ctx, body, req_id, arrival)
     slo = request_slo(body, request)
@@ -243,7 +249,13 @@ def _response(
                     prompt_logprobs=_prompt_logprobs(body, token_text, gen),
                 )
             )
-    return CompletionResponse(id=req_id, model=ctx.model_name, choices=choices, usage=_usage(gens))
+    return CompletionResponse(
+        id=req_id,
+        model=ctx.model_name,
+        choices=choices,
+        usage=_usage(gens),
+        metrics=request_metrics(ctx, gens),
+    )
 
 
 def _echo_logprobs(
@@ -311,9 +323,15 @@ async def _stream(
     ids = _StreamTokenIds(body, gens)
     plain = None if ids.wanted else CompletionChunks(req_id, ctx.model_name)  # no ids or usage per chunk
 
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> dict[str, Any]:
+    def chunk(
+        choices: list[CompletionChoice], usage: Usage | None = None, metrics: PerRequestMetrics | None = None
+    ) -> dict[str, Any]:
         return ids.strip(
-            dump(CompletionResponse(id=req_id, model=ctx.model_name, choices=choices, usage=usage))
+            dump(
+                CompletionResponse(
+                    id=req_id, model=ctx.model_name, choices=choices, usage=usage, metrics=metrics
+                )
+            )
         )
 
     token_text = TokenText(ctx.tokenizer, body.return_tokens_as_token_ids)
@@ -354,4 +372,4 @@ async def _stream(
         )
         yield chunk([ids.fill(choice, i, delta.token_ids)], usage=ids.usage(i, index))
     if body.include_usage:
-        yield chunk([], usage=_usage(gens))
+        yield chunk([], usage=_usage(gens), metrics=request_metrics(ctx, gens))

@@ -48,6 +48,10 @@ class Generation:
         self.slo = slo  # its own TTFT / TPOT objectives (``xservice/serving/slo.py``)
         self.state = RequestOutputState(req_id, ctx.tokenizer, params, prompt_ids)
         self.images: list[ImageInput] | None = None  # a multimodal prompt's images (``serving/images.py``)
+        # timing (time.monotonic()): per-request metrics (``serving/request_metrics.py``)
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.queue_time_s: float | None = None
 
     @property
     def outputs(self) -> list[SeqOutput]:
@@ -79,8 +83,12 @@ class Generation:
         try:
             async for delta in deltas:
                 timer.on_tokens(delta.index, len(delta.new_token_ids))
+                if delta.new_token_ids:
+                    self.last_token_at = time.monotonic()
+                    self.first_token_at = self.first_token_at or self.last_token_at
                 if delta.queue_time_s is not None:
                     timer.on_scheduled(delta.queue_time_s)
+                    self.queue_time_s = delta.queue_time_s
                 out = self.state.process(delta)
                 if self.state.error is not None:
                     raise self._engine_error(self.state.error)

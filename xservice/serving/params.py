@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING
 from xengine.api.messages import SamplingParams
 from xservice.http.errors import InvalidRequestError, from_value_error
 from xservice.protocol import SamplingRequest
+from xservice.protocol.sampling import StreamOptions
 from xservice.serving.structured import constraints
 
 if TYPE_CHECKING:
     from xengine.api.text.tokenizer import Tokenizer
+    from xservice.config import ServiceConfig
 
 
 def check_n(n: int, max_n: int) -> None:
@@ -53,6 +55,35 @@ def check_stream_options(body: SamplingRequest) -> None:
         raise InvalidRequestError(
             "'stream_options' is only allowed when 'stream' is true.", param="stream_options"
         )
+
+
+def apply_server_options(body: SamplingRequest, service: ServiceConfig, closed_objects: bool = True) -> None:
+    """vLLM's server-wide options of a generation request: ``--return-tokens-as-token-ids`` and
+    ``structured_outputs.disable_additional_properties`` (``closed_objects``) where the request does not
+    say, and ``--enable-force-include-usage`` (usage on every chunk of a stream and a final usage chunk,
+    whatever its ``stream_options``)."""
+    if body.return_tokens_as_token_ids is None:
+        body.return_tokens_as_token_ids = service.return_tokens_as_token_ids
+    body._closed_objects = closed_objects
+    if service.enable_force_include_usage and body.stream:
+        body.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
+
+
+def num_logprobs(value: int | None, name: str, max_logprobs: int, vocab_size: int) -> int | None:
+    """A request's count of alternatives per token (``-1``: the whole vocabulary, as vLLM), checked
+    against ``model.max_logprobs`` (``--max-logprobs``; -1: the vocabulary's size); a 400 naming ``name``."""
+    if value is None:
+        return None
+    cap = vocab_size if max_logprobs == -1 else max_logprobs
+    n = vocab_size if value == -1 else value
+    if not 0 <= n <= cap:
+        whole = "" if value != -1 else f" (-1: the whole vocabulary, {vocab_size} tokens)"
+        raise InvalidRequestError(
+            f"invalid value for '{name}': must be in [0, {cap}] or -1 for the whole vocabulary, got {value}"
+            f"{whole}; the server's --max-logprobs sets the limit",
+            param=name,
+        )
+    return n
 
 
 def _or(value, default):
@@ -101,7 +132,7 @@ def build_sampling_params(
         logprob_token_ids=body.logprob_token_ids,
     )
     try:
-        params.validate(vocab_size)
+        params.validate(vocab_size, max_logprobs=-1)  # the counts were checked against the server's limit
     except ValueError as exc:
         raise from_value_error(exc, {**limits.rename, **(rename or {})}) from None
     return params

@@ -9,25 +9,25 @@ token has none (nothing precedes it): ``null`` in both shapes, as OpenAI and vLL
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from xengine.api.messages import MAX_LOGPROBS
 from xengine.api.text.output_processor import PromptLogprobsOutput
 from xservice.http.errors import InvalidRequestError
 from xservice.protocol import CompletionLogprobs, PromptLogprob, PromptLogprobs, SamplingRequest
 from xservice.serving.logprobs import CompletionLogprobsBuilder, TokenText
+from xservice.serving.params import num_logprobs
+
+if TYPE_CHECKING:
+    from xservice.serving.context import ServingContext
 
 
-def check_prompt_logprobs(body: SamplingRequest) -> None:
-    """400 naming ``prompt_logprobs`` when out of range or asked with ``stream`` (as vLLM: a streamed
-    response has no place for them)."""
-    k = body.prompt_logprobs
-    if k is None:
+def check_prompt_logprobs(body: SamplingRequest, ctx: ServingContext) -> None:
+    """400 naming ``prompt_logprobs`` when out of range (-1: the whole vocabulary, made a count here) or
+    asked with ``stream`` (as vLLM: a streamed response has no place for them)."""
+    limit = ctx.config.model.max_logprobs
+    body.prompt_logprobs = num_logprobs(body.prompt_logprobs, "prompt_logprobs", limit, ctx.vocab_size)
+    if body.prompt_logprobs is None:
         return
-    if not 0 <= k <= MAX_LOGPROBS:
-        raise InvalidRequestError(
-            f"invalid value for 'prompt_logprobs': must be in [0, {MAX_LOGPROBS}], got {k}",
-            param="prompt_logprobs",
-        )
     if body.stream:
         raise InvalidRequestError(
             "'prompt_logprobs' is not available with stream=true; request it without streaming.",

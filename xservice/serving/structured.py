@@ -98,10 +98,9 @@ def _from_structured_outputs(body: SamplingRequest) -> dict[str, Any]:
     so = body.structured_outputs
     if so is None:
         return {}
-    out: dict[str, Any] = {
-        "disable_any_whitespace": so.disable_any_whitespace,
-        "disable_additional_properties": so.disable_additional_properties,
-    }
+    out: dict[str, Any] = {"disable_any_whitespace": so.disable_any_whitespace}
+    if so.disable_additional_properties is not None:
+        out["disable_additional_properties"] = so.disable_additional_properties
     if so.whitespace_pattern is not None:
         out["whitespace_pattern"] = so.whitespace_pattern
     if so.json_ is not None:
@@ -141,6 +140,8 @@ def structured_outputs(body: SamplingRequest) -> StructuredOutputsParams | None:
         if "whitespace_pattern" in fields:
             raise _bad("applies only to a JSON constraint (guided_json)", "guided_whitespace_pattern")
         return None
+    if "json" in fields:  # a schema's objects closed unless it or the request says otherwise (as vLLM)
+        fields.setdefault("disable_additional_properties", body._closed_objects)
     params = StructuredOutputsParams(**fields)
     try:
         params.validate()

@@ -161,7 +161,7 @@ def test_penalties_match_reference():
         max_num_logprobs=0,
     )
     expected = reference_penalties(logits, prompt, output, rep, pres, freq)
-    out = Sampler()(logits, meta)
+    out = Sampler("processed_logprobs")(logits, meta)
     assert out.sampled_token_ids.tolist() == expected.argmax(1).tolist()
     chosen = expected.log_softmax(1).gather(1, out.sampled_token_ids[:, None]).squeeze(1)
     assert torch.allclose(out.logprobs, chosen, atol=1e-5)
@@ -181,9 +181,8 @@ def test_banned_ids_never_sampled():
     assert Sampler()(logits, greedy).sampled_token_ids.tolist() == [0, 3]
 
 
-def test_logprobs_are_log_softmax_of_processed_logits():
-    logits = seeded_logits(3)
-    meta = make_meta(
+def _mixed_meta() -> object:
+    return make_meta(
         3,
         temperature=torch.tensor([0.0, 0.7, 1.5]),
         all_random=False,
@@ -191,15 +190,42 @@ def test_logprobs_are_log_softmax_of_processed_logits():
         top_k=torch.tensor([0, 2, 0]),
         banned_token_ids=[[0], [], [4, 5]],
     )
-    out = Sampler()(logits, meta)
-    processed = logits.clone()
-    processed[0, 0] = processed[2, 4] = processed[2, 5] = float("-inf")
-    ref = processed.log_softmax(1)
+
+
+def _check_reported(out: object, ref: torch.Tensor) -> None:
     assert torch.allclose(out.logprobs, ref.gather(1, out.sampled_token_ids[:, None]).squeeze(1))
     assert out.top_logprobs.shape == (3, 5) and out.top_logprob_token_ids.dtype == torch.int64
     assert torch.all(out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:])
     assert torch.allclose(out.top_logprobs, ref.gather(1, out.top_logprob_token_ids))
     assert torch.allclose(out.top_logprobs, torch.topk(ref, 5).values)
+
+
+def test_raw_logprobs_are_the_models_own():
+    """The default mode (vLLM's raw_logprobs): the log-softmax of the logits before bans, penalties,
+    temperature and top-k; ``raw_logits`` the logits themselves."""
+    logits = seeded_logits(3)
+    out = Sampler()(logits, _mixed_meta())
+    assert out.sampled_token_ids[2].item() not in (4, 5)  # sampled from the processed distribution
+    _check_reported(out, logits.log_softmax(1))
+    _check_reported(Sampler("raw_logits")(logits, _mixed_meta()), logits)
+
+
+def test_processed_logprobs_are_what_the_token_is_drawn_from():
+    """processed_*: after bans, and for the sampled rows temperature and top-k (cut ids -inf)."""
+    logits = seeded_logits(3)
+    processed = logits.clone()
+    processed[0, 0] = processed[2, 4] = processed[2, 5] = float("-inf")
+    drawn = processed.clone()
+    drawn[1] = drawn[1] / 0.7
+    drawn[1][drawn[1] < torch.topk(drawn[1], 2).values[-1]] = float("-inf")
+    drawn[2] = drawn[2] / 1.5
+    out = Sampler("processed_logprobs")(logits, _mixed_meta())
+    ref = drawn.log_softmax(1)
+    assert torch.allclose(out.logprobs, ref.gather(1, out.sampled_token_ids[:, None]).squeeze(1))
+    assert torch.isinf(out.top_logprobs[1, 2:]).all()  # row 1 keeps two ids
+    assert torch.allclose(out.top_logprobs[:, :2], torch.topk(ref, 2).values)
+    logits_out = Sampler("processed_logits")(logits, _mixed_meta())
+    assert torch.allclose(logits_out.top_logprobs[:, :2], torch.topk(drawn, 2).values)
 
 
 def test_zero_logprobs_returns_chosen_only():

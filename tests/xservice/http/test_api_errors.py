@@ -48,8 +48,9 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("min-p-above-one", CMPL, cmpl(min_p=2), 400, "min_p", "[0, 1]"),
     ("n-zero", CMPL, cmpl(n=0), 400, "n", "[1, 16]"),
     ("n-huge", CMPL, cmpl(n=1000), 400, "n", "[1, 16]"),
-    ("logprobs-99", CMPL, cmpl(logprobs=99), 400, "logprobs", "[0, 5]"),
-    ("logprobs-negative", CMPL, cmpl(logprobs=-1), 400, "logprobs", "[0, 5]"),
+    ("logprobs-99", CMPL, cmpl(logprobs=99), 400, "logprobs", "[0, 20]"),
+    ("logprobs-negative", CMPL, cmpl(logprobs=-2), 400, "logprobs", "[0, 20]"),
+    ("logprobs-whole-vocabulary", CMPL, cmpl(logprobs=-1), 400, "logprobs", "--max-logprobs"),
     ("prompt-empty-string", CMPL, cmpl(prompt=""), 400, "prompt", "empty"),
     ("prompt-empty-list", CMPL, cmpl(prompt=[]), 400, "prompt", "empty"),
     ("prompt-empty-id-list", CMPL, cmpl(prompt=[[]]), 400, "prompt", "empty"),
@@ -95,12 +96,12 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("chat-empty-messages", CHAT, chat(messages=[]), 400, "messages", "at least one"),
     ("chat-messages-not-list", CHAT, chat(messages="hi"), 400, "messages", "list"),
     (
-        "chat-unknown-role",
+        "chat-role-not-a-string",  # any string is a role (vLLM passes custom roles to the template)
         CHAT,
-        chat(messages=[{"role": "wizard", "content": "x"}]),
+        chat(messages=[{"role": 7, "content": "x"}]),
         400,
         "messages.0.role",
-        "role",
+        "string",
     ),
     (
         "chat-content-wrong-type",

@@ -344,7 +344,7 @@ def test_chat_batch_answers_each_conversation(
         ({"n": 2}, "n"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"messages": [MESSAGES, [{"role": "nobody", "content": "x"}]]}, "messages.1.0"),
+        ({"messages": [MESSAGES, [{"role": 5, "content": "x"}]]}, "messages.1.0"),
         ({"max_tokens": "5"}, "max_tokens"),
         ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),  # without logprobs: a 400, as alone
     ],

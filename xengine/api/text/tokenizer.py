@@ -111,8 +111,11 @@ class Tokenizer:
         chat_template: str | None = None,
         special_tokens: dict[str, str | None] | None = None,
         add_bos_token: bool = False,
+        config: dict[str, Any] | None = None,
     ) -> None:
+        """``config``: the model folder's ``tokenizer_config.json`` (``/tokenizer_info`` shows it)."""
         self._tok = backend
+        self.config: dict[str, Any] = dict(config or {})
         # tokenizers >= 0.21; ``encode_batch`` also releases the GIL but is slower
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self.chat_template = chat_template
@@ -146,6 +149,7 @@ class Tokenizer:
             chat_template=_read_chat_template(model_dir, config),
             special_tokens=special,
             add_bos_token=bool(config.get("add_bos_token", False)),
+            config=config,
         )
 
     def _id_of(self, token: str | None) -> int | None:
