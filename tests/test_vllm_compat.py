@@ -42,7 +42,14 @@ def test_translate_flags(stand_in, monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     _, _, hard, _ = stand_in.translate_args("m", ["--enable-prompt-embeds", "--max-logprobs", "5"])
     assert hard == ["--enable-prompt-embeds"]
     _, _, _, soft = stand_in.translate_args("m", ["--max-logprobs", "151936"])
-    assert list(soft) == ["--max-logprobs"]
+    assert soft == {"--max-logprobs": "xllm serve --max-logprobs"}  # a tree without it (a "before" run)
+    monkeypatch.setattr(
+        stand_in, "_xllm_flags", lambda: frozenset({"--max-logprobs", "--enable-force-include-usage"})
+    )
+    flags, _, _, soft = stand_in.translate_args(
+        "m", ["--max-logprobs", "151936", "--enable-force-include-usage"]
+    )
+    assert flags == ["--max-logprobs", "151936", "--enable-force-include-usage"] and soft == {}
     # speculative decoding: passed on (the same JSON) unless it names a draft or head that is not here
     monkeypatch.setattr(stand_in, "_xllm_flags", lambda: frozenset({"--speculative-config"}))
     ngram = '{"method": "ngram", "num_speculative_tokens": 3}'

@@ -207,8 +207,7 @@ class Engine:
         self.info = self._describe(config, info, model_dir, kv)
 
     def _rank_kv_info(self, info: ModelInfo) -> ModelInfo:
-        """``info`` with this rank's KV heads (tensor parallel: its share, so the same memory holds
-        N times the tokens)."""
+        """``info`` with this rank's KV heads (tensor parallel: its share: N times the tokens fit)."""
         tp = self.parallel.tp if self.parallel is not None else None
         if tp is None:
             return info

@@ -54,7 +54,9 @@ MAX_LIVE_SERVERS = 2  # servers are reused across modules by configuration; the 
 SAME_FLAGS = frozenset(
     {
         "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--seed", "--api-key",
-        "--trust-request-chat-template", "--tool-call-parser",
+        "--trust-request-chat-template", "--tool-call-parser", "--max-logprobs", "--logprobs-mode",
+        "--enable-per-request-metrics", "--enable-force-include-usage", "--return-tokens-as-token-ids",
+        "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
     }
 )  # fmt: skip
 # vLLM flag -> (xllm flag, fixed value or None to pass the vLLM value on)
@@ -96,11 +98,7 @@ SOFT_FEATURE_FLAGS: dict[str, str] = {
     "--max-cpu-loras": "LoRA adapters",
     "--reasoning-parser": "reasoning parsers",
     "--exclude-tools-when-tool-choice-none": "--exclude-tools-when-tool-choice-none",
-    "--enable-per-request-metrics": "per-request 'metrics' response field",
-    "--enable-force-include-usage": "--enable-force-include-usage (usage on every response)",
-    "--return-tokens-as-token-ids": "a server-wide default for return_tokens_as_token_ids",
     "--root-path": "--root-path (serving under a path prefix)",
-    "--max-logprobs": "--max-logprobs above 20 (xllm's cap is fixed at 20)",
 }
 # Flags whose feature is what the whole module tests: the server is not started and every test there
 # errors with "xllm-missing: <feature>".
@@ -119,7 +117,6 @@ HARD_FEATURE_FLAGS: dict[str, str] = {
 # --dtype values: passed on when xllm has them; fp16 checkpoints run as float32 on CPU in xllm
 DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "auto": "auto", "float16": "auto", "half": "auto"}
 TOOL_PARSERS = frozenset({"hermes", "auto", "none"})  # the families xllm has
-MAX_LOGPROBS = 20  # xllm's fixed cap (xengine.api.messages.MAX_LOGPROBS)
 
 
 def _free_port() -> int:
@@ -175,8 +172,6 @@ def translate_args(model: str, vllm_args: list[str]) -> tuple[list[str], str, li
             out += ["--model", _model_with_template(value)]
         elif flag == "--tool-call-parser" and value not in TOOL_PARSERS:
             soft[flag] = f"tool-call parser '{value}'"
-        elif flag == "--max-logprobs" and int(value) <= MAX_LOGPROBS:
-            continue  # within xllm's cap: the same behaviour
         elif flag == "--speculative-config":  # the same JSON; a draft or head from the hub is not here
             if "--speculative-config" not in _xllm_flags():
                 soft[flag] = "xllm serve --speculative-config"
