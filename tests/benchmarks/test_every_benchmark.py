@@ -121,6 +121,8 @@ def test_smoke(
         arch = SMOKE_MODEL_ARCH.get(name)
         args += ["--model", str(make_model_dir(arch, "tiny") if arch else tiny_qwen3)]
     proc = _run(args, env=bench_env, timeout=300)
+    if proc.returncode != 0 and "the CPU lacks" in proc.stderr:  # its kernel needs what this CPU has not
+        pytest.skip(f"{name}: {proc.stderr.strip()[-300:]}")
     assert proc.returncode == 0, _failed(proc)
     documents = _json_documents(proc.stdout)
     assert documents and all(isinstance(d, dict) and d for d in documents), proc.stdout[-3000:]
