@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops.cpu_kernels.build import kernel_library
+from ops.cpu_kernels.build import kernel_library, unavailable_reason
 from tests.xengine.conftest import random_prompts
 from xengine.api.messages import SamplingParams
 from xengine.layers.linear import Linear
@@ -51,7 +51,7 @@ def test_checkpoint_runs_as_the_on_the_fly_scheme(
     make_model_dir, tmp_path: Path, scheme: str, fmt: str
 ) -> None:
     if scheme == "w8a8" and kernel_library("panel_gemm_int8") is None:
-        pytest.skip("w8a8 needs the int8 panel kernel (avx512_vnni)")
+        pytest.skip(f"w8a8 needs the int8 panel kernel: {unavailable_reason('panel_gemm_int8')}")
     dense = make_model_dir("qwen3")
     ckpt = tmp_path / f"{scheme}-{fmt}"
     quantize_checkpoint(str(dense), str(ckpt), progress=False, scheme=scheme, fmt=fmt)

@@ -41,7 +41,10 @@ def test_unknown_quantization_is_refused(make_model_dir) -> None:
         LLM(str(make_model_dir("qwen3")), quantization="int3")
 
 
-@pytest.mark.skipif(kernel_library("panel_gemm_int8") is None, reason="int8 panel GEMM unavailable here")
+@pytest.mark.skipif(
+    kernel_library("panel_gemm_int8") is None,
+    reason=f"int8 panel GEMM unavailable here: {unavailable_reason('panel_gemm_int8')}",
+)
 def test_w8a8_partial_graphs_give_the_eager_tokens(make_model_dir) -> None:
     """The packed int8 layers are opaque ops inside the captured graph: in float32 the graph replays
     give the eager tokens."""
