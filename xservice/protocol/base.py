@@ -27,6 +27,14 @@ def now() -> int:
     return int(time.time())
 
 
+def drop_none(out: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``out`` (a serialized response) without those of ``keys`` whose value is None."""
+    for key in keys:
+        if out.get(key) is None:
+            out.pop(key, None)
+    return out
+
+
 def dump(model: BaseModel) -> dict[str, Any]:
     """JSON-ready dict of a response model."""
     return model.model_dump(mode="json")

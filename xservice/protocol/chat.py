@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Literal, Union
 
 from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from xservice.protocol.base import UNSUPPORTED_FIELDS, APIRequest, APIResponse, now
+from xservice.protocol.base import UNSUPPORTED_FIELDS, APIRequest, APIResponse, drop_none, now
 from xservice.protocol.common import PerRequestMetrics, PromptLogprobs, Usage
 from xservice.protocol.sampling import SamplingRequest
 from xservice.protocol.tools import ChatTool, DeltaToolCall, MessageToolCall, ToolCall, ToolChoice
@@ -129,7 +129,7 @@ class ChatResponseMessage(APIResponse):
 
     @model_serializer(mode="wrap")
     def _drop_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "tool_calls", "reasoning", "reasoning_content")
+        return drop_none(handler(self), "tool_calls", "reasoning", "reasoning_content")
 
 
 class ChatChoice(APIResponse):
@@ -154,7 +154,7 @@ class ChatCompletionResponse(APIResponse):
 
     @model_serializer(mode="wrap")
     def _drop_metrics(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "metrics")
+        return drop_none(handler(self), "metrics")
 
 
 class ChatDelta(APIResponse):
@@ -181,7 +181,7 @@ class ChatChunkChoice(APIResponse):
 
     @model_serializer(mode="wrap")
     def _drop_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "token_ids")
+        return drop_none(handler(self), "token_ids")
 
 
 class ChatCompletionChunk(APIResponse):
@@ -197,11 +197,4 @@ class ChatCompletionChunk(APIResponse):
 
     @model_serializer(mode="wrap")
     def _drop_prompt_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_none(handler(self), "prompt_token_ids", "metrics")
-
-
-def _drop_none(out: dict[str, Any], *keys: str) -> dict[str, Any]:
-    for key in keys:
-        if out.get(key) is None:
-            out.pop(key, None)
-    return out
+        return drop_none(handler(self), "prompt_token_ids", "metrics")

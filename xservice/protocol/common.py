@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
-from xservice.protocol.base import APIResponse, now
+from xservice.protocol.base import APIResponse, drop_none, now
 
 
 class PromptLogprob(APIResponse):
@@ -61,10 +61,7 @@ class Usage(APIResponse):
 
     @model_serializer(mode="wrap")
     def _drop_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("completion_tokens_details") is None:
-            out.pop("completion_tokens_details", None)
-        return out
+        return drop_none(handler(self), "completion_tokens_details")
 
 
 class ModelCard(APIResponse):

@@ -6,7 +6,7 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
-from xservice.protocol.base import APIResponse, now
+from xservice.protocol.base import APIResponse, drop_none, now
 from xservice.protocol.common import PerRequestMetrics, PromptLogprobs, Usage
 from xservice.protocol.sampling import SamplingRequest
 
@@ -51,11 +51,7 @@ class CompletionChoice(APIResponse):
 
     @model_serializer(mode="wrap")
     def _drop_beam_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out = handler(self)
-        for key in ("score", "cumulative_logprob"):
-            if out.get(key) is None:
-                out.pop(key, None)
-        return out
+        return drop_none(handler(self), "score", "cumulative_logprob")
 
 
 class CompletionResponse(APIResponse):
@@ -69,7 +65,4 @@ class CompletionResponse(APIResponse):
 
     @model_serializer(mode="wrap")
     def _drop_metrics(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("metrics") is None:
-            out.pop("metrics", None)
-        return out
+        return drop_none(handler(self), "metrics")
