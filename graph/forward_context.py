@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ops.attention_metadata import AttentionMetadata
+from ops.lora import LoRAGroups
 from ops.recurrent_metadata import RecurrentMetadata
 
 
@@ -43,6 +44,8 @@ class ForwardContext:
     # only once the whole forward ran (``commit_states``, on leaving ``forward_context`` normally), so a step that fails or is stopped midway
     # leaves every sequence's state as it was and can simply run again
     state_writes: list[tuple[Any, Any, Any]] = field(default_factory=list)
+    # LoRA: the step's rows grouped by adapter slot (``graph/lora_op.py``); None: base model only
+    lora: LoRAGroups | None = None
 
     def commit_states(self) -> None:
         for tensor, index, values in self.state_writes:
@@ -74,10 +77,12 @@ def forward_context(
     window_layers: frozenset[int] = frozenset(),
     recurrent: RecurrentMetadata | None = None,
     states: list[tuple[Any, ...] | None] | None = None,
+    lora: LoRAGroups | None = None,
 ) -> Iterator[ForwardContext]:
     ctx = ForwardContext(
         meta, caches, num_tokens, interrupt, resumable_checks, window_meta, window_layers, recurrent, states
     )
+    ctx.lora = lora
     token = _current.set(ctx)
     try:
         yield ctx

@@ -35,6 +35,7 @@ from xengine.disagg.hybrid_transfer import StateTransfer, WindowTransfer
 from xengine.disagg.kv_transfer import KVTransferManager
 from xengine.disagg.tp_transfer import GroupTransfer, RankTransfer
 from xengine.kv_setup import KVSetup, build_kv
+from xengine.lora.setup import start_lora
 from xengine.models.emulated import EmulatedLM, emulated_info
 from xengine.models.info import ModelInfo, read_hf_config, read_model_info
 from xengine.models.loader import load_model, resolve_dtype
@@ -196,6 +197,7 @@ class Engine:
         )
         tiered = (self.platform, self.parallel, self.state_setup, self.scheduler)  # KV tiers (or None)
         self.tiers = start_tiers(config, kv, model_dir, *tiered)
+        self.lora = start_lora(self, config)  # LoRA adapters (``xengine/lora/``), or None
         self._build_step(config, kv)
         self.vocab_size = info.vocab_size
         self.vision = vision_spec(self.model)  # None: a text-only model
@@ -295,16 +297,9 @@ class Engine:
                 full, first, count, kv.spec.block_size, port_range=config.cache.transfer_ports()
             )
             ranks = GroupTransfer(self.parallel.ep.control_group, tp.channel, mine, total)
-        return KVTransferManager(
-            self.kv,
-            full,
-            kv.spec,
-            port_range=config.cache.transfer_ports(),
-            window=window,
-            states=state,
-            head=head,
-            ranks=ranks,
-        )
+        ports = config.cache.transfer_ports()
+        parts = dict(window=window, states=state, head=head, ranks=ranks)
+        return KVTransferManager(self.kv, full, kv.spec, port_range=ports, **parts)
 
     def _describe(self, config: EngineConfig, info: ModelInfo, model_dir: str, kv: KVSetup) -> EngineInfo:
         spec = kv.spec

@@ -40,6 +40,15 @@ def validate_request(engine: Engine, req: AddRequest) -> None:
             raise ValueError("invalid value for 'max_tokens': an embedding request takes max_tokens=0, n=1")
     if req.params.use_beam_search:
         _validate_beam(engine, req)
+    if req.params.lora_name is not None and (
+        engine.lora is None or not engine.lora.knows(req.params.lora_name)
+    ):
+        why = (
+            "this engine serves no LoRA adapters (--enable-lora)"
+            if engine.lora is None
+            else "no such adapter"
+        )
+        raise ValueError(f"invalid value for 'model': LoRA adapter {req.params.lora_name!r}: {why}")
     if req.encode_only:
         _validate_encode_only(engine, req)
 

@@ -22,6 +22,7 @@ from xengine.api.config import (
     EngineConfig,
     ExecutionConfig,
     KVTiersConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -308,6 +309,7 @@ class XllmConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
@@ -323,6 +325,7 @@ class XllmConfig:
             structured_outputs=self.structured_outputs,
             speculative_config=self.speculative_config,
             kv_tiers=self.kv_tiers,
+            lora=self.lora,
         )
 
     def validate(self) -> None:
@@ -349,6 +352,7 @@ _SECTIONS = {
     "structured_outputs": StructuredOutputsConfig,
     "speculative_config": SpeculativeConfig,
     "kv_tiers": KVTiersConfig,
+    "lora": LoRAConfig,
     "batch": BatchConfig,
     "cluster": ClusterConfig,
 }

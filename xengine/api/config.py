@@ -12,6 +12,7 @@ from typing import Any
 
 from xengine.api.config_fields import _f
 from xengine.api.kv_tiers_config import KVTiersConfig
+from xengine.api.lora_config import LoRAConfig
 from xengine.api.parallel_config import ParallelConfig
 from xengine.api.speculative_config import SpeculativeConfig
 
@@ -373,6 +374,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
         self.model.validate()
@@ -383,6 +385,7 @@ class EngineConfig:
         self.structured_outputs.validate()
         self.speculative_config.validate()
         self.kv_tiers.validate()
+        self.lora.validate()
 
 
 def replace_section(cfg: Any, section: str, **changes: Any) -> Any:
@@ -417,6 +420,7 @@ def _dataclass_type(ftype: Any) -> type | None:
         "StructuredOutputsConfig": StructuredOutputsConfig,
         "SpeculativeConfig": SpeculativeConfig,
         "KVTiersConfig": KVTiersConfig,
+        "LoRAConfig": LoRAConfig,
         "EngineConfig": EngineConfig,
     }
     if isinstance(ftype, str):

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graph.lora_op import apply_lora
 from ops.linear import pack_linear, packed_linear
 from xengine.layers.checkpoint_tensor import materialize, narrow
 
@@ -20,6 +21,10 @@ class Linear(nn.Linear):
     _packed: int | None = None
     _packed_owner: object = None  # keeps the backend's packed weight alive while this layer is
     float_output: bool = False
+    # LoRA (``xengine/lora/slots.py``): every adapter slot's A ``[slots, rank, in]`` and scaled B
+    # ``[slots, out, rank]``, buffers set when the engine serves adapters; None: no LoRA here
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
 
     def pack(self, quantization: str = "none") -> bool:
         """Pack the weight for the platform's kernel; False where the platform has none.
@@ -37,9 +42,14 @@ class Linear(nn.Linear):
         return self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is None:
-            return F.linear(x, self.weight, self.fused_bias())
-        return packed_linear(x, self._packed)
+        y = (
+            F.linear(x, self.weight, self.fused_bias())
+            if self._packed is None
+            else packed_linear(x, self._packed)
+        )
+        if self.lora_a is not None:
+            y = apply_lora(x, y, self.lora_a, self.lora_b)
+        return y
 
 
 def pack_linears(model: nn.Module, quantization: str = "none") -> int:

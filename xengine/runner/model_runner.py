@@ -15,10 +15,12 @@ from graph.base import create_graph_runner
 from graph.forward_context import forward_context
 from graph.interrupt import ResumePoint, StepInterrupted
 from memory.kv_layout import BaseKVLayout
+from ops.lora import LoRAGroups
 from ops.platforms import Platform
 from ops.recurrent_metadata import RecurrentMetadata
 from xengine.api.messages import TokenLogprob
 from xengine.colocation.layer_checks import LayerChecks
+from xengine.lora.manager import LoRAManager
 from xengine.multimodal.encode_runner import EncodeRunner
 from xengine.multimodal.image_cache import ImageEmbeddingCache
 from xengine.multimodal.step_inputs import MultiModalStep, build_multimodal_step, has_images
@@ -110,6 +112,7 @@ class ModelRunner:
         self.layer_checks = LayerChecks.install(model) if interrupt is not None else None
         # speculative decoding with an MTP head: the final hidden states it reads (``spec/mtp.py``)
         self.hidden_rows: HiddenRows | None = None
+        self.lora: LoRAManager | None = None  # LoRA adapters (``xengine/lora/``): set by the engine
         torch.manual_seed(default_seed)
 
     def _forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -151,8 +154,9 @@ class ModelRunner:
             if not mm.pieces:  # text tokens only: one M-RoPE id each, the text path runs it
                 inputs.positions = mm.positions
         recurrent = recurrent_metadata(plan) if plan.state_slots is not None else None
+        lora = self.lora.step_groups((s.req, s.num_new_tokens) for s in plan.seqs) if self.lora else None
         sampling = self._sampling_rows(plan)
-        return PreparedStep(plan, inputs, sampling, build_prompt_rows(plan), mm, recurrent)
+        return PreparedStep(plan, inputs, sampling, build_prompt_rows(plan), mm, recurrent, lora)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep, prev_rows: torch.Tensor | None = None) -> StepOutput:
@@ -225,6 +229,7 @@ class ModelRunner:
             self.window_layers,
             step.recurrent,
             self.states.pool.per_layer(self.states.num_layers) if self.states is not None else None,
+            step.lora,
         ):
             if resume is not None:
                 assert self.layer_checks is not None
@@ -436,11 +441,7 @@ class ModelRunner:
         sampled = out.sampled
         if logprobs is None:  # the common case: a token per row and nothing else
             for (req, _), token_id in zip(rows, token_ids):
-                tokens = sampled.get(req.seq_id)
-                if tokens is None:
-                    sampled[req.seq_id] = [SampledToken(token_id)]
-                else:
-                    tokens.append(SampledToken(token_id))
+                sampled.setdefault(req.seq_id, []).append(SampledToken(token_id))
             return
         for row, (req, _) in enumerate(rows):
             sample = SampledToken(token_ids[row])
@@ -486,6 +487,7 @@ class PreparedStep:
     prompt_rows: PromptOutputRows | None = None
     mm: MultiModalStep | None = None  # requests with images in the step
     recurrent: RecurrentMetadata | None = None  # recurrent layers: the step's state slots
+    lora: LoRAGroups | None = None  # the step's rows by LoRA adapter slot (None: base model only)
 
 
 def _resolve(token_ids: torch.Tensor, prev_rows: torch.Tensor) -> torch.Tensor:

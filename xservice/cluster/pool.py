@@ -301,7 +301,9 @@ class InstancePool:
         migrated = False
         try:
             while True:
-                client = client or self.route(cache_token_ids(sub.prompt_token_ids, sub.images), prefer)
+                client = client or self.route(
+                    cache_token_ids(sub.prompt_token_ids, sub.images, sub.params.lora_name), prefer
+                )
                 name, moved_to = client.name, None
                 try:
                     with self.track(req.req_id, client, sub.req_id):

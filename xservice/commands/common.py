@@ -93,6 +93,16 @@ def _add_field_flag(
             *flags, dest=dest, action="store_const", const=value, default=None, help=f"{help_text} {where}"
         )
         return
+    if typing.get_origin(hint) is tuple:  # a list of values: ``--lora-modules a=/p b=/q`` (as vLLM)
+        group.add_argument(
+            *[f"--{n}" for n in names],
+            dest=dest,
+            nargs="+",
+            default=None,
+            metavar="VALUE",
+            help=f"{doc} {where}",
+        )
+        return
     kind = ([t for t in typing.get_args(hint) if t is not type(None)] or [hint])[0]
     metavar = _METAVARS.get(kind, f.name.replace("_", "-").upper())
     group.add_argument(

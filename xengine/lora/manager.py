@@ -1,0 +1,149 @@
+"""Which adapters the engine knows, which are loaded on the host, and which sit in device slots.
+
+Registered adapters (``lora_modules``, or loaded at run time) are read from their folder when first
+used and kept in a host cache of ``max_cpu_loras`` (least recently used dropped first; read again when
+asked again). A step's adapters are put into device slots (``slots.py``): an adapter already in one
+stays, others take a free slot or the least recently used one no request of this step (or, with async
+scheduling, of the step still running) uses. The scheduler keeps a step's distinct adapters within
+``max_loras`` (``lora_gate``), so there is always a slot: ``max_loras`` of them, twice that with async
+scheduling.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ops.lora import LoRAGroups
+from xengine.api.lora_config import LoRAConfig, parse_lora_modules
+from xengine.lora.adapter import LoRAAdapter, load_adapter
+from xengine.lora.slots import LoRASlots
+from xengine.request import Request
+
+
+class LoRAManager:
+    def __init__(
+        self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device, async_mode: bool
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.async_mode = async_mode
+        num_slots = config.max_loras * (2 if async_mode else 1)
+        self.slots = LoRASlots(model, num_slots, config.max_lora_rank, dtype, device)
+        self.paths: dict[str, str] = {}  # registered adapters
+        self._retired: dict[str, str] = {}  # unloaded while requests of them may still run
+        self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.slot_of: OrderedDict[str, int] = OrderedDict()
+        self._held: set[int] = set()  # slots the step still running uses (async scheduling)
+        self.num_disk_loads = 0
+        self.num_slot_loads = 0
+        for name, path in parse_lora_modules(config.lora_modules):
+            self.register(name, path)
+
+    # ------------------------------------------------------------------ registry
+    def register(self, name: str, path: str) -> None:
+        """Add adapter ``name`` from PEFT folder ``path``, read and checked now; ``ValueError`` if it
+        cannot be served or the name is taken."""
+        if name in self.paths:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path, self.config.max_lora_rank)
+        self.slots.check(adapter)
+        self.num_disk_loads += 1
+        self._retired.pop(name, None)
+        self._drop_copies(name)
+        self.paths[name] = path
+        self._cache(adapter)
+
+    def unregister(self, name: str) -> None:
+        """Forget adapter ``name`` (``KeyError`` if unknown); requests of it already running finish."""
+        path = self.paths.pop(name)
+        self._retired[name] = path
+
+    def names(self) -> list[str]:
+        return list(self.paths)
+
+    def knows(self, name: str) -> bool:
+        return name in self.paths
+
+    # ------------------------------------------------------------------ per step
+    def step_groups(self, seqs: Iterable[tuple[Request, int]]) -> LoRAGroups | None:
+        """The step's rows grouped by slot, its ``(request, number of rows)`` in row order; None when
+        every row is the base model's. Loads the step's adapters into slots."""
+        seqs = list(seqs)
+        names = {r.params.lora_name for r, _ in seqs if r.params.lora_name is not None}
+        slots = self._place(names)
+        if not names:
+            return None
+        row_slots: list[int] = []
+        for req, n in seqs:
+            name = req.params.lora_name
+            row_slots.extend([slots[name] if name is not None else -1] * n)
+        return LoRAGroups.from_row_slots(row_slots, self.device)
+
+    def _place(self, names: set[str]) -> dict[str, int]:
+        placed: dict[str, int] = {}
+        for name in names:
+            if name in self.slot_of:
+                self.slot_of.move_to_end(name)
+                placed[name] = self.slot_of[name]
+        for name in names - placed.keys():
+            slot = self._free_slot(set(placed.values()))
+            self.slots.write(slot, self._adapter(name))
+            self.slot_of[name] = slot
+            placed[name] = slot
+            self.num_slot_loads += 1
+        self._held = set(placed.values()) if self.async_mode else set()
+        return placed
+
+    def _free_slot(self, taken: set[int]) -> int:
+        used = set(self.slot_of.values())
+        for slot in range(self.slots.num_slots):
+            if slot not in used:
+                return slot
+        for name, slot in self.slot_of.items():  # least recently used first
+            if slot not in taken and slot not in self._held:
+                del self.slot_of[name]
+                return slot
+        raise RuntimeError("no LoRA slot free: a step has more distinct adapters than max_loras")
+
+    def _adapter(self, name: str) -> LoRAAdapter:
+        adapter = self.host.get(name)
+        if adapter is not None:
+            self.host.move_to_end(name)
+            return adapter
+        path = self.paths.get(name) or self._retired.get(name)
+        if path is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        adapter = load_adapter(name, path, self.config.max_lora_rank)
+        self.num_disk_loads += 1
+        self._cache(adapter)
+        return adapter
+
+    def _cache(self, adapter: LoRAAdapter) -> None:
+        self.host[adapter.name] = adapter
+        self.host.move_to_end(adapter.name)
+        while len(self.host) > self.config.host_capacity:
+            self.host.popitem(last=False)
+
+    def _drop_copies(self, name: str) -> None:
+        """A re-registered name: its old weights must not be served from a cache."""
+        self.host.pop(name, None)
+        self.slot_of.pop(name, None)
+
+
+def lora_gate(scheduler: Any, max_loras: int) -> Callable[[Request], bool]:
+    """A scheduler gate: a waiting request may start unless it would bring a (max_loras + 1)-th
+    adapter into the running set (a step runs only running requests)."""
+
+    def gate(req: Request) -> bool:
+        name = req.params.lora_name
+        if name is None:
+            return True
+        active = {r.params.lora_name for r in scheduler.running if r.params.lora_name is not None}
+        return name in active or len(active) < max_loras
+
+    return gate
