@@ -318,6 +318,8 @@ class Engine:
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             num_threads=torch.get_num_threads(),
             kv_tiers=[t.name for t in self.tiers.stack.tiers] if self.tiers is not None else [],
+            lora=self.lora is not None,
+            lora_adapters=dict(self.lora.paths) if self.lora is not None else {},
         )
 
     # ------------------------------------------------------------------ requests

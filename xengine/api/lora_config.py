@@ -30,7 +30,7 @@ class LoRAConfig:
         "Adapters kept loaded in host memory (least recently used dropped first; reloaded from their folder "
         "when asked again). Unset: max_loras.",
     )
-    allow_runtime_updates: bool = _f(
+    allow_runtime_lora_updating: bool = _f(
         False,
         "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).",
     )

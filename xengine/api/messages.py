@@ -84,6 +84,21 @@ class RegisterCatalog(msgspec.Struct, tag="register_catalog", kw_only=True):
     items: list[list[int]]  # each item a fixed-length tuple of token ids
 
 
+class LoadLoRA(msgspec.Struct, tag="load_lora", kw_only=True):
+    """Register LoRA adapter ``name`` from PEFT folder ``path`` (``replace``: a loaded one of that name
+    too); answered by a ``UtilityResult`` (``ok=False`` and the error if it cannot be served)."""
+
+    call_id: int
+    name: str
+    path: str
+    replace: bool = False
+
+
+class UnloadLoRA(msgspec.Struct, tag="unload_lora", kw_only=True):
+    call_id: int
+    name: str
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     drain_timeout_s: float = 10.0
 
@@ -293,6 +308,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     weight_bytes: int = 0
     num_threads: int = 0  # CPU intra-op threads
     kv_tiers: list[str] = []  # KV tiers behind the prefix cache: host, disk, store (``docs/kv_tiers.md``)
+    lora: bool = False  # serves LoRA adapters (``lora.enable_lora``)
+    lora_adapters: dict[str, str] = {}  # the adapters registered at start: name -> folder
 
 
 class CatalogInfo(msgspec.Struct, kw_only=True):
@@ -444,6 +461,8 @@ EngineInput = Union[
     AbortRequests,
     UtilityCall,
     RegisterCatalog,
+    LoadLoRA,
+    UnloadLoRA,
     Shutdown,
     KVExport,
     KVImport,

@@ -45,10 +45,10 @@ class LoRAManager:
             self.register(name, path)
 
     # ------------------------------------------------------------------ registry
-    def register(self, name: str, path: str) -> None:
+    def register(self, name: str, path: str, replace: bool = False) -> None:
         """Add adapter ``name`` from PEFT folder ``path``, read and checked now; ``ValueError`` if it
-        cannot be served or the name is taken."""
-        if name in self.paths:
+        cannot be served or the name is taken (``replace``: its new weights serve the next steps)."""
+        if name in self.paths and not replace:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
         adapter = load_adapter(name, path, self.config.max_lora_rank)
         self.slots.check(adapter)

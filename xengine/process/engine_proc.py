@@ -40,10 +40,12 @@ from xengine.api.messages import (
     KVExport,
     KVImport,
     KVRelease,
+    LoadLoRA,
     Ready,
     RegisterCatalog,
     Shutdown,
     StepOutputs,
+    UnloadLoRA,
     UtilityCall,
     UtilityResult,
     make_encoder,
@@ -222,6 +224,8 @@ class EngineProc:
             self.send(self._call(msg))
         elif isinstance(msg, RegisterCatalog):
             self.send(self._register_catalog(msg))
+        elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+            self.send(self._lora_call(msg))
         elif isinstance(msg, Shutdown):
             self.begin_shutdown(msg.drain_timeout_s)
         elif isinstance(msg, (KVExport, KVImport, KVRelease)):
@@ -276,6 +280,22 @@ class EngineProc:
         except Exception as e:  # noqa: BLE001
             logger.error("%s failed:\n%s", type(msg).__name__, traceback.format_exc())
             return UtilityResult(call_id=msg.call_id, ok=False, error=f"{type(e).__name__}: {e}")
+
+    def _lora_call(self, msg: LoadLoRA | UnloadLoRA) -> UtilityResult:
+        """Register or drop a LoRA adapter; a failure (a bad folder, an unknown name) is reported."""
+        lora = self._engine.lora
+        if lora is None:
+            return UtilityResult(call_id=msg.call_id, ok=False, error="this engine serves no LoRA adapters")
+        try:
+            if isinstance(msg, LoadLoRA):
+                lora.register(msg.name, msg.path, msg.replace)
+            else:
+                lora.unregister(msg.name)
+        except KeyError:
+            return UtilityResult(call_id=msg.call_id, ok=False, error=f"unknown LoRA adapter {msg.name!r}")
+        except (ValueError, OSError) as e:
+            return UtilityResult(call_id=msg.call_id, ok=False, error=str(e))
+        return UtilityResult(call_id=msg.call_id)
 
     def _register_catalog(self, msg: RegisterCatalog) -> UtilityResult:
         try:

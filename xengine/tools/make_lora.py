@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="the base model's folder")
     parser.add_argument("out", help="where to write the adapter folder")
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated module names")
+    parser.add_argument(
+        "--targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated module names"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     path = make_lora(args.model, args.out, args.rank, tuple(args.targets.split(",")), args.seed)

@@ -393,6 +393,15 @@ class InstancePool:
         """None: a cluster serves no item catalogs (see ``register_catalog``)."""
         return []
 
+    async def load_lora(self, name: str, path: str, replace: bool = False, timeout_s: float = 120.0) -> None:
+        """Every live instance registers the adapter (a decode instance needs it as much as a prefill one)."""
+        clients = [c for c in self.clients.values() if c.is_alive]
+        await asyncio.gather(*(c.load_lora(name, path, replace, timeout_s) for c in clients))
+
+    async def unload_lora(self, name: str, timeout_s: float = 10.0) -> None:
+        clients = [c for c in self.clients.values() if c.is_alive]
+        await asyncio.gather(*(c.unload_lora(name, timeout_s) for c in clients))
+
     @property
     def is_alive(self) -> bool:
         return not self._closed and any(c.is_alive for c in self.clients.values())

@@ -33,9 +33,11 @@ from xengine.api.messages import (
     KVImport,
     KVImportResult,
     KVRelease,
+    LoadLoRA,
     RegisterCatalog,
     Shutdown,
     StepOutputs,
+    UnloadLoRA,
     UtilityCall,
     UtilityResult,
     make_encoder,
@@ -218,6 +220,19 @@ class EngineClient:
         if not result.ok or not result.catalogs:
             raise ValueError(result.error or "catalog registration failed")
         return result.catalogs[0]
+
+    async def load_lora(self, name: str, path: str, replace: bool = False, timeout_s: float = 120.0) -> None:
+        """Register a LoRA adapter in the engine; ``ValueError`` with its reason if it cannot."""
+        make = lambda call_id: LoadLoRA(call_id=call_id, name=name, path=path, replace=replace)  # noqa: E731
+        result = await self._call_msg(make, timeout_s)
+        if not result.ok:
+            raise ValueError(result.error or "loading the LoRA adapter failed")
+
+    async def unload_lora(self, name: str, timeout_s: float = 10.0) -> None:
+        """Forget a LoRA adapter in the engine; ``KeyError`` if it has none of that name."""
+        result = await self._call_msg(lambda call_id: UnloadLoRA(call_id=call_id, name=name), timeout_s)
+        if not result.ok:
+            raise KeyError(name)
 
     async def list_catalogs(self, timeout_s: float = 5.0) -> list[CatalogInfo]:
         """The engine's registered item catalogs."""

@@ -142,6 +142,12 @@ class DataParallelClient:
     async def list_catalogs(self, timeout_s: float = 5.0) -> list[CatalogInfo]:
         return await self.ranks[0].list_catalogs(timeout_s)
 
+    async def load_lora(self, name: str, path: str, replace: bool = False, timeout_s: float = 120.0) -> None:
+        await asyncio.gather(*(c.load_lora(name, path, replace, timeout_s) for c in self.ranks))
+
+    async def unload_lora(self, name: str, timeout_s: float = 10.0) -> None:
+        await asyncio.gather(*(c.unload_lora(name, timeout_s) for c in self.ranks))
+
     # ------------------------------------------------------------------ health
 
     @property

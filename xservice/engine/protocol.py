@@ -76,6 +76,15 @@ class EngineBackend(Protocol):
         """The registered item catalogs."""
         ...
 
+    async def load_lora(self, name: str, path: str, replace: bool = False, timeout_s: float = 120.0) -> None:
+        """Register LoRA adapter ``name`` from folder ``path`` in every engine; ``ValueError`` with the
+        engine's reason if it cannot be served."""
+        ...
+
+    async def unload_lora(self, name: str, timeout_s: float = 10.0) -> None:
+        """Forget LoRA adapter ``name`` in every engine; ``KeyError`` if it is unknown."""
+        ...
+
     def restart_counts(self) -> dict[str, int]:
         """Engine restarts per instance (``/metrics``)."""
         ...

@@ -44,6 +44,9 @@ class SupervisedEngine:
         self._hang_timeout_s = hang_timeout_s
         self._client: EngineClient | DataParallelClient | None = None
         self._catalogs: dict[str, list[list[int]]] = {}  # registered catalogs, replayed on restart
+        self._loras: dict[
+            str, str | None
+        ] = {}  # LoRA adapters loaded (a path) or unloaded (None) at run time
         self._restart_times: list[float] = []
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
@@ -122,6 +125,13 @@ class SupervisedEngine:
                 await client.register_catalog(name, items)
             except Exception as e:  # noqa: BLE001 - serve without it rather than not at all
                 logger.error("re-registering catalog %r after the restart failed: %s", name, e)
+        for name, path in self._loras.items():
+            try:
+                await (
+                    client.unload_lora(name) if path is None else client.load_lora(name, path, replace=True)
+                )
+            except Exception as e:  # noqa: BLE001
+                logger.error("redoing LoRA adapter %r's load / unload after the restart failed: %s", name, e)
 
     # ------------------------------------------------------------------ EngineBackend
 
@@ -159,6 +169,15 @@ class SupervisedEngine:
 
     async def list_catalogs(self, timeout_s: float = 5.0) -> list[CatalogInfo]:
         return await self._current().list_catalogs(timeout_s)
+
+    async def load_lora(self, name: str, path: str, replace: bool = False, timeout_s: float = 120.0) -> None:
+        await self._current().load_lora(name, path, replace, timeout_s)
+        self._loras[name] = path  # a restarted engine gets it again
+
+    async def unload_lora(self, name: str, timeout_s: float = 10.0) -> None:
+        await self._current().unload_lora(name, timeout_s)
+        if self._loras.pop(name, None) is None:  # one the config registers: unloaded again after a restart
+            self._loras[name] = None
 
     @property
     def is_alive(self) -> bool:

@@ -70,6 +70,7 @@ class ModelCard(APIResponse):
     created: int = Field(default_factory=now)
     owned_by: str = "xllm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -38,6 +38,8 @@ class SamplingRequest(APIRequest):
     ignored_fields: ClassVar[dict[str, str]] = IGNORED_FIELDS
     # the server's structured_outputs.disable_additional_properties (``apply_server_options``)
     _closed_objects: bool = PrivateAttr(default=True)
+    # the LoRA adapter ``model`` names (``ServingContext.check_model``); None: the base model
+    _lora_name: str | None = PrivateAttr(default=None)
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
     model: str | None = None

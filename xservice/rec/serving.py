@@ -42,7 +42,7 @@ def _check_widths(body: RecGenerateRequest, max_beam_width: int) -> tuple[int, i
 async def rec_generate(
     ctx: ServingContext, directory: CatalogDirectory, body: RecGenerateRequest, request: Request
 ) -> RecGenerateResponse:
-    ctx.check_model(body.model)
+    lora_name = ctx.check_model(body.model)
     top_k, num_items = _check_widths(body, ctx.config.scheduler.max_beam_width)
     if isinstance(body.prompt, list) and not body.prompt:
         raise InvalidRequestError("The prompt must not be empty.", param="prompt")
@@ -62,6 +62,7 @@ async def rec_generate(
         max_tokens=info.item_len,
         ignore_eos=True,
         use_beam_search=True,
+        lora_name=lora_name,
         beam_width=body.beam_width,
         length_penalty=0.0,  # score = plain sum of logprobs (all items have the same length)
         beam_top_k=top_k,
@@ -89,7 +90,7 @@ async def rec_generate(
         prompt_tokens=len(prompt_ids), completion_tokens=num_out, total_tokens=len(prompt_ids) + num_out
     )
     return RecGenerateResponse(
-        id=req_id, model=ctx.model_name, catalog=body.catalog, items=items, usage=usage
+        id=req_id, model=lora_name or ctx.model_name, catalog=body.catalog, items=items, usage=usage
     )
 
 

@@ -131,7 +131,7 @@ async def create_chat_completion(
 ) -> Response:
     """Validate, admit and run a chat completions request."""
     arrival = time.monotonic()
-    ctx.check_model(body.model)
+    body._lora_name = ctx.check_model(body.model)
     check_n(body.n, ctx.config.service.max_n)
     check_stream_options(body)
     apply_server_options(
@@ -186,7 +186,7 @@ def _response(
         prompt_logprobs = prompt_logprobs_field(token_text, gen.prompt_ids, state, body.prompt_logprobs)
     return ChatCompletionResponse(
         id=gen.req_id,
-        model=ctx.model_name,
+        model=body._lora_name or ctx.model_name,
         choices=choices,
         usage=_usage(gen, reasoning_tokens),
         prompt_token_ids=prompt_ids,
@@ -215,7 +215,7 @@ async def _stream(
         return dump(
             ChatCompletionChunk(
                 id=gen.req_id,
-                model=ctx.model_name,
+                model=body._lora_name or ctx.model_name,
                 choices=choices,
                 usage=usage,
                 prompt_token_ids=prompt_ids,
@@ -226,7 +226,11 @@ async def _stream(
     token_text = TokenText(ctx.tokenizer, body.return_tokens_as_token_ids)
     num_top = None if body.logprob_token_ids else (body.top_logprobs or 0)
     # token chunks without ids or usage on them come encoded already (``sse_chunks.py``)
-    plain = None if body.return_token_ids or body.continuous_usage else ChatChunks(gen.req_id, ctx.model_name)
+    plain = (
+        None
+        if body.return_token_ids or body.continuous_usage
+        else ChatChunks(gen.req_id, body._lora_name or ctx.model_name)
+    )
     for i in range(body.n):
         prompt_ids = gen.prompt_ids if body.return_token_ids and i == 0 else None  # on the first chunk
         yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))], i, prompt_ids)

@@ -194,7 +194,7 @@ def _usage(gens: list[Generation]) -> Usage:
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
     """Validate, admit and run a completions request."""
     arrival = time.monotonic()
-    ctx.check_model(body.model)
+    body._lora_name = ctx.check_model(body.model)
     body = _resolve_beam_fields(body, ctx.config.scheduler.max_beam_width)
     check_n(body.n, ctx.config.service.max_n)
     check_stream_options(body)
@@ -251,7 +251,7 @@ def _response(
             )
     return CompletionResponse(
         id=req_id,
-        model=ctx.model_name,
+        model=body._lora_name or ctx.model_name,
         choices=choices,
         usage=_usage(gens),
         metrics=request_metrics(ctx, gens),
@@ -321,7 +321,9 @@ async def _stream(
     token chunks come encoded already (``sse_chunks.py``: the per-token work stays small)."""
 
     ids = _StreamTokenIds(body, gens)
-    plain = None if ids.wanted else CompletionChunks(req_id, ctx.model_name)  # no ids or usage per chunk
+    plain = (
+        None if ids.wanted else CompletionChunks(req_id, body._lora_name or ctx.model_name)
+    )  # no ids or usage per chunk
 
     def chunk(
         choices: list[CompletionChoice], usage: Usage | None = None, metrics: PerRequestMetrics | None = None
@@ -329,7 +331,11 @@ async def _stream(
         return ids.strip(
             dump(
                 CompletionResponse(
-                    id=req_id, model=ctx.model_name, choices=choices, usage=usage, metrics=metrics
+                    id=req_id,
+                    model=body._lora_name or ctx.model_name,
+                    choices=choices,
+                    usage=usage,
+                    metrics=metrics,
                 )
             )
         )

@@ -16,6 +16,7 @@ from xservice.config import XllmConfig
 from xservice.http.errors import EngineUnavailableError, ModelNotFoundError, RateLimitError
 from xservice.http.metrics import ServiceMetrics
 from xservice.serving.body_parse import BodyParser
+from xservice.serving.lora_models import LoRAModels
 from xservice.serving.reasoning.registry import ReasoningFamily
 from xservice.serving.reasoning.registry import resolve_family as resolve_reasoning_family
 from xservice.serving.request_limits import RequestLimits
@@ -110,12 +111,24 @@ class ServingContext:
         """The reasoning parser family (``service.reasoning_parser``); None: outputs are not split."""
         return resolve_reasoning_family(self.config.service.reasoning_parser)
 
-    def check_model(self, name: str | None) -> None:
-        """404 unless ``name`` is empty or the served model's name."""
-        if name and name != self.model_name:
+    @cached_property
+    def loras(self) -> LoRAModels:
+        """The LoRA adapters this server answers to (``lora.lora_modules`` and those loaded since)."""
+        return LoRAModels.from_config(self.config.lora)
+
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter ``name`` names (None: the base model); 404 unless ``name`` is empty, the
+        served model's name or an adapter's."""
+        if not name or name == self.model_name:
+            return None
+        adapter = self.loras.adapter_of(name)
+        if adapter is None:
+            adapters = "".join(f", '{a}'" for a in self.loras.adapters)
             raise ModelNotFoundError(
-                f"The model '{name}' does not exist; this server serves '{self.model_name}'.", param="model"
+                f"The model '{name}' does not exist; this server serves '{self.model_name}'{adapters}.",
+                param="model",
             )
+        return adapter
 
     def check_engine(self) -> None:
         if not self.engine_client.is_alive:

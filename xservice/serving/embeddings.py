@@ -40,11 +40,12 @@ MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
 async def create_embeddings(ctx: ServingContext, body: EmbeddingRequest, request: Request) -> Response:
     """Validate, admit and run an embeddings request."""
     arrival = time.monotonic()
-    ctx.check_model(body.model)
+    lora_name = ctx.check_model(body.model)
     _check_dimensions(body.dimensions, ctx.engine_client.info.hidden_size)
     inputs = await _input_ids(ctx, body.input)
     req_id = new_request_id("embd")
-    params, pooling = SamplingParams(max_tokens=0), PoolingParams(dimensions=body.dimensions)
+    params = SamplingParams(max_tokens=0, lora_name=lora_name)
+    pooling = PoolingParams(dimensions=body.dimensions)
     gens = [
         Generation(ctx, f"{req_id}-{i}", ids, params, body.priority, arrival=arrival, pooling=pooling)
         for i, ids in enumerate(inputs)
@@ -61,7 +62,9 @@ async def create_embeddings(ctx: ServingContext, body: EmbeddingRequest, request
     ]
     num_tokens = sum(len(ids) for ids in inputs)
     usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
-    return JSONResponse(dump(EmbeddingResponse(id=req_id, model=ctx.model_name, data=data, usage=usage)))
+    return JSONResponse(
+        dump(EmbeddingResponse(id=req_id, model=lora_name or ctx.model_name, data=data, usage=usage))
+    )
 
 
 def _check_dimensions(dimensions: int | None, hidden_size: int) -> None:

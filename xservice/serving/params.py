@@ -130,6 +130,7 @@ def build_sampling_params(
         allowed_token_ids=limits.allowed_token_ids,
         bad_words_token_ids=limits.bad_words_token_ids,
         logprob_token_ids=body.logprob_token_ids,
+        lora_name=body._lora_name,
     )
     try:
         params.validate(vocab_size, max_logprobs=-1)  # the counts were checked against the server's limit

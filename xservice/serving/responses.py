@@ -107,7 +107,7 @@ def _initial_response(
 async def create_response(ctx: ServingContext, body: ResponsesRequest, request: Request) -> Response:
     """Validate, admit and run a Responses API request."""
     arrival = time.monotonic()
-    ctx.check_model(body.model)
+    lora_name = ctx.check_model(body.model)
     resp_id = new_request_id("resp")
     conversation = input_messages(body, takes_images=ctx.images is not None)
     render = await chat_render(ctx, chat_template_kwargs=body.chat_template_kwargs)
@@ -135,9 +135,12 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, request: 
     )
     structured = await asyncio.to_thread(text_constraint, body.text) if body.text is not None else None
     params = _sampling_params(body, max_tokens, plan, ctx.vocab_size, structured)
+    params.lora_name = lora_name
     gen = Generation(ctx, resp_id, prompt.ids, params, rename=_RENAME, arrival=arrival)
     gen.images = prompt.images or None
-    builder = ResponseBuilder(_initial_response(body, resp_id, ctx.model_name, params), plan.new_parser())
+    builder = ResponseBuilder(
+        _initial_response(body, resp_id, lora_name or ctx.model_name, params), plan.new_parser()
+    )
     ticket = ctx.admit()
     if body.stream:
         return sse_response(_stream(gen, builder), ticket, ctx.metrics, named=True)
