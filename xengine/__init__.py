@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,6 +16,10 @@ def __getattr__(name: str) -> Any:
         from xengine.api.messages import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from xengine.api.lora_request import LoRARequest
+
+        return LoRARequest
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from xengine import llm
 

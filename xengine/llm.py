@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 
 from xengine.api.chat_images import ChatImageBuilder, image_parts
 from xengine.api.config import EngineConfig, from_dict
+from xengine.api.lora_request import LoRARequest
 from xengine.api.media import MediaLimits
 from xengine.api.messages import (
     AddRequest,
@@ -141,10 +143,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Priority = "online",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for each prompt (text or token ids); outputs come back in prompt order.
+        ``lora_request``: the adapter of every prompt, or one per prompt (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = self._with_lora(_as_params_list(sampling_params, len(prompt_list)), lora_request)
         items = []
         for prompt, params in zip(prompt_list, params_list):
             text = prompt if isinstance(prompt, str) else None
@@ -173,6 +177,30 @@ class LLM:
         ]
         return self._run(items, use_tqdm, "online", PoolingParams(dimensions=dimensions))
 
+    def _with_lora(
+        self, params: list[SamplingParams], lora: LoRARequest | Sequence[LoRARequest | None] | None
+    ) -> list[SamplingParams]:
+        """Each prompt's params naming its adapter, registered in the engine on first use."""
+        if lora is None:
+            return params
+        loras = [lora] * len(params) if isinstance(lora, LoRARequest) else list(lora)
+        if len(loras) != len(params):
+            raise ValueError(f"{len(loras)} lora_request entries for {len(params)} prompts")
+        manager = self.engine.lora
+        out = []
+        for p, req in zip(params, loras):
+            if req is None:
+                out.append(p)
+                continue
+            if manager is None:
+                raise ValueError("lora_request needs an engine serving adapters: LLM(..., enable_lora=True)")
+            if req.lora_path and manager.paths.get(req.lora_name) != req.lora_path:
+                manager.register(req.lora_name, req.lora_path, replace=True)
+            elif not manager.knows(req.lora_name):
+                raise ValueError(f"LoRA adapter {req.lora_name!r} is not registered; give its lora_path")
+            out.append(msgspec.structs.replace(p, lora_name=req.lora_name))
+        return out
+
     def _ids_of(self, prompt: PromptType) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
@@ -186,11 +214,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. Messages may hold
         OpenAI-style ``image_url`` content parts (vision-language models; ``ValueError`` for a bad image)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        params_list = _as_params_list(sampling_params, len(conversations))
+        params_list = self._with_lora(_as_params_list(sampling_params, len(conversations)), lora_request)
         items, images = [], []
         for conv, params in zip(conversations, params_list):
             if next(image_parts(conv), None) is not None:

@@ -184,3 +184,25 @@ def test_partial_graphs(make_model_dir, tmp_path) -> None:
         assert engine.runner.graph.stats.num_replays > 0
     finally:
         engine.shutdown()
+
+
+def test_offline_llm_lora_request(setup) -> None:
+    """vLLM's offline API: ``LLM(..., enable_lora=True).generate(prompts, params, lora_request=...)``,
+    the adapter registered on first use, one per prompt or one for all."""
+    from xengine import LLM, LoRARequest
+
+    base, adapters, oracle = setup
+    llm = LLM(str(base), enable_lora=True, max_loras=2, num_blocks=128, block_size=16)
+    try:
+        prompts = _prompts()[:3]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        one = LoRARequest("attn8", 1, str(adapters["attn8"]))
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=one)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [oracle.greedy("attn8", p) for p in prompts]
+        each = [None, LoRARequest("mlp4", 2, str(adapters["mlp4"])), one]
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=each)
+        want = [oracle.greedy(n, p) for n, p in zip((None, "mlp4", "attn8"), prompts)]
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        assert params.lora_name is None  # the caller's params are left as they were
+    finally:
+        llm.shutdown()
