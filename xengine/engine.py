@@ -460,6 +460,7 @@ class Engine:
             num_encode_steps=getattr(self.scheduler.encode_stage, "num_encode_steps", 0),
             spec_decode=spec_stats_msg(self.scheduler.drafter),
             kv_tiers=self.tiers.stats() if self.tiers is not None else None,
+            lora=self.lora.stats(s.running, s.waiting) if self.lora is not None else None,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -19,6 +19,7 @@ from xengine.api.embed_messages import (  # noqa: F401 - EPD embedding transfer,
     EmbedRelease,
 )
 from xengine.api.kv_tiers_messages import KVTiersStatsMsg, KVTierStatsMsg  # noqa: F401 - re-exported
+from xengine.api.lora_messages import LoadLoRA, LoRAStatsMsg, UnloadLoRA  # noqa: F401 - re-exported
 from xengine.api.multimodal import ImageInput
 from xengine.api.sampling_params import (  # noqa: F401 - re-exported: the messages' field types
     MAX_BEAM_WIDTH,
@@ -82,21 +83,6 @@ class RegisterCatalog(msgspec.Struct, tag="register_catalog", kw_only=True):
     call_id: int
     name: str
     items: list[list[int]]  # each item a fixed-length tuple of token ids
-
-
-class LoadLoRA(msgspec.Struct, tag="load_lora", kw_only=True):
-    """Register LoRA adapter ``name`` from PEFT folder ``path`` (``replace``: a loaded one of that name
-    too); answered by a ``UtilityResult`` (``ok=False`` and the error if it cannot be served)."""
-
-    call_id: int
-    name: str
-    path: str
-    replace: bool = False
-
-
-class UnloadLoRA(msgspec.Struct, tag="unload_lora", kw_only=True):
-    call_id: int
-    name: str
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -199,6 +185,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_encode_steps: int = 0  # steps that carried image encodes (``scheduler.encode_scheduling: stage``)
     spec_decode: SpecDecodeStatsMsg | None = None  # speculative decoding, when it is on
     kv_tiers: KVTiersStatsMsg | None = None  # KV tiers behind the prefix cache, when configured
+    lora: LoRAStatsMsg | None = None  # LoRA adapters, when served
 
 
 class ColocationStatsMsg(msgspec.Struct, kw_only=True):

@@ -20,6 +20,7 @@ from torch import nn
 
 from ops.lora import LoRAGroups
 from xengine.api.lora_config import LoRAConfig, parse_lora_modules
+from xengine.api.lora_messages import LoRAStatsMsg
 from xengine.lora.adapter import LoRAAdapter, load_adapter
 from xengine.lora.slots import LoRASlots
 from xengine.request import Request
@@ -62,6 +63,20 @@ class LoRAManager:
         """Forget adapter ``name`` (``KeyError`` if unknown); requests of it already running finish."""
         path = self.paths.pop(name)
         self._retired[name] = path
+
+    def stats(self, running: Iterable[Request], waiting: Iterable[Request]) -> LoRAStatsMsg:
+        def names(reqs: Iterable[Request]) -> list[str]:
+            return sorted({r.params.lora_name for r in reqs if r.params.lora_name is not None})
+
+        return LoRAStatsMsg(
+            max_loras=self.config.max_loras,
+            num_adapters=len(self.paths),
+            running_adapters=names(running),
+            waiting_adapters=names(waiting),
+            slot_adapters=list(self.slot_of),
+            num_slot_loads=self.num_slot_loads,
+            num_disk_loads=self.num_disk_loads,
+        )
 
     def names(self) -> list[str]:
         return list(self.paths)

@@ -12,6 +12,7 @@ from xengine.api.messages import (
     GraphStatsMsg,
     KVTiersStatsMsg,
     KVTierStatsMsg,
+    LoRAStatsMsg,
     SpecDecodeStatsMsg,
     StatePoolStatsMsg,
     WindowPoolStatsMsg,
@@ -68,6 +69,12 @@ def sum_engine_stats(stats: Sequence[EngineStats]) -> EngineStats:
     tiers = [s.kv_tiers for s in stats if s.kv_tiers is not None]
     if tiers:
         total.kv_tiers = sum_kv_tiers(tiers)
+    loras = [s.lora for s in stats if s.lora is not None]
+    if loras:  # the instances' adapter sets united; max_loras and num_adapters are per instance
+        total.lora = sum_structs(loras, LoRAStatsMsg())
+        total.lora.max_loras, total.lora.num_adapters = loras[0].max_loras, max(x.num_adapters for x in loras)
+        for f in ("running_adapters", "waiting_adapters", "slot_adapters"):
+            setattr(total.lora, f, sorted({a for x in loras for a in getattr(x, f)}))
     return total
 
 

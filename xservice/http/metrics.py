@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from xengine.api.messages import EngineStats
 from xservice.http.metrics_kv_tiers import KVTiersCollector
+from xservice.http.metrics_lora import LoRACollector
 from xservice.http.metrics_vllm import VllmNamesCollector
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class ServiceMetrics:
         self.model_name = "unknown"  # the served name, for the vLLM-named metrics' label (set by the app)
         self.engine_stats: EngineStats | None = None  # from the last scrape
         r.register(KVTiersCollector(lambda: self.engine_stats))  # per KV tier (metrics_kv_tiers.py)
+        r.register(LoRACollector(lambda: self.engine_stats))  # LoRA adapters (metrics_lora.py)
         self.ttft = Histogram(
             "xllm_time_to_first_token_seconds",
             "Arrival to first token.",

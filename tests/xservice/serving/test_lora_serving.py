@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -209,3 +210,17 @@ def test_runtime_routes_are_off_by_default(launch_server: Any, model_dir: Path, 
         assert base.status_code == 200 and base.json()["model"] == "a"
     finally:
         handle.stop()
+
+
+def test_metrics(server: Any) -> None:
+    """vLLM's ``vllm:lora_requests_info`` and xllm's slot / folder loads on ``/metrics``."""
+    _tokens(_client(server), "tenant5")
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(server.base_url + "/metrics", timeout=10).text
+        if 'vllm:lora_requests_info{max_lora="4"' in text or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert 'vllm:lora_requests_info{max_lora="4"' in text
+    assert f"xllm_lora_adapters {float(NUM_ADAPTERS)}" in text
+    assert "xllm_lora_slot_loads_total" in text and "xllm_lora_disk_loads_total" in text
