@@ -240,6 +240,7 @@ class ClusterAgent:
             steps=_take_samples(self._steps, keys.MAX_SAMPLES),
             tier_block_load_ms=_tier_load_ms(stats),
             prefill_token_ms=self.prefill_token_ms,
+            lora_adapters=list(stats.lora.slot_adapters) if stats.lora is not None else [],
         )
         await store.put(keys.key(self.key_prefix, "load", self.record.name), keys.encode(report), self._lease)
 

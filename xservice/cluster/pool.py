@@ -31,13 +31,7 @@ from typing import Any
 import msgspec
 
 from xengine.api.image_keys import cache_token_ids
-from xengine.api.messages import (
-    AddRequest,
-    CatalogInfo,
-    CompletionDelta,
-    EngineInfo,
-    EngineStats,
-)
+from xengine.api.messages import AddRequest, CatalogInfo, CompletionDelta, EngineInfo, EngineStats
 from xengine.api.security import ClusterKey
 from xservice.cluster.colocation import Colocation
 from xservice.cluster.continuation import continue_request
@@ -221,6 +215,7 @@ class InstancePool:
                     num_running=load.num_running if load else 0,
                     num_waiting=load.num_waiting if load else 0,
                     kv_usage=load.kv_usage if load else 0.0,
+                    lora_adapters=frozenset(load.lora_adapters) if load else frozenset(),
                 )
             )
         return out
@@ -232,7 +227,10 @@ class InstancePool:
         return role or PD_ROLE_OF.get(client.record.role, client.record.role)
 
     def route(
-        self, prompt_token_ids: list[int], prefer: Sequence[Sequence[str]] = PLAIN_ROLES
+        self,
+        prompt_token_ids: list[int],
+        prefer: Sequence[Sequence[str]] = PLAIN_ROLES,
+        lora: str | None = None,
     ) -> RemoteEngineClient:
         """An instance of the first role group in ``prefer`` that has a healthy one (routing policy)."""
         snapshots = self.snapshots()
@@ -243,7 +241,8 @@ class InstancePool:
                 break
         if not candidates:
             raise EngineDeadError("no healthy engine instance to serve the request")
-        return self.clients[self.policy.select(self.route_request(prompt_token_ids), candidates)]
+        request = dataclasses.replace(self.route_request(prompt_token_ids), lora_name=lora)
+        return self.clients[self.policy.select(request, candidates)]
 
     def route_request(self, prompt_token_ids: list[int]) -> RouteRequest:
         """The prompt's whole-block count and, per instance, how many leading blocks it holds
@@ -301,8 +300,9 @@ class InstancePool:
         migrated = False
         try:
             while True:
+                lora = sub.params.lora_name
                 client = client or self.route(
-                    cache_token_ids(sub.prompt_token_ids, sub.images, sub.params.lora_name), prefer
+                    cache_token_ids(sub.prompt_token_ids, sub.images, lora), prefer, lora
                 )
                 name, moved_to = client.name, None
                 try:
@@ -377,8 +377,7 @@ class InstancePool:
         return any(await asyncio.gather(*(c.ping(timeout_s) for c in clients))) if clients else False
 
     async def reset_prefix_cache(self, timeout_s: float = 5.0) -> bool:
-        clients = [c for c in self.clients.values() if c.is_alive]
-        return all(await asyncio.gather(*(c.reset_prefix_cache(timeout_s) for c in clients)))
+        return all(await asyncio.gather(*(c.reset_prefix_cache(timeout_s) for c in self._alive())))
 
     async def register_catalog(
         self, name: str, items: list[list[int]], timeout_s: float = 60.0
@@ -393,14 +392,15 @@ class InstancePool:
         """None: a cluster serves no item catalogs (see ``register_catalog``)."""
         return []
 
+    def _alive(self) -> list[RemoteEngineClient]:
+        return [c for c in self.clients.values() if c.is_alive]
+
     async def load_lora(self, name: str, path: str, replace: bool = False, timeout_s: float = 120.0) -> None:
         """Every live instance registers the adapter (a decode instance needs it as much as a prefill one)."""
-        clients = [c for c in self.clients.values() if c.is_alive]
-        await asyncio.gather(*(c.load_lora(name, path, replace, timeout_s) for c in clients))
+        await asyncio.gather(*(c.load_lora(name, path, replace, timeout_s) for c in self._alive()))
 
     async def unload_lora(self, name: str, timeout_s: float = 10.0) -> None:
-        clients = [c for c in self.clients.values() if c.is_alive]
-        await asyncio.gather(*(c.unload_lora(name, timeout_s) for c in clients))
+        await asyncio.gather(*(c.unload_lora(name, timeout_s) for c in self._alive()))
 
     @property
     def is_alive(self) -> bool:

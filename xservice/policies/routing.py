@@ -33,6 +33,7 @@ class InstanceSnapshot:
     num_running: int = 0  # engine side, from the last heartbeat
     num_waiting: int = 0
     kv_usage: float = 0.0
+    lora_adapters: frozenset[str] = frozenset()  # LoRA adapters in its device slots (last heartbeat)
 
     @property
     def load(self) -> int:
@@ -47,6 +48,12 @@ class RouteRequest:
     tier_blocks: Mapping[str, tuple[int, int]] | None = None
     # instance -> what loading one L2 / L3 block costs as a fraction of computing it (0: free as an L1 hit)
     tier_cost: Mapping[str, tuple[float, float]] | None = None
+    lora_name: str | None = None  # the request's LoRA adapter: instances holding it in a slot are preferred
+
+
+def has_adapter(request: RouteRequest, c: InstanceSnapshot) -> bool:
+    """Whether ``c`` holds the request's adapter in a device slot (a base-model request: every one does)."""
+    return request.lora_name is None or request.lora_name in c.lora_adapters
 
 
 DEFAULT_TIER_COST = (0.05, 0.25)  # (L2, L3) before an instance has measured its loads and prefills
@@ -104,14 +111,16 @@ class LeastLoadPolicy(BaseRoutingPolicy):
     name = "least_load"
 
     def select(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> str:
-        return min(_check(candidates), key=lambda c: (c.load, c.kv_usage, c.name)).name
+        key = lambda c: (c.load, not has_adapter(request, c), c.kv_usage, c.name)  # noqa: E731
+        return min(_check(candidates), key=key).name
 
 
 class CacheAwarePolicy(BaseRoutingPolicy):
     name = "cache_aware"
 
-    def __init__(self, match_weight: float = 2.0) -> None:
+    def __init__(self, match_weight: float = 2.0, lora_weight: float = 0.5) -> None:
         self.match_weight = match_weight
+        self.lora_weight = lora_weight  # an adapter already in a slot: worth half an idle instance
 
     def scores(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> dict[str, float]:
         ordered = _check(candidates)
@@ -120,7 +129,11 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         for c in ordered:
             frac = effective_blocks(request, c.name) / request.num_blocks if request.num_blocks else 0.0
             norm_load = c.load / max_load if max_load > 0 else 0.0
-            out[c.name] = self.match_weight * frac - norm_load
+            out[c.name] = (
+                self.match_weight * frac
+                - norm_load
+                + self.lora_weight * (request.lora_name in c.lora_adapters)
+            )
         return out
 
     def select(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> str:

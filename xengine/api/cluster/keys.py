@@ -64,6 +64,7 @@ class LoadReport(msgspec.Struct, kw_only=True):
     # L3 hit saves against recomputing it, for cache-aware routing
     tier_block_load_ms: dict[str, float] = {}
     prefill_token_ms: float | None = None
+    lora_adapters: list[str] = []  # LoRA adapters in the instance's device slots: routing prefers them
 
 
 MAX_SAMPLES = 64  # per kind and LoadReport
