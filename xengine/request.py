@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from xengine.api.image_keys import lora_cache_key
+from xengine.api.image_keys import salted_key
 from xengine.api.messages import PoolingParams, Priority, PromptLogprobs, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -88,8 +88,9 @@ class Request:
     def cache_token_ids(self) -> list[int]:
         """The tokens as the prefix cache keys them: image pads stand for their image's content."""
         keys = self.prompt_token_ids if self.mm is None else self.mm.cache_prompt_ids
-        if self.params.lora_name is not None:  # an adapter's KV is its own: the first key names it
-            keys = [lora_cache_key(self.params.lora_name, keys[0]), *keys[1:]]
+        lora, salt = self.params.lora_name, self.params.cache_salt
+        if lora is not None or salt is not None:  # an adapter's KV is its own, a salt's is private
+            keys = [salted_key(keys[0], lora, salt), *keys[1:]]
         return keys + self.output_token_ids
 
     @property

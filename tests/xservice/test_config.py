@@ -38,6 +38,7 @@ def test_preset_loads_validates_and_round_trips(path: Path) -> None:
             got = getattr(getattr(cfg, section), key)
             for sub, item in value.items() if dataclasses.is_dataclass(got) else [(None, value)]:
                 field = getattr(got, sub) if sub else got
+                field = list(field) if isinstance(field, tuple) else field  # a YAML list is kept as a tuple
                 assert field == item, f"{path.name}: {section}.{key}{'.' + sub if sub else ''}"
     # what the engine process receives: EngineConfig as JSON, rebuilt with from_dict
     rebuilt = from_dict(EngineConfig, json.loads(json.dumps(dataclasses.asdict(cfg.engine))))

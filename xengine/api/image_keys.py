@@ -1,7 +1,7 @@
 """How the prefix cache keys a prompt with images, computable without the engine (torch-free).
 
-A LoRA request's first position is keyed by its adapter (``lora_cache_key``): each adapter has a
-prefix cache of its own. Each image's pad tokens are keyed by a negative 62-bit integer derived from the image's content
+A request's first position is keyed by its LoRA adapter and its ``cache_salt`` (``salted_key``): each
+adapter and each salt has a prefix cache of its own. Each image's pad tokens are keyed by a negative 62-bit integer derived from the image's content
 hash (never a token id), so blocks of two different images never match while a repeated image does.
 The engine keys its radix cache this way (``xengine/multimodal/request_images.py``; a test pins the
 two together); the service uses it to name a prompt's KV blocks in PD's export / import.
@@ -21,23 +21,28 @@ def image_cache_key(content_hash: str) -> int:
     return -1 - (int.from_bytes(digest, "little") >> 2)
 
 
-def lora_cache_key(lora_name: str, first_key: int) -> int:
-    """The key of a LoRA request's first prompt position: the adapter and that position's own key
-    hashed into an integer below every image key (``< -2**62``), so no block of one adapter (or of the
-    base model) is found for another while prompts of one adapter share their prefixes."""
-    digest = hashlib.blake2b(f"{lora_name}\0{first_key}".encode(), digest_size=8).digest()
+def salted_key(first_key: int, lora_name: str | None, cache_salt: str | None) -> int:
+    """The key of the first prompt position of a request with a LoRA adapter or a ``cache_salt``: both
+    and that position's own key hashed into an integer below every image key (``< -2**62``), so no
+    block of one adapter (or salt, or of the base model unsalted) is found for another, while prompts
+    of the same adapter and salt share their prefixes."""
+    text = f"{lora_name!r}\0{cache_salt!r}\0{first_key}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return -(2**62) - 1 - (int.from_bytes(digest, "little") >> 3)
 
 
 def cache_token_ids(
-    prompt_token_ids: Sequence[int], images: Sequence[ImageInput] | None, lora_name: str | None = None
+    prompt_token_ids: Sequence[int],
+    images: Sequence[ImageInput] | None,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> list[int]:
-    """The prompt as the prefix cache keys it (the prompt itself when it has no images and no adapter)."""
+    """The prompt as the prefix cache keys it (the prompt itself without images, adapter or salt)."""
     keyed = list(prompt_token_ids)
     for im in images or ():
         keyed[im.offset : im.offset + im.length] = [image_cache_key(im.content_hash)] * im.length
-    if lora_name is not None and keyed:
-        keyed[0] = lora_cache_key(lora_name, keyed[0])
+    if (lora_name is not None or cache_salt is not None) and keyed:
+        keyed[0] = salted_key(keyed[0], lora_name, cache_salt)
     return keyed
 
 

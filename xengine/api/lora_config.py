@@ -35,6 +35,10 @@ class LoRAConfig:
         "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).",
     )
 
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_modules, list):  # from YAML or a flag: kept as the default's type
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+
     def validate(self) -> None:
         if self.max_loras < 1:
             raise ValueError("lora.max_loras must be >= 1")

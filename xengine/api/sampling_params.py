@@ -89,6 +89,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     beam_top_k: int = 0  # candidates per beam per step; 0: enough for an exact top-k (HF)
     catalog: str | None = None  # constrain the output to one item of this registered catalog
     lora_name: str | None = None  # the LoRA adapter serving it (``xengine/lora/``); None: the base model
+    cache_salt: str | None = None  # vLLM's: only requests of the same salt share prefix-cache blocks
     # Token-level constraints (``xengine/sampling/constraints.py``, ``xengine/structured/``): the output
     # follows a grammar; ``logit_bias`` (id -> [-100, 100]) is added to the logits; only
     # ``allowed_token_ids`` may be sampled; a ``bad_words_token_ids`` sequence's last token is banned

@@ -476,7 +476,7 @@ class PDDispatcher:
 
 def _kv_ids(req: AddRequest) -> list[int]:
     """The prompt as the prefix caches key it: each image's pads by a key of its content hash."""
-    return cache_token_ids(req.prompt_token_ids, req.images, req.params.lora_name)
+    return cache_token_ids(req.prompt_token_ids, req.images, req.params.lora_name, req.params.cache_salt)
 
 
 def _joined(deltas: list[CompletionDelta], field: str) -> list | None:

@@ -300,9 +300,9 @@ class InstancePool:
         migrated = False
         try:
             while True:
-                lora = sub.params.lora_name
+                lora, salt = sub.params.lora_name, sub.params.cache_salt
                 client = client or self.route(
-                    cache_token_ids(sub.prompt_token_ids, sub.images, lora), prefer, lora
+                    cache_token_ids(sub.prompt_token_ids, sub.images, lora, salt), prefer, lora
                 )
                 name, moved_to = client.name, None
                 try:

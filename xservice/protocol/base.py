@@ -55,7 +55,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "logits_processors": "custom logits processors cannot be loaded over the API",
     "vllm_xargs": "vLLM-specific extension arguments have no meaning in xllm",
     "kv_transfer_params": "vLLM's disaggregation hand-off; xllm's prefill/decode split is internal to its cluster",
-    "cache_salt": "prefix-cache salting is not implemented",
     "request_id": "the server assigns request ids",
     "prompt_embeds": "prompt embeddings are not accepted as input",
     "structural_tag": "structural tags are not supported; use 'response_format' or 'structured_outputs'",

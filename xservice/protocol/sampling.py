@@ -69,6 +69,8 @@ class SamplingRequest(APIRequest):
     # vLLM's extension: with logprobs on, each token's alternatives are the chosen token and exactly these
     # ids (not the top-k; ``top_logprobs`` / ``logprobs`` then sets no count)
     logprob_token_ids: list[int] | None = None
+    # vLLM's extension: only requests with the same salt share prefix-cache blocks (a tenant's privacy)
+    cache_salt: str | None = Field(default=None, min_length=1)
     # vLLM extensions: token ids in the response, logprob tokens as "token_id:<id>", prompt
     # truncation (keep ``truncate_prompt_tokens`` tokens; -1: the context less one) and detokenization
     return_token_ids: bool = False

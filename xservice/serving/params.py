@@ -131,6 +131,7 @@ def build_sampling_params(
         bad_words_token_ids=limits.bad_words_token_ids,
         logprob_token_ids=body.logprob_token_ids,
         lora_name=body._lora_name,
+        cache_salt=body.cache_salt,
     )
     try:
         params.validate(vocab_size, max_logprobs=-1)  # the counts were checked against the server's limit

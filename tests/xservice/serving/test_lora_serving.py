@@ -224,3 +224,23 @@ def test_metrics(server: Any) -> None:
     assert 'vllm:lora_requests_info{max_lora="4"' in text
     assert f"xllm_lora_adapters {float(NUM_ADAPTERS)}" in text
     assert "xllm_lora_slot_loads_total" in text and "xllm_lora_disk_loads_total" in text
+
+
+def test_cache_salt(server: Any) -> None:
+    """vLLM's ``cache_salt``: the second request of a salt reuses the first's blocks, another salt none;
+    an empty salt is a 400 naming the field."""
+    client = _client(server)
+    prompt = [7 + (i * 29) % 1900 for i in range(40)]
+
+    def cached(salt: str) -> int:
+        resp = client.completions.create(
+            model="tenant9", prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt}
+        )
+        return resp.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("s1") == 0
+    assert cached("s2") == 0
+    assert cached("s1") > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        cached("")
+    assert e.value.body["param"] == "cache_salt"
