@@ -58,8 +58,8 @@ def _patch_tokenizer_loaders() -> None:
 
 
 def _patch_downloads() -> None:
-    """Hub downloads: a model's weights resolve to the tiny checkpoint; a LoRA adapter to an empty
-    placeholder folder (the LoRA flags are dropped by the stand-in; xllm has no LoRA)."""
+    """Hub downloads: a model's weights resolve to the tiny checkpoint; a LoRA adapter to one generated
+    for it (``xengine/tools/make_lora.py``, rank 8 on the attention projections, seeded by the name)."""
     import tempfile
 
     try:
@@ -78,8 +78,20 @@ def _patch_downloads() -> None:
             return getattr(real_api(), name)
 
         def snapshot_download(self, repo_id: str, **kwargs: Any) -> str:
-            path = Path(tempfile.gettempdir()) / "xllm-compat-lora-placeholder" / repo_id
-            path.mkdir(parents=True, exist_ok=True)
+            path = Path(tempfile.gettempdir()) / "xllm-compat-lora" / repo_id
+            if not (path / "adapter_config.json").is_file():
+                import subprocess
+                import zlib
+
+                seed = str(zlib.crc32(repo_id.encode()) % 1000)
+                cmd = [
+                    os.environ["XLLM_COMPAT_PYTHON"],
+                    "-m",
+                    "xengine.tools.make_lora",
+                    MODEL_DIR,
+                    str(path),
+                ]
+                subprocess.run([*cmd, "--seed", seed], cwd=os.environ["XLLM_COMPAT_REPO"], check=True)
             return str(path)
 
     ru.hf_api = lambda: _NoHub()

@@ -57,6 +57,8 @@ SAME_FLAGS = frozenset(
         "--trust-request-chat-template", "--tool-call-parser", "--max-logprobs", "--logprobs-mode",
         "--enable-per-request-metrics", "--enable-force-include-usage", "--return-tokens-as-token-ids",
         "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
+        "--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+        "--allow-runtime-lora-updating",
     }
 )  # fmt: skip
 # vLLM flag -> (xllm flag, fixed value or None to pass the vLLM value on)
@@ -91,11 +93,7 @@ DROPPED_FLAGS: dict[str, str] = {
 # the server starts, so each test is judged on its merits; a failure there that no more specific rule
 # explains is classified "xllm-missing: <feature>" (classify.py reads the module -> features map).
 SOFT_FEATURE_FLAGS: dict[str, str] = {
-    "--enable-lora": "LoRA adapters",
-    "--lora-modules": "LoRA adapters",
     "--lora-module": "LoRA adapters",
-    "--max-lora-rank": "LoRA adapters",
-    "--max-cpu-loras": "LoRA adapters",
     "--reasoning-parser": "reasoning parsers",
     "--exclude-tools-when-tool-choice-none": "--exclude-tools-when-tool-choice-none",
     "--root-path": "--root-path (serving under a path prefix)",
@@ -357,6 +355,8 @@ class RemoteOpenAIServer:
         vllm_serve_args = list(vllm_serve_args)
         if env_dict and env_dict.get("VLLM_API_KEY") and "--api-key" not in vllm_serve_args:
             vllm_serve_args += ["--api-key", env_dict["VLLM_API_KEY"]]  # vLLM's env form of --api-key
+        if (env_dict or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"):
+            vllm_serve_args += ["--allow-runtime-lora-updating"]  # vLLM's env switch of the LoRA routes
         flags, served, hard, soft = translate_args(model, vllm_serve_args)
         if override_hf_configs:
             hard.append("override_hf_configs")
