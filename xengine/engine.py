@@ -46,6 +46,7 @@ from xengine.parallel.data_parallel import start_parallel
 from xengine.parallel.tensor import kv_head_range
 from xengine.request import Request
 from xengine.runner.model_runner import ModelRunner
+from xengine.runner.prompt_embeds import attach_embeds
 from xengine.scheduler.scheduler import Scheduler
 from xengine.spec.build import build_drafter
 from xengine.spec.drafting import spec_stats_msg
@@ -339,6 +340,7 @@ class Engine:
             mm=request_images(req, self.vision, self.info.model_name, self.parallel is not None),
             encode_only=req.encode_only,
         )
+        attach_embeds(request, req.prompt_embeds, self.dtype, self.platform.torch_device())  # prompt_embeds
         note_arrival(request, self.interrupter)
         if req.params.structured_outputs is not None and not self.structured.admit(request, catalog):
             return  # waits (outside the scheduler) for its grammar to compile: ``_admit_compiled``

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from xengine.api.image_keys import salted_key
 from xengine.api.messages import PoolingParams, Priority, PromptLogprobs, SamplingParams, TokenLogprob
@@ -65,6 +65,10 @@ class Request:
     # images whose pad tokens the prompt holds (vision-language models): positions, prefix-cache keys
     mm: RequestImages | None = None
     encode_only: bool = False  # EPD: encode the images, finish "encoded" (``encode_stage.py``)
+    # vLLM's ``prompt_embeds``: the prompt's embeddings ([tokens, hidden] tensor; ``prompt_token_ids`` are
+    # placeholders) and their content key, which keys the prefix cache
+    prompt_embeds: Any = None
+    embeds_key: str | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -89,6 +93,8 @@ class Request:
         """The tokens as the prefix cache keys them: image pads stand for their image's content."""
         keys = self.prompt_token_ids if self.mm is None else self.mm.cache_prompt_ids
         lora, salt = self.params.lora_name, self.params.cache_salt
+        if self.embeds_key is not None:  # placeholder ids: the embeddings' content names the prefix
+            salt = f"{salt!r}:embeds:{self.embeds_key}"
         if lora is not None or salt is not None:  # an adapter's KV is its own, a salt's is private
             keys = [salted_key(keys[0], lora, salt), *keys[1:]]
         return keys + self.output_token_ids

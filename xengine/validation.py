@@ -51,6 +51,8 @@ def validate_request(engine: Engine, req: AddRequest) -> None:
         raise ValueError(f"invalid value for 'model': LoRA adapter {req.params.lora_name!r}: {why}")
     if req.encode_only:
         _validate_encode_only(engine, req)
+    if req.prompt_embeds is not None:
+        _validate_prompt_embeds(engine, req)
 
 
 def _validate_beam(engine: Engine, req: AddRequest) -> None:
@@ -77,6 +79,31 @@ def _validate_beam(engine: Engine, req: AddRequest) -> None:
             f"invalid value for 'beam_width': {params.beam_width} beams of up to {max_new} tokens may "
             f"need {need} KV blocks, the pool has {engine.kv.pool.num_blocks}; lower beam_width or max_tokens"
         )
+
+
+def _validate_prompt_embeds(engine: Engine, req: AddRequest) -> None:
+    embeds, what = req.prompt_embeds, "invalid value for 'prompt_embeds'"
+    if not engine.config.model.enable_prompt_embeds:
+        raise ValueError(
+            f"{what}: this server takes no prompt embeddings; start it with --enable-prompt-embeds"
+        )
+    if not hasattr(engine.model, "forward_embeds") or engine.parallel is not None:
+        raise ValueError(
+            f"{what}: not supported for {type(engine.model).__name__} (or with parallel ranks) yet"
+        )
+    if embeds.hidden_size != engine.model_info.hidden_size:
+        raise ValueError(
+            f"{what}: the embeddings' size is {embeds.hidden_size}, the model's hidden size {engine.model_info.hidden_size}"
+        )
+    if (
+        embeds.num_tokens != len(req.prompt_token_ids)
+        or len(embeds.data) != 4 * embeds.num_tokens * embeds.hidden_size
+    ):
+        raise ValueError(
+            f"{what}: {embeds.num_tokens} embeddings for {len(req.prompt_token_ids)} prompt positions"
+        )
+    if req.images or req.params.prompt_logprobs is not None:
+        raise ValueError(f"{what}: cannot be combined with images or prompt_logprobs")
 
 
 def _validate_encode_only(engine: Engine, req: AddRequest) -> None:

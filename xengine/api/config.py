@@ -43,6 +43,12 @@ class ModelConfig:
         "runs as it is.",
     )
 
+    enable_prompt_embeds: bool = _f(
+        False,
+        "Accept prompts given as embeddings (vLLM's --enable-prompt-embeds): /v1/completions' prompt_embeds, "
+        "base64 of torch.save of a [tokens, hidden] float32 / float16 / bfloat16 tensor, read without running "
+        "pickle code.",
+    )
     logprobs_mode: str = _f(
         "raw_logprobs",
         "What logprobs report (vLLM's --logprobs-mode): raw_logprobs (the model's own distribution, before "

@@ -21,6 +21,7 @@ from xengine.api.embed_messages import (  # noqa: F401 - EPD embedding transfer,
 from xengine.api.kv_tiers_messages import KVTiersStatsMsg, KVTierStatsMsg  # noqa: F401 - re-exported
 from xengine.api.lora_messages import LoadLoRA, LoRAStatsMsg, UnloadLoRA  # noqa: F401 - re-exported
 from xengine.api.multimodal import ImageInput
+from xengine.api.prompt_embeds import PromptEmbeds
 from xengine.api.sampling_params import (  # noqa: F401 - re-exported: the messages' field types
     MAX_BEAM_WIDTH,
     MAX_CATALOG_NAME_LEN,
@@ -63,6 +64,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     # EPD's encode stage on its own: encode ``images`` into the instance's image-embedding cache and
     # finish with finish_reason "encoded" and no tokens (``params.max_tokens`` must be 0)
     encode_only: bool = False
+    prompt_embeds: PromptEmbeds | None = None  # vLLM's: the prompt as embeddings (ids are placeholders)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -229,6 +229,16 @@ class DecoderForCausalLM(BaseCausalLM):
         """The token work of a forward whose attention context is already set (what graphs capture)."""
         return self.model(input_ids, positions)
 
+    def forward_embeds(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, embeds: torch.Tensor, at: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states of a step whose rows ``at`` take ``embeds`` (prompt embeddings, vLLM's
+        ``prompt_embeds``) instead of their token embeddings; the forward context must be set."""
+        hidden = self.model.embed_tokens(input_ids).index_copy(
+            0, at, embeds.to(self.model.embed_tokens.weight.dtype)
+        )
+        return self.model.forward_layers(positions, hidden, None)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 

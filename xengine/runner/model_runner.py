@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +27,7 @@ from xengine.multimodal.step_inputs import MultiModalStep, build_multimodal_step
 from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
 from xengine.runner.input_batch import ModelInputs, build_inputs, window_metadata
+from xengine.runner.prompt_embeds import embed_rows
 from xengine.runner.prompt_outputs import (
     PromptOutputRows,
     build_prompt_rows,
@@ -35,14 +36,15 @@ from xengine.runner.prompt_outputs import (
 )
 from xengine.runner.recurrent_inputs import recurrent_metadata
 from xengine.runner.sampling_reuse import SamplingReuse
-from xengine.sampling.beam_search import BeamRows, beam_candidates
+from xengine.runner.sampling_rows import SamplingRows
+from xengine.sampling.beam_search import beam_candidates
 from xengine.sampling.metadata import SamplingMetadata
 from xengine.sampling.sampler import Sampler, SamplerOutput, process_logits, processed_logprobs, raw_logprobs
 from xengine.scheduler.plan import SampledToken, SchedulePlan, StepOutput
 from xengine.spec.hidden_rows import HiddenRows
 from xengine.spec.verify import DraftGroup, verify
 from xengine.state_setup import StateSetup
-from xengine.structured.matcher import GrammarRows, SequenceMatchers
+from xengine.structured.matcher import SequenceMatchers
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -155,8 +157,8 @@ class ModelRunner:
                 inputs.positions = mm.positions
         recurrent = recurrent_metadata(plan) if plan.state_slots is not None else None
         lora = self.lora.step_groups((s.req, s.num_new_tokens) for s in plan.seqs) if self.lora else None
-        sampling = self._sampling_rows(plan)
-        return PreparedStep(plan, inputs, sampling, build_prompt_rows(plan), mm, recurrent, lora)
+        sampling, embeds = self._sampling_rows(plan), embed_rows(plan, self.device)
+        return PreparedStep(plan, inputs, sampling, build_prompt_rows(plan), mm, recurrent, lora, embeds)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep, prev_rows: torch.Tensor | None = None) -> StepOutput:
@@ -236,6 +238,8 @@ class ModelRunner:
                 hidden = self.layer_checks.resume(resume, inputs.positions)
             elif step.mm is not None and step.mm.pieces:
                 hidden = self._forward_images(inputs, step.mm)
+            elif step.embeds is not None:  # prompt embeddings (vLLM's ``prompt_embeds``): eager
+                hidden = self.model.forward_embeds(inputs.input_ids, inputs.positions, *step.embeds)
             else:
                 hidden = self.graph.run(inputs.input_ids, inputs.positions)
         logits = (
@@ -463,23 +467,6 @@ class ModelRunner:
 
 
 @dataclass
-class SamplingRows:
-    """How one step's logits rows map to sampled tokens (built on the engine thread)."""
-
-    rows: list[tuple[Request, int]] = field(default_factory=list)  # (sequence, sample index within it)
-    row_of_logit: list[int] = field(default_factory=list)
-    beams: BeamRows = field(default_factory=BeamRows)
-    beam_seq_ids: list[str] = field(default_factory=list)
-    num_outputs: list[int] = field(default_factory=list)  # per row: outputs before this step's token
-    # speculative decoding: per row the drafts it follows (its history's tail), and each sampled
-    # sequence's rows with its drafts; None in a step without drafts
-    row_drafts: list[list[int]] = field(default_factory=list)
-    groups: list[DraftGroup] | None = None
-    meta: SamplingMetadata | None = None
-    grammar: GrammarRows = field(default_factory=GrammarRows)  # structured-output rows and matchers
-
-
-@dataclass
 class PreparedStep:
     plan: SchedulePlan
     inputs: ModelInputs | None  # None: a step of image encodes only
@@ -488,6 +475,7 @@ class PreparedStep:
     mm: MultiModalStep | None = None  # requests with images in the step
     recurrent: RecurrentMetadata | None = None  # recurrent layers: the step's state slots
     lora: LoRAGroups | None = None  # the step's rows by LoRA adapter slot (None: base model only)
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # prompt embeddings and the rows taking them
 
 
 def _resolve(token_ids: torch.Tensor, prev_rows: torch.Tensor) -> torch.Tensor:

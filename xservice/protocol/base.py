@@ -56,6 +56,5 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "vllm_xargs": "vLLM-specific extension arguments have no meaning in xllm",
     "kv_transfer_params": "vLLM's disaggregation hand-off; xllm's prefill/decode split is internal to its cluster",
     "request_id": "the server assigns request ids",
-    "prompt_embeds": "prompt embeddings are not accepted as input",
     "structural_tag": "structural tags are not supported; use 'response_format' or 'structured_outputs'",
 }

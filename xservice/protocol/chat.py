@@ -62,6 +62,7 @@ class ChatMessage(APIRequest):
 
 CHAT_UNSUPPORTED_FIELDS: dict[str, str] = {
     **UNSUPPORTED_FIELDS,
+    "prompt_embeds": "prompt embeddings are accepted on /v1/completions only (as in vLLM)",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not available",

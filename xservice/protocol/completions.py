@@ -14,7 +14,9 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: PromptInput
+    prompt: PromptInput | None = None  # None: prompt_embeds only (one of the two is required)
+    # vLLM's: prompts as embeddings, base64 of torch.save([tokens, hidden]) (``--enable-prompt-embeds``)
+    prompt_embeds: str | list[str] | None = None
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None

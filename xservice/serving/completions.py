@@ -34,6 +34,7 @@ from xservice.serving.params import (
     num_logprobs,
     resolve_max_tokens,
 )
+from xservice.serving.prompt_embeds import prompt_embeds_of
 from xservice.serving.prompt_logprobs import (
     check_prompt_logprobs,
     concat,
@@ -139,14 +140,17 @@ def _check_fields(ctx: ServingContext, body: CompletionRequest) -> None:
 async def _generations(
     ctx: ServingContext, body: CompletionRequest, req_id: str, arrival: float
 ) -> tuple[list[Generation], list[str]]:
-    """One ``Generation`` per prompt, plus each prompt's text (for ``echo``)."""
-    prompts = await completion_prompts(
-        ctx,
-        body.prompt,
-        max_prompts=MAX_PROMPTS,
-        add_special_tokens=body.add_special_tokens,
-        truncation=resolve_truncation(body, ctx.max_model_len),
-    )
+    """One ``Generation`` per prompt (those given as embeddings first), plus each prompt's text (for ``echo``)."""
+    embeds = await prompt_embeds_of(ctx, body, MAX_PROMPTS)
+    prompts = [(None, [0] * e.num_tokens) for e in embeds]  # placeholder ids for the embeddings' positions
+    if body.prompt is not None:
+        prompts += await completion_prompts(
+            ctx,
+            body.prompt,
+            max_prompts=MAX_PROMPTS - len(embeds),
+            add_special_tokens=body.add_special_tokens,
+            truncation=resolve_truncation(body, ctx.max_model_len),
+        )
     await check_structured_outputs(body)  # the grammar sandbox, off the event loop
     gens, texts = [], []
     scores_prompt = body.echo or body.prompt_logprobs is not None
@@ -174,6 +178,7 @@ async def _generations(
             params = _beam_params(body, params, ctx.vocab_size)
         rename = constraint_rename(body)
         gen = Generation(ctx, f"{req_id}-{i}", ids, params, body.priority, rename=rename, arrival=arrival)
+        gen.prompt_embeds = embeds[i] if i < len(embeds) else None
         if body.use_beam_search:
             gen.state = _ScoredOutputState(gen.req_id, ctx.tokenizer, params, ids)
         gens.append(gen)

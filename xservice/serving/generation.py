@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from xengine.api.messages import AddRequest, PoolingParams, Priority, RequestSLO, SamplingParams
 from xengine.api.multimodal import ImageInput
+from xengine.api.prompt_embeds import PromptEmbeds
 from xengine.api.text.output_processor import RequestOutputState, SeqDelta, SeqOutput
 from xservice.engine.errors import EngineDeadError
 from xservice.http.errors import APIError, EngineUnavailableError, InternalError, from_value_error
@@ -48,6 +49,7 @@ class Generation:
         self.slo = slo  # its own TTFT / TPOT objectives (``xservice/serving/slo.py``)
         self.state = RequestOutputState(req_id, ctx.tokenizer, params, prompt_ids)
         self.images: list[ImageInput] | None = None  # a multimodal prompt's images (``serving/images.py``)
+        self.prompt_embeds: PromptEmbeds | None = None  # a prompt given as embeddings (its ids: placeholders)
         # timing (time.monotonic()): per-request metrics (``serving/request_metrics.py``)
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -78,6 +80,7 @@ class Generation:
             pooling=self.pooling,
             slo=self.slo,
             images=self.images,
+            prompt_embeds=self.prompt_embeds,
         )
         deltas = ctx.engine_client.generate(req)
         try:

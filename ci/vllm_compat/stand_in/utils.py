@@ -58,7 +58,7 @@ SAME_FLAGS = frozenset(
         "--enable-per-request-metrics", "--enable-force-include-usage", "--return-tokens-as-token-ids",
         "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
         "--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
-        "--allow-runtime-lora-updating",
+        "--allow-runtime-lora-updating", "--enable-prompt-embeds",
     }
 )  # fmt: skip
 # vLLM flag -> (xllm flag, fixed value or None to pass the vLLM value on)
@@ -66,6 +66,7 @@ RENAMED_FLAGS: dict[str, tuple[str, str | None]] = {
     "--no-enable-prefix-caching": ("--no-prefix-caching", ""),
     "--no-async-scheduling": ("--async-scheduling", "false"),
     "--async-scheduling": ("--async-scheduling", "true"),
+    "--lora-module": ("--lora-modules", None),
 }
 # Flags that only tune vLLM internals (or this CI's hardware) and change no API behaviour: dropped.
 DROPPED_FLAGS: dict[str, str] = {
@@ -93,7 +94,6 @@ DROPPED_FLAGS: dict[str, str] = {
 # the server starts, so each test is judged on its merits; a failure there that no more specific rule
 # explains is classified "xllm-missing: <feature>" (classify.py reads the module -> features map).
 SOFT_FEATURE_FLAGS: dict[str, str] = {
-    "--lora-module": "LoRA adapters",
     "--reasoning-parser": "reasoning parsers",
     "--exclude-tools-when-tool-choice-none": "--exclude-tools-when-tool-choice-none",
     "--root-path": "--root-path (serving under a path prefix)",
@@ -102,7 +102,6 @@ SOFT_FEATURE_FLAGS: dict[str, str] = {
 # errors with "xllm-missing: <feature>".
 HARD_FEATURE_FLAGS: dict[str, str] = {
     "--speculative-config": "speculative decoding with a draft model or head from the model hub (none here)",
-    "--enable-prompt-embeds": "prompt embeddings as input",
     "--tool-server": "MCP / built-in tool servers for /v1/responses",
     "--reasoning-config": "thinking-token budgets (reasoning config)",
     "--limit-mm-per-prompt": "multimodal inputs",
