@@ -99,6 +99,7 @@ MODES = {
     "async": {"async_scheduling": "on"},
     "chunked": {"max_num_batched_tokens": 16, "async_scheduling": "off"},
     "preemption": {"num_blocks": 20, "block_size": 4, "async_scheduling": "on"},
+    "xtensor": {"kv_layout": "xtensor", "num_blocks": None, "block_size": None, "kv_cache_memory_gb": 0.25},
 }
 
 
@@ -206,3 +207,17 @@ def test_offline_llm_lora_request(setup) -> None:
         assert params.lora_name is None  # the caller's params are left as they were
     finally:
         llm.shutdown()
+
+
+def test_moe_attention_projections(make_model_dir, tmp_path) -> None:
+    """A MoE model (Qwen3-MoE): adapters on its attention projections, mixed with the base model."""
+    base = make_model_dir("qwen3_moe")
+    adapters = {"attn8": make_lora(base, tmp_path / "attn8", 8, ("q_proj", "k_proj", "v_proj", "o_proj"))}
+    oracle = _Oracle(base, adapters)
+    engine = _engine(base, adapters, max_loras=1)
+    try:
+        prompts, names = _prompts()[:4], (None, "attn8", None, "attn8")
+        _check(oracle, prompts, names, _run(engine, prompts, names))
+        assert oracle.greedy("attn8", prompts[1]) != oracle.greedy(None, prompts[1])
+    finally:
+        engine.shutdown()
