@@ -49,6 +49,13 @@ def validate_request(engine: Engine, req: AddRequest) -> None:
             else "no such adapter"
         )
         raise ValueError(f"invalid value for 'model': LoRA adapter {req.params.lora_name!r}: {why}")
+    if req.params.lora_name is not None:
+        try:
+            engine.lora.acquire(req.params.lora_name)
+        except ValueError as e:
+            raise ValueError(
+                f"invalid value for 'model': LoRA adapter {req.params.lora_name!r}: {e}"
+            ) from None
     if req.encode_only:
         _validate_encode_only(engine, req)
     if req.prompt_embeds is not None:

@@ -2,7 +2,10 @@
 
 Registered adapters (``lora_modules``, or loaded at run time) are read from their folder when first
 used and kept in a host cache of ``max_cpu_loras`` (least recently used dropped first; read again when
-asked again). A step's adapters are put into device slots (``slots.py``): an adapter already in one
+asked again). A request's adapter is read when the request arrives (``acquire``: a folder that has
+become unreadable is that request's 400) and its host copy is never dropped while a request of it is
+in the engine (``live``), so a step never reads a folder: the cache may exceed ``max_cpu_loras`` while
+more adapters than that have requests. A step's adapters are put into device slots (``slots.py``): an adapter already in one
 stays, others take a free slot or the least recently used one no request of this step (or, with async
 scheduling, of the step still running) uses. The scheduler keeps a step's distinct adapters within
 ``max_loras`` (``lora_gate``), so there is always a slot: ``max_loras`` of them, twice that with async
@@ -40,6 +43,7 @@ class LoRAManager:
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.slot_of: OrderedDict[str, int] = OrderedDict()
         self._held: set[int] = set()  # slots the step still running uses (async scheduling)
+        self.live: Callable[[], set[str]] = set  # the adapters of the engine's requests (set by the engine)
         self.num_disk_loads = 0
         self.num_slot_loads = 0
         for name, path in parse_lora_modules(config.lora_modules):
@@ -63,6 +67,12 @@ class LoRAManager:
         """Forget adapter ``name`` (``KeyError`` if unknown); requests of it already running finish."""
         path = self.paths.pop(name)
         self._retired[name] = path
+
+    def acquire(self, name: str) -> None:
+        """A request of ``name`` arrives: its adapter read into the host cache now (``ValueError`` if its
+        folder cannot be read any more); kept there while the request is in the engine."""
+        if name not in self.host:
+            self._adapter(name)
 
     def stats(self, running: Iterable[Request], waiting: Iterable[Request]) -> LoRAStatsMsg:
         def names(reqs: Iterable[Request]) -> list[str]:
@@ -141,8 +151,11 @@ class LoRAManager:
     def _cache(self, adapter: LoRAAdapter) -> None:
         self.host[adapter.name] = adapter
         self.host.move_to_end(adapter.name)
-        while len(self.host) > self.config.host_capacity:
-            self.host.popitem(last=False)
+        excess = len(self.host) - self.config.host_capacity
+        if excess > 0:
+            keep = self.live() | {adapter.name}
+            for name in [n for n in self.host if n not in keep][:excess]:  # least recently used first
+                del self.host[name]
 
     def _drop_copies(self, name: str) -> None:
         """A re-registered name: its old weights must not be served from a cache."""

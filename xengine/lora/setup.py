@@ -21,6 +21,13 @@ def lora_blocker(engine: Any, config: EngineConfig) -> str | None:
     return None
 
 
+def _live_adapters(engine: Any) -> set[str]:
+    """The adapters of every request in the engine: scheduled, waiting, or waiting for its grammar."""
+    s = engine.scheduler
+    reqs = [*s.running, *s.waiting, *engine.structured.waiting.requests()]
+    return {r.params.lora_name for r in reqs if r.params.lora_name is not None}
+
+
 def start_lora(engine: Any, config: EngineConfig) -> LoRAManager | None:
     """The engine's adapters (None without ``lora.enable_lora``); ``ValueError`` if it cannot serve them."""
     if not config.lora.enable_lora:
@@ -31,5 +38,6 @@ def start_lora(engine: Any, config: EngineConfig) -> LoRAManager | None:
     device = engine.platform.torch_device()
     manager = LoRAManager(engine.model, config.lora, engine.dtype, device, engine.async_scheduling)
     engine.runner.lora = manager
+    manager.live = lambda: _live_adapters(engine)
     engine.scheduler.gates.append(lora_gate(engine.scheduler, config.lora.max_loras))
     return manager

@@ -44,6 +44,9 @@ class GrammarWaitQueue:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def requests(self) -> list[Request]:
+        return [w.request for w in self._waiting.values()]
+
     def take_done(self) -> list[GrammarReady]:
         """The requests whose compile finished (grammar attached, or the error), in arrival order."""
         done = [w for w in self._waiting.values() if w.future.done()]

@@ -221,3 +221,34 @@ def test_moe_attention_projections(make_model_dir, tmp_path) -> None:
         assert oracle.greedy("attn8", prompts[1]) != oracle.greedy(None, prompts[1])
     finally:
         engine.shutdown()
+
+
+def test_vanished_folder_never_stops_a_step(setup, tmp_path) -> None:
+    """Adapters are read when their requests arrive and kept in host memory while any request of them
+    is in the engine: their folders deleted mid-run, the running requests finish with the right tokens;
+    a later request of an adapter no longer in memory is refused (a ValueError naming 'model')."""
+    import shutil
+
+    base, adapters, oracle = setup
+    copies = {n: Path(shutil.copytree(adapters[n], tmp_path / n)) for n in ("attn8", "mlp4")}
+    engine = _engine(base, copies, max_loras=1, max_cpu_loras=1, async_scheduling="on")
+    try:
+        prompts, names = _prompts()[:4], ("attn8", "mlp4", "attn8", "mlp4")
+        for i, (prompt, name) in enumerate(zip(prompts, names)):
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, lora_name=name)
+            engine.add_request(AddRequest(req_id=str(i), prompt_token_ids=prompt, params=params))
+        for folder in copies.values():
+            shutil.rmtree(folder)
+        got: dict[int, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                assert d.error is None, d.error
+                got.setdefault(int(d.req_id), []).extend(d.new_token_ids)
+        _check(oracle, prompts, names, got)
+        engine.lora.register("mixed16", str(adapters["mixed16"]))  # pushes the idle ones out of memory
+        gone = next(n for n in copies if n not in engine.lora.host)
+        with pytest.raises(ValueError, match="'model'.*not found"):
+            params = SamplingParams(max_tokens=2, lora_name=gone)
+            engine.add_request(AddRequest(req_id="late", prompt_token_ids=[5, 6], params=params))
+    finally:
+        engine.shutdown()
