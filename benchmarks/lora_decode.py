@@ -215,7 +215,7 @@ def summarize(report: dict, cases: list[int]) -> list[dict]:
 
 
 SMOKE = dict(
-    size="tiny", num_requests=2, input_len=8, output_len=4, repeats=1, adapters=[1, 2], rank=4,
+    size="tiny", num_requests=2, input_len=8, output_len=4, repeats=1, adapters=[1, 2], rank=8,
     no_vllm=True, max_model_len=128,
 )  # fmt: skip
 
