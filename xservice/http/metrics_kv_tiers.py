@@ -4,11 +4,11 @@ read from the ``EngineStats`` of the last scrape."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from xengine.api.messages import EngineStats
+from xservice.http.stats_collector import StatsCollector
 
 _COUNTERS = {
     "hits": "Blocks loaded from the tier into the KV pool.",
@@ -24,14 +24,8 @@ _COUNTERS = {
 }
 
 
-class KVTiersCollector:
+class KVTiersCollector(StatsCollector):
     """Collects at scrape time from ``stats()`` (the service's last ``EngineStats``)."""
-
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
-        self._stats = stats
-
-    def describe(self) -> list[object]:
-        return []
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._stats()

@@ -5,20 +5,14 @@ adapters as labels, the scrape time as its value) and xllm's slot and folder loa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from xengine.api.messages import EngineStats
+from xservice.http.stats_collector import StatsCollector
 
 
-class LoRACollector:
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
-        self._stats = stats
-
-    def describe(self) -> list[object]:
-        return []
-
+class LoRACollector(StatsCollector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._stats()
         lora = stats.lora if stats is not None else None
