@@ -5,9 +5,11 @@ used and kept in a host cache of ``max_cpu_loras`` (least recently used dropped 
 asked again). A request's adapter is read when the request arrives (``acquire``: a folder that has
 become unreadable is that request's 400) and its host copy is never dropped while a request of it is
 in the engine (``live``), so a step never reads a folder: the cache may exceed ``max_cpu_loras`` while
-more adapters than that have requests. A step's adapters are put into device slots (``slots.py``): an adapter already in one
-stays, others take a free slot or the least recently used one no request of this step (or, with async
-scheduling, of the step still running) uses. The scheduler keeps a step's distinct adapters within
+more adapters than that have requests.
+
+A step's adapters are put into device slots (``slots.py``): an adapter already in one stays, others
+take a free slot or the least recently used one no request of this step (or, with async scheduling,
+of the step still running) uses. The scheduler keeps a step's distinct adapters within
 ``max_loras`` (``lora_gate``), so there is always a slot: ``max_loras`` of them, twice that with async
 scheduling.
 """
@@ -125,9 +127,9 @@ class LoRAManager:
         return placed
 
     def _free_slot(self, taken: set[int]) -> int:
-        used = set(self.slot_of.values())
+        busy = set(self.slot_of.values()) | taken | self._held  # (a replaced adapter's slot may be held)
         for slot in range(self.slots.num_slots):
-            if slot not in used:
+            if slot not in busy:
                 return slot
         for name, slot in self.slot_of.items():  # least recently used first
             if slot not in taken and slot not in self._held:
