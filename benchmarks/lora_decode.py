@@ -40,6 +40,7 @@ from benchmarks.checkpoint import add_checkpoint_args, resolve_checkpoint
 from benchmarks.machine import describe
 from benchmarks.offline.prompts import prompt_id_pool, random_token_prompts
 from benchmarks.offline.xllm_throughput import greedy
+from benchmarks.peers.decode_timing import time_decode_runs
 from benchmarks.peers.vllm_server import PEER_DIR, VLLM_PYTHON, vllm_available, vllm_cpu_env
 from benchmarks.smoke import add_smoke_flag, parse_args
 
@@ -119,20 +120,7 @@ def xllm_case(model_dir: str, adapters: list[str], prompts: dict, args: argparse
 
     try:
         generate(prompts["warmup"], 4)  # every adapter loaded, every decode shape seen once
-        runs = []
-        for run in prompts["runs"]:
-            t_prefill, _ = generate(run["prefill"], 1)
-            t_full, num_out = generate(run["full"], args.output_len)
-            decode_tokens = len(run["full"]) * (args.output_len - 1)
-            runs.append(
-                {
-                    "prefill_s": t_prefill,
-                    "full_s": t_full,
-                    "num_output_tokens": num_out,
-                    "output_tok_s": num_out / t_full,
-                    "decode_tok_s": decode_tokens / max(t_full - t_prefill, 1e-9),
-                }
-            )
+        runs = time_decode_runs(generate, prompts["runs"], args.output_len)
     finally:
         llm.shutdown()
     return {

@@ -20,6 +20,11 @@ import json
 import statistics
 import time
 
+try:
+    from benchmarks.peers.decode_timing import time_decode_runs
+except ImportError:  # run by the peer venv's python with benchmarks/peers on the path (``RUNNER``)
+    from decode_timing import time_decode_runs
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
@@ -80,20 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - start, sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
     generate(spec["warmup"], 4)  # every adapter loaded, the compiled graphs built
-    runs = []
-    for run in spec["runs"]:
-        t_prefill, _ = generate(run["prefill"], 1)
-        t_full, num_out = generate(run["full"], args.max_tokens)
-        decode_tokens = len(run["full"]) * (args.max_tokens - 1)
-        runs.append(
-            {
-                "prefill_s": t_prefill,
-                "full_s": t_full,
-                "num_output_tokens": num_out,
-                "output_tok_s": num_out / t_full,
-                "decode_tok_s": decode_tokens / max(t_full - t_prefill, 1e-9),
-            }
-        )
+    runs = time_decode_runs(generate, spec["runs"], args.max_tokens)
     result = {
         "load_s": load_s,
         "num_loras": k,
