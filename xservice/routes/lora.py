@@ -20,6 +20,13 @@ router = APIRouter()
 _LOCK = asyncio.Lock()  # one change at a time: every engine sees the same order
 
 
+def _is_dir(path: str) -> bool:
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):  # a NUL byte, a name too long: no such folder
+        return False
+
+
 def _check_enabled(ctx: ServingContext, route: str) -> None:
     if not ctx.config.lora.allow_runtime_lora_updating:
         raise NotFoundError(f"POST {route} is off; start the server with --allow-runtime-lora-updating.")
@@ -52,7 +59,7 @@ async def load_lora_adapter(
                 "set 'load_inplace' to True.",
                 param="lora_name",
             )
-        if not Path(path).is_dir():
+        if not _is_dir(path):
             raise NotFoundError(f"Loading lora {name} failed: No adapter found for {path}", param="lora_path")
         ctx.check_engine()
         try:

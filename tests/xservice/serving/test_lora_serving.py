@@ -244,3 +244,10 @@ def test_cache_salt(server: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         cached("")
     assert e.value.body["param"] == "cache_salt"
+
+
+def test_odd_paths_are_404s(server: Any) -> None:
+    http = httpx.Client(base_url=server.base_url, timeout=60)
+    for path in ("bad\u0000path", "x" * 5000, "/dev/null"):
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "odd", "lora_path": path})
+        assert r.status_code == 404, (path[:20], r.text)
