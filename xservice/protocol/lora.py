@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import ClassVar
 
 from xservice.protocol.base import APIRequest
 
@@ -15,5 +15,8 @@ class LoadLoRAAdapterRequest(APIRequest):
 
 
 class UnloadLoRAAdapterRequest(APIRequest):
+    ignored_fields: ClassVar[dict[str, str]] = {
+        "lora_int_id": "vLLM's numeric adapter id; adapters are known by their name here",
+    }
+
     lora_name: str
-    lora_int_id: int | None = Field(default=None)  # vLLM's engine-side id: names nothing here (ignored)
