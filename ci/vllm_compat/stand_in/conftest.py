@@ -78,6 +78,13 @@ def _patch_downloads() -> None:
             return getattr(real_api(), name)
 
         def snapshot_download(self, repo_id: str, **kwargs: Any) -> str:
+            repo = Path(os.environ["XLLM_COMPAT_REPO"])
+            if not (
+                repo / "xengine" / "tools" / "make_lora.py"
+            ).is_file():  # a tree without LoRA: a placeholder
+                path = Path(tempfile.gettempdir()) / "xllm-compat-lora-placeholder" / repo_id
+                path.mkdir(parents=True, exist_ok=True)
+                return str(path)
             path = Path(tempfile.gettempdir()) / "xllm-compat-lora" / repo_id
             if not (path / "adapter_config.json").is_file():
                 import subprocess
@@ -91,7 +98,7 @@ def _patch_downloads() -> None:
                     MODEL_DIR,
                     str(path),
                 ]
-                subprocess.run([*cmd, "--seed", seed], cwd=os.environ["XLLM_COMPAT_REPO"], check=True)
+                subprocess.run([*cmd, "--seed", seed], cwd=str(repo), check=True)
             return str(path)
 
     ru.hf_api = lambda: _NoHub()
