@@ -92,9 +92,14 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "xllm-missing: prompt embeddings as input",
-        "the module's subject (its server needs --enable-prompt-embeds); some tests also compare with a real "
-        "HF model run in the test process (vLLM's hf_runner fixture, not provided by the stand-in conftest)",
+        "the module's subject: its server needs --enable-prompt-embeds, which the tree under test lacks",
         module=r"completion/test_completion_with_prompt_embeds\.py",
+        message=r"xllm-missing|--enable-prompt-embeds|prompt_embeds: not supported",
+    ),
+    Rule(
+        "xllm-missing: prompt embeddings in chat messages",
+        "vLLM 0.33's chat content parts of type 'prompt_embeds' (xllm takes prompt_embeds on /v1/completions)",
+        module=r"chat_completion/test_chat_completion_with_prompt_embeds\.py",
     ),
     Rule("model-specific", ANSWER, module=r"responses/test_basic\.py", message=r"assert '\d+' in "),
     Rule(
@@ -115,6 +120,21 @@ RULES: tuple[Rule, ...] = (
         "a real model ends its (constrained) JSON within max_tokens; the random one spends them on the whitespace "
         "or long strings the grammar allows and is cut mid-value",
         message=r"JSONDecodeError: Unterminated",
+    ),
+    Rule(
+        "model-specific",
+        "asks a real model to change its answer when told it disagrees (a second structured choice / JSON "
+        "differing from the first); the random model repeats itself",
+        module=r"chat_completion/test_chat\.py",
+        test=r"test_structured_outputs_(choice|json)_chat$",
+        message=r"assert '.*' != '.*'",
+    ),
+    Rule(
+        "model-specific",
+        "expects a real model to use all of max_tokens ('length'); the random model emitted its EOS first",
+        module=r"chat_completion/test_chat\.py",
+        test=r"test_single_chat_session",
+        message=r"'stop' == 'length'",
     ),
     Rule(
         "model-specific",

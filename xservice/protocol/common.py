@@ -90,6 +90,12 @@ class PerRequestMetrics(APIResponse):
     mean_itl_ms: float | None = None
     tokens_per_second: float | None = None
 
+    @model_serializer(mode="wrap")
+    def _drop_unmeasured(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A timing that was not measured (one token: no inter-token latency) is left out, as vLLM does."""
+        out = handler(self)
+        return drop_none(out, *list(out))
+
 
 class TokenizeResponse(APIResponse):
     tokens: list[int]

@@ -16,7 +16,7 @@ async def prompt_embeds_of(
 ) -> list[PromptEmbeds]:
     """The request's prompt embeddings, checked (a 400 naming ``prompt_embeds`` otherwise)."""
     given = body.prompt_embeds
-    if given is None:
+    if given is None or given == []:  # an empty list: no prompt embeddings (as vLLM reads it)
         if body.prompt is None:
             raise InvalidRequestError(
                 "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"

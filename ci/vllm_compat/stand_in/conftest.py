@@ -109,6 +109,36 @@ _patch_tokenizer_loaders()
 _patch_downloads()
 
 
+class _HfRunner:
+    """vLLM's ``hf_runner`` fixture, as far as the server tests use it: the prompts' token embeddings of
+    the served (tiny) checkpoint, computed with HF ``transformers`` in the test process."""
+
+    def __init__(self, model_name: str, *args: Any, **kwargs: Any) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+        self.model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
+
+    def __enter__(self) -> _HfRunner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def get_prompt_embeddings(self, prompts: list[str]) -> list[Any]:
+        import torch
+
+        with torch.no_grad():
+            return [
+                self.model.get_input_embeddings()(torch.tensor(self.tokenizer(p).input_ids)) for p in prompts
+            ]
+
+
+@pytest.fixture(scope="session")
+def hf_runner() -> type[_HfRunner]:
+    return _HfRunner
+
+
 def _source(obj: Any) -> str:
     try:
         return textwrap.dedent(inspect.getsource(obj))

@@ -110,6 +110,9 @@ def test_bad_embeddings_are_400s(server: Any, embeds: list[str], model_dir: Path
     with pytest.raises(openai.BadRequestError) as e:
         _create(server, prompt=None)
     assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError):
+        _create(server, prompt=None, extra_body={"prompt_embeds": []})
+    assert len(_create(server, prompt="Hello", extra_body={"prompt_embeds": []}).choices) == 1  # as vLLM
     with pytest.raises(openai.BadRequestError) as e:
         _create(server, prompt=None, echo=True, extra_body={"prompt_embeds": embeds[0]})
     assert e.value.body["param"] == "echo"

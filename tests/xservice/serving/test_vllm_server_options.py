@@ -222,6 +222,8 @@ def test_per_request_metrics(on: Any, http: httpx.Client) -> None:
         _check_metrics(resp["metrics"], 5)
         two = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "n": 2}).json()
         assert "metrics" not in two  # n > 1: no single timing
+        one = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).json()["metrics"]
+        assert "mean_itl_ms" not in one and one["tokens_per_second"] > 0  # one token: no ITL (vLLM omits it)
     stream = _client(on).chat.completions.create(
         model=on.model_name, messages=MESSAGES, max_tokens=4, stream=True, extra_body={"ignore_eos": True}
     )
