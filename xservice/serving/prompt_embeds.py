@@ -36,7 +36,7 @@ async def prompt_embeds_of(
         raise InvalidRequestError(f"Give 1 to {max_prompts} prompt embeddings.", param="prompt_embeds")
     for field in ("echo", "prompt_logprobs", "suffix"):
         if getattr(body, field) not in (None, False, ""):
-            raise InvalidRequestError(f"'{field}' is not supported with prompt_embeds.", param=field)
+            raise InvalidRequestError(f"'{field}' is not compatible with prompt_embeds.", param=field)
     max_bytes = 4 * ctx.config.service.max_body_bytes  # float32 of what the body could carry
     out = []
     for item in items:
