@@ -39,8 +39,11 @@ def test_translate_flags(stand_in, monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         "--reasoning-parser": "reasoning parsers",
         "--tool-call-parser": "xllm serve --tool-call-parser",
     }
-    _, _, hard, _ = stand_in.translate_args("m", ["--enable-prompt-embeds", "--max-logprobs", "5"])
-    assert hard == ["--enable-prompt-embeds"]
+    _, _, hard, soft = stand_in.translate_args("m", ["--tool-server", "demo", "--enable-prompt-embeds"])
+    assert hard == ["--tool-server"]  # the module's subject: no server started
+    assert soft == {
+        "--enable-prompt-embeds": "xllm serve --enable-prompt-embeds"
+    }  # passed on where xllm has it
     _, _, _, soft = stand_in.translate_args("m", ["--max-logprobs", "151936"])
     assert soft == {"--max-logprobs": "xllm serve --max-logprobs"}  # a tree without it (a "before" run)
     monkeypatch.setattr(
