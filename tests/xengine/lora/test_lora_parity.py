@@ -252,3 +252,48 @@ def test_vanished_folder_never_stops_a_step(setup, tmp_path) -> None:
             engine.add_request(AddRequest(req_id="late", prompt_token_ids=[5, 6], params=params))
     finally:
         engine.shutdown()
+
+
+def test_beam_search_and_embeddings_under_an_adapter(make_model_dir, tmp_path) -> None:
+    """Beam search equals HF + PEFT ``generate(num_beams=2)``; an embedding (last token, normalised)
+    equals HF + PEFT's last hidden state: both run the adapter's layers."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from xengine.api.messages import PoolingParams
+
+    base = make_model_dir("qwen3")
+    path = make_lora(base, tmp_path / "a", 8, ("q_proj", "v_proj", "o_proj", "down_proj"), seed=5)
+    prompt = _prompts()[2]
+    hf = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), path
+    ).eval()
+    with torch.no_grad():
+        beams = hf.generate(
+            torch.tensor([prompt]), num_beams=2, num_return_sequences=2, do_sample=False, max_new_tokens=6,
+            eos_token_id=None, pad_token_id=0,
+        )[:, len(prompt) :].tolist()  # fmt: skip
+        hidden = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+    engine = _engine(base, {"a": path}, max_loras=1, async_scheduling="off")
+    try:
+        params = SamplingParams(
+            n=2, use_beam_search=True, beam_width=2, max_tokens=6, ignore_eos=True, lora_name="a"
+        )
+        engine.add_request(AddRequest(req_id="beam", prompt_token_ids=prompt, params=params))
+        embed = SamplingParams(max_tokens=0, lora_name="a")
+        engine.add_request(
+            AddRequest(req_id="emb", prompt_token_ids=prompt, params=embed, pooling=PoolingParams())
+        )
+        seqs: dict[int, list[int]] = {}
+        vector = None
+        while engine.has_unfinished_requests():
+            for d in engine.step():
+                assert d.error is None, d.error
+                if d.req_id == "beam":
+                    seqs.setdefault(d.index, []).extend(d.new_token_ids)
+                elif d.embedding is not None:
+                    vector = torch.tensor(d.embedding)
+        assert [seqs[0], seqs[1]] == beams
+        assert torch.allclose(vector, torch.nn.functional.normalize(hidden, dim=0), atol=1e-5)
+    finally:
+        engine.shutdown()
