@@ -17,6 +17,12 @@ from xservice.routes.error_responses import errors
 from xservice.serving.context import ServingContext, get_ctx
 
 router = APIRouter()
+_TEXT = {
+    200: {
+        "description": "vLLM's plain-text success message",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+}
 _LOCK = asyncio.Lock()  # one change at a time: every engine sees the same order
 
 
@@ -32,7 +38,7 @@ def _check_enabled(ctx: ServingContext, route: str) -> None:
         raise NotFoundError(f"POST {route} is off; start the server with --allow-runtime-lora-updating.")
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors(400, 404))
+@router.post("/v1/load_lora_adapter", response_model=None, responses={**errors(400, 404), **_TEXT})
 async def load_lora_adapter(
     body: LoadLoRAAdapterRequest, ctx: ServingContext = Depends(get_ctx)
 ) -> PlainTextResponse:
@@ -70,7 +76,7 @@ async def load_lora_adapter(
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=errors(400, 404))
+@router.post("/v1/unload_lora_adapter", response_model=None, responses={**errors(400, 404), **_TEXT})
 async def unload_lora_adapter(
     body: UnloadLoRAAdapterRequest, ctx: ServingContext = Depends(get_ctx)
 ) -> PlainTextResponse:
