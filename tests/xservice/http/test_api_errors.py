@@ -32,7 +32,14 @@ def chat(**kw: Any) -> dict[str, Any]:
 CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("malformed-json", CMPL, b'{"prompt": "hi",', 400, None, "not valid JSON"),
     ("body-not-object", CMPL, [1, 2], 400, None, "JSON object"),
-    ("prompt-missing", CMPL, {"max_tokens": 4}, 400, "prompt", "Field required"),
+    (
+        "prompt-missing",
+        CMPL,
+        {"max_tokens": 4},
+        400,
+        "prompt",
+        "Either prompt or prompt_embeds must be provided",
+    ),
     ("prompt-wrong-type", CMPL, cmpl(prompt=123), 400, "prompt", "prompt"),
     ("prompt-mixed-list", CMPL, cmpl(prompt=[1, "a"]), 400, "prompt", "prompt"),
     ("max-tokens-string", CMPL, cmpl(max_tokens="5"), 400, "max_tokens", "integer"),
