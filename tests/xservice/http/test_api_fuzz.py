@@ -46,6 +46,8 @@ LONG_EXAMPLES = 2000
 REQUEST_TIMEOUT_S = 120.0  # guards against a hang, not a timing assertion
 
 POST_ROUTES = (
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/chat/completions/batch",
@@ -106,11 +108,16 @@ def fuzz_cases() -> list[Any]:
 
 @pytest.fixture(scope="module")
 def fuzz_server(launch_server, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Its own server: batch files in a temporary folder, short generations (max_model_len 64, n <= 2)."""
+    """Its own server: batch files in a temporary folder, short generations (max_model_len 64, n <= 2),
+    prompt embeddings and runtime LoRA loading on."""
     settings_ = launch_server.__globals__["ENGINE_SETTINGS"]  # the config the launcher writes
     saved = {k: dict(v) for k, v in settings_.items()}
     settings_["batch"] = {"data_dir": str(tmp_path_factory.mktemp("fuzz-batch"))}
-    settings_["model"] = {**settings_["model"], "max_model_len": 64}
+    settings_["model"] = {**settings_["model"], "max_model_len": 64, "enable_prompt_embeds": True}
+    settings_["lora"] = {
+        "enable_lora": True,
+        "allow_runtime_lora_updating": True,
+    }  # the LoRA routes fuzzed for real
     try:
         handle = launch_server(model_dir, {"max_n": 2, "max_body_bytes": 256 * 1024})
     finally:
