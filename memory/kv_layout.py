@@ -13,6 +13,7 @@ With ``kv_cache_dtype`` int8 / fp8 a layer's tensor holds 8-bit rows with their 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +76,7 @@ class BaseKVLayout(ABC):
         """What the model's attention layers get, one per layer (the paged tensors themselves here)."""
         return kv_caches
 
-    def prepare(self, seqs: list[tuple[str, list[int], int]]) -> list[int] | None:
+    def prepare(self, seqs: Iterable[tuple[str, list[int], int]]) -> list[int] | None:
         """Before a step: make ``(seq_id, block table, tokens covered)`` readable; returns per-sequence
         slots for attention (None: the layout reads through block tables)."""
         return None

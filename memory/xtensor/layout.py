@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Iterable
 
 import torch
 
@@ -131,7 +132,7 @@ class XTensorKVLayout(PagedKVLayout):
 
     # ------------------------------------------------------------------ per step
 
-    def prepare(self, seqs: list[tuple[str, list[int], int]]) -> list[int]:
+    def prepare(self, seqs: Iterable[tuple[str, list[int], int]]) -> list[int]:
         """Map what ``(seq_id, block table, tokens this step covers)`` need; returns each one's slot.
 
         Pages the step reads are mapped before this returns; pages past them (look-ahead blocks) are

@@ -26,6 +26,7 @@ from xengine.multimodal.image_cache import ImageEmbeddingCache
 from xengine.multimodal.step_inputs import MultiModalStep, build_multimodal_step, has_images
 from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
+from xengine.runner.decode_inputs import DecodeInputs
 from xengine.runner.input_batch import ModelInputs, build_inputs, window_metadata
 from xengine.runner.prompt_embeds import embed_rows
 from xengine.runner.prompt_outputs import (
@@ -97,6 +98,7 @@ class ModelRunner:
         self.platform = platform
         self.device = platform.torch_device()
         self.block_size = block_size
+        self.decode_inputs = DecodeInputs(block_size, self.device)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len  # positions the model's tables cover (None: unchecked)
         self.parallel = parallel  # expert parallel: the workers run each forward with this rank
@@ -140,14 +142,17 @@ class ModelRunner:
         if not plan.seqs:  # only image encodes
             return PreparedStep(plan, None, None)
         self._check_positions(plan)
-        kv_slots = self.layout.prepare(
-            [(s.req.seq_id, plan.block_tables[s.req.seq_id], s.end) for s in plan.seqs]
+        kv_slots = self.layout.prepare(  # lazily: the paged layout reads none of it
+            (s.req.seq_id, plan.block_tables[s.req.seq_id], s.end) for s in plan.seqs
         )
-        inputs = build_inputs(plan, self.block_size, self.device, kv_slots)
+        if plan.decode_only:
+            inputs = self.decode_inputs.build(plan, kv_slots)
+        else:
+            inputs = build_inputs(plan, self.block_size, self.device, kv_slots)
         if plan.window_block_tables is not None:
             tables = plan.window_block_tables
             window_slots = self.window_layout.prepare(
-                [(s.req.seq_id, tables[s.req.seq_id], s.end) for s in plan.seqs]
+                (s.req.seq_id, tables[s.req.seq_id], s.end) for s in plan.seqs
             )
             inputs.window_meta = window_metadata(plan, inputs.meta, self.block_size, window_slots)
         mm = None
@@ -157,8 +162,11 @@ class ModelRunner:
                 inputs.positions = mm.positions
         recurrent = recurrent_metadata(plan) if plan.state_slots is not None else None
         lora = self.lora.step_groups((s.req, s.num_new_tokens) for s in plan.seqs) if self.lora else None
-        sampling, embeds = self._sampling_rows(plan), embed_rows(plan, self.device)
-        return PreparedStep(plan, inputs, sampling, build_prompt_rows(plan), mm, recurrent, lora, embeds)
+        sampling = self._sampling_rows(plan)
+        if plan.decode_only:  # no prompt position in the step: no prompt outputs, no given embeddings
+            return PreparedStep(plan, inputs, sampling, None, mm, recurrent, lora, None)
+        embeds, prompt_rows = embed_rows(plan, self.device), build_prompt_rows(plan)
+        return PreparedStep(plan, inputs, sampling, prompt_rows, mm, recurrent, lora, embeds)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep, prev_rows: torch.Tensor | None = None) -> StepOutput:

@@ -70,6 +70,9 @@ class SchedulePlan:
     # (``xengine/colocation/``); nothing of it applies then
     interruptible: bool = False
     encodes: list[EncodeJob] = field(default_factory=list)  # images to encode (``encode_stage.py``)
+    # every sequence computes one known token past its prompt and samples one token after it: no
+    # prompt chunk, draft, beam row or fork (``xengine/runner/decode_inputs.py`` builds its inputs)
+    decode_only: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -82,6 +85,8 @@ class SchedulePlan:
         prompt chunks, one-token prompts and recomputation after preemption count as prefill).
         Call it before ``scheduler.update`` applies the step (``end`` of a sequence not advanced at
         schedule time is read off its ``num_computed_tokens``)."""
+        if self.decode_only:
+            return sum(s.end for s in self.seqs), 0
         context = prefill = 0
         for s in self.seqs:
             end = s.end

@@ -136,6 +136,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         self._online_prefill = False
         self._prefill_cap = self._mixed_prefill_cap()
         self._prefill_tokens = 0
+        self._num_decode_only = 0  # sequences of the plan that compute one token and sample one
         self._start_drafting()
         self.running.sort(key=lambda r: r.rank)
         for cls in sorted(PRIORITY_RANK.values()):
@@ -159,6 +160,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
             plan.state_slots = {s.req.seq_id: states.slot_of[s.req.seq_id] for s in plan.seqs}
             plan.state_checkpoints, plan.state_copies = states.take_step()
         plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.seqs)
+        plan.decode_only = bool(plan.seqs) and self._num_decode_only == len(plan.seqs)
         plan.sync = any(s.num_samples > 1 or s.req.req_id in self.beam_groups for s in plan.seqs)
         plan.sync = plan.sync or self._drafts_need_sync(plan)
         plan.interruptible = (
@@ -286,6 +288,8 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         self._budget -= num_new
         if _is_prefill(req, num_new):
             self._prefill_tokens += num_new
+        elif sample and num_samples == 1 and group is None:  # one known token, not a prompt's: no drafts
+            self._num_decode_only += 1
 
     # ------------------------------------------------------------------ preemption
     def _pick_victim(self, exclude: str | None, max_rank: int | None) -> Request | None:
