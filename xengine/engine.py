@@ -363,7 +363,6 @@ class Engine:
             if ready.error is not None:
                 self.scheduler.fail_request(ready.request.req_id, compile_error_message(ready.error))
 
-    # ------------------------------------------------------------------ catalogs
     def register_catalog(self, name: str, items: list[list[int]]) -> CatalogInfo:
         """Register (or replace) an item catalog; raises ``ValueError`` naming the bad field."""
         return self.catalogs.register(name, items)
@@ -400,9 +399,10 @@ class Engine:
         result = self.loop.step()
         if self.parallel is not None:  # data-parallel ranks: a round if this step ran no forward
             self.parallel.after_step(forwards, self.loop.busy)
+        t1 = time.perf_counter()
         deltas = collect_deltas(self.scheduler, self.runner)
         self.num_steps += result.executed
-        self.last_step_timing = result.timing(time.perf_counter() - t0)
+        self.last_step_timing = result.timing(time.perf_counter() - t0, time.perf_counter() - t1)
         return deltas
 
     def idle(self) -> None:

@@ -3,7 +3,10 @@
 The engine is driven directly: B requests are added, ``engine.step()`` runs until every request
 is past prefill, then ``engine.last_step_timing`` is read over ``num_steps`` pure-decode steps
 (each with B sequences and B tokens). Host time per request per step = (total − forward − sampler) / B
-(median step); the sampler is device work, reported apart (``sample_ms``).
+(median step); the sampler is device work, reported apart (``sample_ms``). ``host_phases_us_per_req``
+says where the host time goes (``StepTiming.phases``, medians): scheduling, preparing the inputs,
+applying the outputs to the requests, collecting the deltas, and the rest (the loop, the sampler's
+bookkeeping around the sampler itself).
 """
 
 from __future__ import annotations
@@ -52,6 +55,15 @@ def measure_eta(
     forward = sum(t.forward_s for t in timings) / len(timings)
     sample = sum(t.sample_s for t in timings) / len(timings)
     host = statistics.median(t.total_s - t.forward_s - t.sample_s for t in timings)
+    phases = {
+        name: statistics.median(t.phases.get(name, 0.0) for t in timings) / batch_size * 1e6
+        for name in ("schedule", "prepare", "update", "outputs")
+    }
+    phases["other"] = (
+        statistics.median(t.total_s - t.forward_s - t.sample_s - sum(t.phases.values()) for t in timings)
+        / batch_size
+        * 1e6
+    )
     return {
         "num_steps": len(timings),
         "step_ms": total * 1e3,
@@ -62,6 +74,7 @@ def measure_eta(
         # processing; the forward, logits and the sampler (device work) excluded
         "host_us_per_req": host / batch_size * 1e6,
         "host_overhead_us_per_req": (total - forward) / batch_size * 1e6,  # the sampler included
+        "host_phases_us_per_req": phases,
     }
 
 

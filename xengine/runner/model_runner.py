@@ -28,6 +28,7 @@ from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
 from xengine.runner.decode_inputs import DecodeInputs
 from xengine.runner.input_batch import ModelInputs, build_inputs, window_metadata
+from xengine.runner.placeholders import resolve, resolve_lists
 from xengine.runner.prompt_embeds import embed_rows
 from xengine.runner.prompt_outputs import (
     PromptOutputRows,
@@ -83,8 +84,7 @@ class ModelRunner:
         ]
         self._window_caches = [c for i, c in enumerate(kv_caches) if i in window_layers]
         self.layout = layout
-        # what attention reads (xTensor: slots), per layer; a recurrent layer keeps its placeholder
-        # the window layers read their own pool's (``window_layout``: xTensor slots of their own)
+        # what attention reads per layer (xTensor: slots; window layers: their pool's; recurrent: a placeholder)
         self.window_layout = window_layout if window_layout is not None else layout
         plain = layout.attention_caches(
             [c for i, c in enumerate(kv_caches) if i not in stateful and i not in window_layers]
@@ -107,15 +107,14 @@ class ModelRunner:
         self.matchers = SequenceMatchers()  # structured outputs: one grammar matcher per sequence
         self.sampling_reuse = SamplingReuse()
         self.graph = create_graph_runner(graph_mode, platform.name, self._forward_tokens)
-        # vision-language models: image embeddings per request and instance-wide (``xengine/multimodal``)
+        # vision-language models: image embeddings per request and instance-wide (xengine/multimodal)
         encode = getattr(model, "encode_images", None)
         self.images = ImageEmbeddingCache(encode, self.device) if encode is not None else None
         self.encoder = EncodeRunner(self.images, encode_overlap) if self.images is not None else None
         self.interrupt = interrupt
         # where an eager forward may stop and carry on from (before the graphs are captured)
         self.layer_checks = LayerChecks.install(model) if interrupt is not None else None
-        # speculative decoding with an MTP head: the final hidden states it reads (``spec/mtp.py``)
-        self.hidden_rows: HiddenRows | None = None
+        self.hidden_rows: HiddenRows | None = None  # an MTP draft head's input (spec/mtp.py)
         self.lora: LoRAManager | None = None  # LoRA adapters (``xengine/lora/``): set by the engine
         torch.manual_seed(default_seed)
 
@@ -130,8 +129,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> StepOutput:
-        """Run one step now (``prepare`` then ``run``)."""
-        return self.run(self.prepare(plan))
+        """Run one step now (``prepare``, timed in ``prepare_s``, then ``run``)."""
+        t0 = time.perf_counter()
+        step = self.prepare(plan)
+        prepare_s = time.perf_counter() - t0
+        out = self.run(step)
+        out.prepare_s = prepare_s
+        return out
 
     @torch.inference_mode()  # its tensors are graph inputs: the same kind whichever thread runs it
     def prepare(self, plan: SchedulePlan) -> PreparedStep:
@@ -223,7 +227,7 @@ class ModelRunner:
             if self.states is not None:
                 self.states.pool.copy(step.plan.state_copies)
             if prev_rows is not None:
-                inputs.input_ids = _resolve(inputs.input_ids, prev_rows)
+                inputs.input_ids = resolve(inputs.input_ids, prev_rows)
             if self.parallel is not None:
                 inputs.prompt_spans = logit_spans(step.prompt_rows)  # tensor parallel: LM-head calls
                 self.parallel.publish(inputs, step.plan.block_copies)
@@ -378,7 +382,7 @@ class ModelRunner:
         meta = sampling.meta
         assert meta is not None
         if prev_rows is not None and meta.needs_history:
-            meta.output_token_ids = _resolve_lists(meta.output_token_ids, prev_rows)
+            meta.output_token_ids = resolve_lists(meta.output_token_ids, prev_rows)
         grammar = sampling.grammar
         if grammar.rows:  # the matchers already saw the previous step's tokens (accepted below)
             meta.grammar_bitmask, meta.grammar_rows = grammar.fill_bitmask(), grammar.rows
@@ -484,15 +488,3 @@ class PreparedStep:
     recurrent: RecurrentMetadata | None = None  # recurrent layers: the step's state slots
     lora: LoRAGroups | None = None  # the step's rows by LoRA adapter slot (None: base model only)
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # prompt embeddings and the rows taking them
-
-
-def _resolve(token_ids: torch.Tensor, prev_rows: torch.Tensor) -> torch.Tensor:
-    """Async placeholders ``-(1 + row)`` replaced by row ``row`` of the previous step's sampled tokens."""
-    rows = (-token_ids - 1).clamp_(min=0, max=prev_rows.shape[0] - 1)
-    return torch.where(token_ids < 0, prev_rows.to(token_ids.dtype)[rows], token_ids)
-
-
-def _resolve_lists(histories: list[list[int]], prev_rows: torch.Tensor) -> list[list[int]]:
-    """The same for host token histories (penalties need the real previous tokens)."""
-    prev = prev_rows.tolist()
-    return [[t if t >= 0 else prev[-t - 1] for t in ids] for ids in histories]

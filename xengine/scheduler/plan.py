@@ -121,6 +121,7 @@ class StepOutput:
     beam_candidates: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
     forward_s: float = 0.0  # model forward + logits time of this step
     sample_s: float = 0.0  # the sampler's time (device work: on a GPU / NPU it runs there)
+    prepare_s: float = 0.0  # the host's inputs of the step (``ModelRunner.prepare``), when run together
     # the sampled token of every sampling row, in row order (async scheduling resolves the next
     # step's placeholders from it); None when nothing was sampled
     sampled_rows: torch.Tensor | None = None

@@ -9,6 +9,7 @@ overlapped one.
 from __future__ import annotations
 
 import logging
+import time
 
 from graph.interrupt import StepInterrupted
 from xengine.colocation.interrupter import Interrupter
@@ -41,8 +42,10 @@ class NormalLoop:
 
     def step(self) -> StepResult:
         """One step: a paused step carried on, or a new plan scheduled; run; applied."""
+        t0 = time.perf_counter()
         paused = self.resumer.ready(self.interrupter.pending_online)
         plan = paused.plan if paused is not None else self.scheduler.schedule()
+        scheduled = time.perf_counter()
         self.between.after_schedule(plan, pool_was_free=self.between.pool_free())
         if plan.is_empty:
             return StepResult(plan)
@@ -53,8 +56,14 @@ class NormalLoop:
             self.interrupter.interrupted(plan, resumable=self.resumer.pause(plan, stop))
             return StepResult(SchedulePlan())
         counts = plan.token_counts()  # before update moves num_computed_tokens
+        executed = time.perf_counter()
         self.scheduler.update(plan, out)
-        return StepResult(plan, executed=True, forward_s=out.forward_s, counts=counts, sample_s=out.sample_s)
+        phases = {
+            "schedule": scheduled - t0,
+            "prepare": out.prepare_s,
+            "update": time.perf_counter() - executed,
+        }
+        return StepResult(plan, True, out.forward_s, counts, sample_s=out.sample_s, phases=phases)
 
     def _carry_on(self, paused: PausedStep) -> tuple[SchedulePlan, StepOutput]:
         """A paused step from where it stopped; if that fails, the step again from its start."""

@@ -27,6 +27,9 @@ class StepTiming:
     completed: list[StepSample] = field(default_factory=list)
     # the sampler's part of the step (normal loop): device work, counted apart from the host's
     sample_s: float = 0.0
+    # host phases of the step, in seconds (the normal loop): "schedule", "prepare" (inputs and sampling
+    # rows), "update" (the outputs applied to the requests), "outputs" (their deltas collected)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -40,13 +43,14 @@ class StepResult:
     host_s: float | None = None  # overlap: engine-thread time, waiting excluded
     completed: list[StepSample] | None = None  # steps applied; None: ``plan``, timed by the whole call
     sample_s: float = 0.0  # the sampler's time of the steps applied in this call
+    phases: dict[str, float] = field(default_factory=dict)  # ``StepTiming.phases`` the loop timed
 
-    def timing(self, total_s: float) -> StepTiming:
-        """The ``StepTiming`` of a call that took ``total_s``."""
+    def timing(self, total_s: float, outputs_s: float = 0.0) -> StepTiming:
+        """The ``StepTiming`` of a call that took ``total_s``, ``outputs_s`` of it collecting deltas."""
         plan, completed = self.plan, self.completed
         if completed is None:
             completed = [StepSample(len(plan.seqs), *self.counts, total_s)] if plan.seqs else []
         return StepTiming(
             total_s, self.forward_s, len(plan.seqs), plan.num_batched_tokens, self.host_s,
-            *self.counts, completed, self.sample_s,
+            *self.counts, completed, self.sample_s, self.phases | {"outputs": outputs_s},
         )  # fmt: skip
