@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -13,7 +14,7 @@ from xengine.multimodal.encode_stage import EncodeJob
 from xengine.request import Request
 
 
-@dataclass
+@dataclass(slots=True)  # built per sequence and step: slots, and no list made per default
 class ScheduledSeq:
     req: Request
     num_new_tokens: int  # tokens computed this step, starting at req.num_computed_tokens
@@ -21,7 +22,7 @@ class ScheduledSeq:
     num_samples: int = 1  # > 1 once, on the step that forks an n > 1 request
     # beam search: return the top ``num_beam_candidates`` (logprob, token) instead of sampling
     num_beam_candidates: int = 0
-    banned_token_ids: list[int] = field(default_factory=list)  # beam rows: logprob -inf
+    banned_token_ids: Sequence[int] = ()  # beam rows: logprob -inf
     allowed_token_ids: np.ndarray | None = None  # beam rows constrained by a catalog trie
     # async scheduling (``xengine/scheduler/in_flight.py``): set when the request was advanced at
     # schedule time, as if this step had already run
@@ -29,7 +30,7 @@ class ScheduledSeq:
     output_index: int | None = None  # where this step's token sits in output_token_ids (a placeholder)
     # speculative decoding (``xengine/spec/``): draft tokens computed after the sequence's last token
     # (counted in ``num_new_tokens``); the step verifies them and samples up to len + 1 tokens
-    draft_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: Sequence[int] = ()
 
     @property
     def end(self) -> int:
@@ -105,7 +106,7 @@ class StepSample(NamedTuple):
     step_s: float  # the time the step took as the engine's caller sees it (see ``StepTiming``)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprob: float | None = None

@@ -193,25 +193,24 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         return num_new
 
     def _schedule_running(self, cls: int, plan: SchedulePlan) -> None:
-        for req in list(self.running):
+        scheduled, held, beam_groups = self._scheduled, self.held, self.beam_groups
+        for req in list(self.running):  # per step and sequence: kept to plain lookups
             if self._budget <= 0:
                 return
             if PRIORITY_RANK[req.priority] != cls or req.status != RequestStatus.RUNNING:
                 continue
-            if req.seq_id in self._scheduled:
+            if req.seq_id in scheduled or req.seq_id in held:  # held: in a paused step (``hold``)
                 continue
-            if req.seq_id in self.held:  # in a paused step (``hold``)
+            if req.num_placeholders and done_pending(req, self.max_model_len):  # its in-flight token ends it
                 continue
-            if done_pending(req, self.max_model_len):  # its in-flight token ends it
-                continue
-            group = self.beam_groups.get(req.req_id)
+            group = beam_groups.get(req.req_id) if beam_groups else None
             if group is not None and len(group.slots) > 1:
                 self._schedule_beams(group, plan)
                 continue
             num_new = self._num_new_tokens(req, req.num_computed_tokens)
             if num_new <= 0:
                 continue
-            drafts = self._drafts_for(req) if num_new == 1 else []
+            drafts = self._drafts_for(req) if num_new == 1 and self._drafting else []
             num_new += len(drafts)
             while not self.kv.allocate_slots(
                 req.seq_id, req.num_computed_tokens + num_new, num_computed=req.num_computed_tokens
@@ -272,13 +271,18 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
     def _add_to_plan(
         self, plan: SchedulePlan, req: Request, num_new: int, drafts: list[int] | None = None
     ) -> None:
-        num_known = num_new - len(drafts or ())  # the draft tokens come after the known ones
-        sample = req.num_computed_tokens + num_known == req.num_tokens and not req.params.is_prefill_only
+        num_known = num_new - len(drafts) if drafts else num_new  # the drafts come after the known tokens
+        num_computed, num_prompt = req.num_computed_tokens, len(req.prompt_token_ids)
+        sample = (
+            num_computed + num_known == num_prompt + len(req.output_token_ids)
+            and not req.params.is_prefill_only
+        )
         num_samples = 1 + req.num_pending_forks if sample else 1
-        seq = ScheduledSeq(req, num_new, sample, num_samples, draft_token_ids=drafts or [])
-        if req.rank[0] == ONLINE and _is_prefill(req, num_new):
+        seq = ScheduledSeq(req, num_new, sample, num_samples, draft_token_ids=drafts or ())
+        prefill = num_new > 1 or num_computed < num_prompt  # ``_is_prefill``
+        if prefill and PRIORITY_RANK[req.priority] == ONLINE:
             self._online_prefill = True
-        group = self.beam_groups.get(req.req_id)
+        group = self.beam_groups.get(req.req_id) if self.beam_groups else None
         if group is not None and sample:
             seq.num_beam_candidates = group.num_candidates
             seq.banned_token_ids = group.banned_token_ids(req)
@@ -286,7 +290,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         plan.seqs.append(seq)
         self._scheduled.add(req.seq_id)
         self._budget -= num_new
-        if _is_prefill(req, num_new):
+        if prefill:
             self._prefill_tokens += num_new
         elif sample and num_samples == 1 and group is None:  # one known token, not a prompt's: no drafts
             self._num_decode_only += 1
@@ -331,6 +335,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         for req in EncodeStage.applied(plan.encodes):  # encode-only requests (EPD) end here
             if not req.is_finished:
                 self._finish(req, "encoded")
+        prompt_outputs, beam_groups = bool(out.prompt_logprobs or out.embeddings), self.beam_groups
         for s in plan.seqs:
             req = s.req
             if s.computed_after is not None:  # advanced when scheduled (async)
@@ -343,16 +348,17 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
                 continue
             before = req.num_computed_tokens
             req.num_computed_tokens += s.num_new_tokens
-            num_prompt = req.num_prompt_tokens
-            self.num_computed_prompt_tokens += max(0, min(req.num_computed_tokens, num_prompt) - before)
+            num_prompt = len(req.prompt_token_ids)
+            if before < num_prompt:
+                self.num_computed_prompt_tokens += min(req.num_computed_tokens, num_prompt) - before
             # cache before sampling: a request that finishes now still leaves its prefix behind
             # (the token list is built only when a block filled: not every step of every request)
             if self.kv.has_blocks_to_cache(req.seq_id, req.num_computed_tokens):
                 self.kv.cache_blocks(req.seq_id, req.cache_token_ids, req.num_computed_tokens)
-            if apply_prompt_outputs(req, out):
+            if prompt_outputs and apply_prompt_outputs(req, out):
                 self.updated[req.seq_id] = req
-            if s.sample and req.req_id in self.beam_groups:
-                stepped[req.req_id] = self.beam_groups[req.req_id].epoch
+            if s.sample and beam_groups and req.req_id in beam_groups:
+                stepped[req.req_id] = beam_groups[req.req_id].epoch
             elif s.sample:
                 self._apply_samples(req, out.sampled[req.seq_id])
             elif prefill_done(req, req.num_computed_tokens):
@@ -390,10 +396,11 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         self._append_token(req, sample, num_output=s.output_index + 1)
 
     def _apply_samples(self, req: Request, samples: list[SampledToken]) -> None:
-        children = []
-        if req.num_pending_forks:
-            children = [self._fork(req, i + 1) for i in range(req.num_pending_forks)]
-            req.num_pending_forks = 0
+        if not req.num_pending_forks:  # one sequence, one token
+            self._append_token(req, samples[0])
+            return
+        children = [self._fork(req, i + 1) for i in range(req.num_pending_forks)]
+        req.num_pending_forks = 0
         for seq, sample in zip([req, *children], samples):
             self._append_token(seq, sample)
 
