@@ -27,6 +27,7 @@ from xengine.multimodal.step_inputs import MultiModalStep, build_multimodal_step
 from xengine.parallel.group import ExpertParallelGroup
 from xengine.request import Request
 from xengine.runner.decode_inputs import DecodeInputs
+from xengine.runner.inference import inference
 from xengine.runner.input_batch import ModelInputs, build_inputs, window_metadata
 from xengine.runner.placeholders import resolve, resolve_lists
 from xengine.runner.prompt_embeds import embed_rows
@@ -127,7 +128,7 @@ class ModelRunner:
             self.graph.bind_kv(self.attn_caches, self.block_size, -(-self.max_model_len // self.block_size))
         self.graph.capture(sizes, self.device)
 
-    @torch.inference_mode()
+    @inference
     def execute(self, plan: SchedulePlan) -> StepOutput:
         """Run one step now (``prepare``, timed in ``prepare_s``, then ``run``)."""
         t0 = time.perf_counter()
@@ -137,7 +138,7 @@ class ModelRunner:
         out.prepare_s = prepare_s
         return out
 
-    @torch.inference_mode()  # its tensors are graph inputs: the same kind whichever thread runs it
+    @inference  # its tensors are graph inputs: the same kind whichever thread runs it
     def prepare(self, plan: SchedulePlan) -> PreparedStep:
         """The host side of a step (engine thread): KV pages mapped, inputs and sampling rows built.
 
@@ -172,7 +173,7 @@ class ModelRunner:
         embeds, prompt_rows = embed_rows(plan, self.device), build_prompt_rows(plan)
         return PreparedStep(plan, inputs, sampling, prompt_rows, mm, recurrent, lora, embeds)
 
-    @torch.inference_mode()
+    @inference
     def run(self, step: PreparedStep, prev_rows: torch.Tensor | None = None) -> StepOutput:
         """The device side of a step (any thread): copy-on-write copies, placeholders resolved from
         ``prev_rows`` (the previous step's sampled tokens), forward, logits, sampling; the step's
@@ -195,7 +196,7 @@ class ModelRunner:
             EncodeRunner.wait(encoding)
         return out
 
-    @torch.inference_mode()
+    @inference
     def resume(self, step: PreparedStep, point: ResumePoint) -> StepOutput:
         """Carry an interrupted step's forward on from ``point``, then its logits and sampling (its
         copies, inputs and the KV of the layers it finished are as it left them)."""
