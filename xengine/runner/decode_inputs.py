@@ -17,13 +17,7 @@ from xengine.runner.input_batch import ModelInputs
 from xengine.scheduler.plan import SchedulePlan
 
 
-def padded_tables(tables: list[list[int]]) -> np.ndarray:
-    """``[len(tables), longest]`` int32, each table's block ids from column 0, 0 after them."""
-    width = max(map(len, tables))
-    return np.array([t if len(t) == width else t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
-
-
-def _tensor(values: list[int], dtype: type, device: torch.device) -> torch.Tensor:
+def _on(values: list[int], dtype: type, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(np.array(values, dtype=dtype))  # through numpy: a third of torch.tensor's time
     return t if device.type == "cpu" else t.to(device)
 
@@ -50,22 +44,32 @@ class DecodeInputs:
         """Inputs for ``plan``, whose every sequence computes one token and samples after it."""
         seqs, block_tables, bs = plan.seqs, plan.block_tables, self.block_size
         n = len(seqs)
-        input_ids, positions, seq_lens, slots = [0] * n, [0] * n, [0] * n, [0] * n
+        # two flat lists, two conversions (each costs most on first touch after a forward): int64
+        # positions | input ids | slots (positions at offset 0: compiled graphs take them), int32
+        # seq lens | block tables row by row
+        longs, ints = [0] * (3 * n), [0] * n
         tables = [block_tables[s.req.seq_id] for s in seqs]
         for i, s in enumerate(seqs):  # one read per sequence; the rest are whole arrays
             req = s.req
             end = s.computed_after if s.computed_after is not None else req.num_computed_tokens + 1
             prompt, pos = req.prompt_token_ids, end - 1
-            input_ids[i] = prompt[pos] if pos < len(prompt) else req.output_token_ids[pos - len(prompt)]
-            positions[i], seq_lens[i] = pos, end
-            slots[i] = tables[i][pos // bs] * bs + pos % bs
-        query_start, logits_indices = self._indices(n)
+            longs[n + i] = prompt[pos] if pos < len(prompt) else req.output_token_ids[pos - len(prompt)]
+            longs[i], ints[i] = pos, end
+            longs[2 * n + i] = tables[i][pos // bs] * bs + pos % bs
+        seq_lens = ints[:]
+        width = max(map(len, tables))
+        for t in tables:
+            ints += t
+            if len(t) < width:
+                ints += [0] * (width - len(t))
         device = self.device
+        as_long, as_int = _on(longs, np.int64, device), _on(ints, np.int32, device)
+        query_start, logits_indices = self._indices(n)
         meta = AttentionMetadata(
             query_start_loc=query_start,
-            seq_lens=_tensor(seq_lens, np.int32, device),
-            block_tables=torch.from_numpy(padded_tables(tables)).to(device),
-            slot_mapping=_tensor(slots, np.int64, device),
+            seq_lens=as_int[:n],
+            block_tables=as_int[n:].view(n, width),
+            slot_mapping=as_long[2 * n :],
             query_lens_cpu=[1] * n,
             seq_lens_cpu=seq_lens,
             max_query_len=1,
@@ -74,8 +78,8 @@ class DecodeInputs:
             kv_slots=kv_slots,
         )
         return ModelInputs(
-            input_ids=_tensor(input_ids, np.int64, device),
-            positions=_tensor(positions, np.int64, device),
+            input_ids=as_long[n : 2 * n],
+            positions=as_long[:n],
             meta=meta,
             logits_indices=logits_indices,
             num_tokens=n,

@@ -40,11 +40,6 @@ from xengine.spec.drafting import Drafter
 ONLINE = PRIORITY_RANK["online"]
 
 
-def _is_prefill(req: Request, num_new: int) -> bool:
-    """A prompt chunk (or recomputation), as opposed to one decode token (before the step applies)."""
-    return num_new > 1 or req.num_computed_tokens < req.num_prompt_tokens
-
-
 class Scheduler(BeamScheduling, SpeculativeScheduling):
     def __init__(
         self,
@@ -137,6 +132,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         self._prefill_cap = self._mixed_prefill_cap()
         self._prefill_tokens = 0
         self._num_decode_only = 0  # sequences of the plan that compute one token and sample one
+        self._num_tokens = self._num_forking = 0  # the plan's tokens; its sequences sampling n > 1
         self._start_drafting()
         self.running.sort(key=lambda r: r.rank)
         for cls in sorted(PRIORITY_RANK.values()):
@@ -147,8 +143,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
             self._schedule_running(cls, plan)
             self._admit_waiting(cls, plan)
         if self.encode_stage is not None:  # Algorithm 1: encodes only in a step without a prefill chunk
-            has_prefill = any(_is_prefill(s.req, s.num_new_tokens) for s in plan.seqs)
-            plan.encodes = self.encode_stage.select(self.waiting, has_prefill)
+            plan.encodes = self.encode_stage.select(self.waiting, self._prefill_tokens > 0)
         plan.block_tables = {s.req.seq_id: self.kv.get_block_table(s.req.seq_id) for s in plan.seqs}
         plan.block_copies = self.kv.take_pending_copies()
         window = self.kv.window
@@ -159,14 +154,15 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         if states is not None:  # recurrent layers' slots (``memory/recurrent_state.py``)
             plan.state_slots = {s.req.seq_id: states.slot_of[s.req.seq_id] for s in plan.seqs}
             plan.state_checkpoints, plan.state_copies = states.take_step()
-        plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.seqs)
+        # counted while planning (``_add_to_plan``): no further pass over the sequences per step
+        plan.num_batched_tokens = self._num_tokens
         plan.decode_only = bool(plan.seqs) and self._num_decode_only == len(plan.seqs)
-        plan.sync = any(s.num_samples > 1 or s.req.req_id in self.beam_groups for s in plan.seqs)
+        plan.sync = self._num_forking > 0 or (
+            bool(self.beam_groups) and any(s.req.req_id in self.beam_groups for s in plan.seqs)
+        )
         plan.sync = plan.sync or self._drafts_need_sync(plan)
-        plan.interruptible = (
-            not plan.is_empty
-            and all(s.req.rank[0] > ONLINE for s in plan.seqs)
-            and any(_is_prefill(s.req, s.num_new_tokens) for s in plan.seqs)
+        plan.interruptible = (  # an offline-only step with a prompt chunk
+            self._prefill_tokens > 0 and all(s.req.rank[0] > ONLINE for s in plan.seqs)
         )
         if self.async_mode and not plan.sync:
             advance(plan)
@@ -279,7 +275,9 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         )
         num_samples = 1 + req.num_pending_forks if sample else 1
         seq = ScheduledSeq(req, num_new, sample, num_samples, draft_token_ids=drafts or ())
-        prefill = num_new > 1 or num_computed < num_prompt  # ``_is_prefill``
+        prefill = (
+            num_new > 1 or num_computed < num_prompt
+        )  # a prompt chunk or recomputation, not one decode token
         if prefill and PRIORITY_RANK[req.priority] == ONLINE:
             self._online_prefill = True
         group = self.beam_groups.get(req.req_id) if self.beam_groups else None
@@ -290,6 +288,9 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         plan.seqs.append(seq)
         self._scheduled.add(req.seq_id)
         self._budget -= num_new
+        self._num_tokens += num_new
+        if num_samples > 1:
+            self._num_forking += 1
         if prefill:
             self._prefill_tokens += num_new
         elif sample and num_samples == 1 and group is None:  # one known token, not a prompt's: no drafts
