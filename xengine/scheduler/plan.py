@@ -74,6 +74,9 @@ class SchedulePlan:
     # every sequence computes one known token past its prompt and samples one token after it: no
     # prompt chunk, draft, beam row or fork (``xengine/runner/decode_inputs.py`` builds its inputs)
     decode_only: bool = False
+    # the KV tokens its sequences attend once it ran, counted by the scheduler while planning (None:
+    # ``token_counts`` adds them up)
+    context_tokens: int | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -87,7 +90,8 @@ class SchedulePlan:
         Call it before ``scheduler.update`` applies the step (``end`` of a sequence not advanced at
         schedule time is read off its ``num_computed_tokens``)."""
         if self.decode_only:
-            return sum(s.end for s in self.seqs), 0
+            context = self.context_tokens
+            return (sum(s.end for s in self.seqs) if context is None else context), 0
         context = prefill = 0
         for s in self.seqs:
             end = s.end

@@ -133,6 +133,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         self._prefill_tokens = 0
         self._num_decode_only = 0  # sequences of the plan that compute one token and sample one
         self._num_tokens = self._num_forking = 0  # the plan's tokens; its sequences sampling n > 1
+        self._context_tokens = 0  # the sum of its sequences' lengths once it ran
         self._start_drafting()
         self.running.sort(key=lambda r: r.rank)
         for cls in sorted(PRIORITY_RANK.values()):
@@ -157,6 +158,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         # counted while planning (``_add_to_plan``): no further pass over the sequences per step
         plan.num_batched_tokens = self._num_tokens
         plan.decode_only = bool(plan.seqs) and self._num_decode_only == len(plan.seqs)
+        plan.context_tokens = self._context_tokens
         plan.sync = self._num_forking > 0 or (
             bool(self.beam_groups) and any(s.req.req_id in self.beam_groups for s in plan.seqs)
         )
@@ -289,6 +291,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
         self._scheduled.add(req.seq_id)
         self._budget -= num_new
         self._num_tokens += num_new
+        self._context_tokens += num_computed + num_new
         if num_samples > 1:
             self._num_forking += 1
         if prefill:

@@ -28,9 +28,10 @@ def tiny(make_model_dir) -> Path:
 def _same(a, b) -> None:  # noqa: ANN001 - two ModelInputs
     for name in ("input_ids", "positions", "logits_indices"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert getattr(a, name).is_contiguous(), name  # views of one flat buffer: still contiguous
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         got, want = getattr(a.meta, name), getattr(b.meta, name)
-        assert got.dtype == want.dtype and torch.equal(got, want), name
+        assert got.dtype == want.dtype and torch.equal(got, want) and got.is_contiguous(), name
     for name in ("query_lens_cpu", "seq_lens_cpu", "max_query_len", "max_seq_len", "block_size", "kv_slots"):
         assert getattr(a.meta, name) == getattr(b.meta, name), name
     assert a.num_tokens == b.num_tokens
@@ -56,6 +57,9 @@ def _checked(engine, monkeypatch) -> list[SchedulePlan]:  # noqa: ANN001
 
     def recorded(plan: SchedulePlan):  # noqa: ANN202
         plans.append(plan)
+        context = sum(s.end for s in plan.seqs)  # as ``token_counts`` adds it up (before the update)
+        if plan.decode_only and plan.token_counts() != (context, 0):
+            checked.mismatches.append(f"token_counts {plan.token_counts()} != {(context, 0)}")
         return prepare(plan)
 
     checked.calls, checked.mismatches = 0, []
