@@ -349,6 +349,8 @@ class ModelRunner:
             return None
         if sampling.rows:
             rows = sampling.rows
+            if sampling.groups is None and all(k == 0 for _, k in rows):
+                sampling.seq_ids = [r.seq_id for r, _ in rows]
             generators = {}
             for row, (req, k) in enumerate(rows):
                 if req.params.seed is not None and not req.params.is_greedy:
@@ -397,7 +399,7 @@ class ModelRunner:
         out.sampled_rows = result.sampled_token_ids
         if grammar.rows:
             grammar.accept(result.sampled_token_ids.tolist())
-        self._collect(sampling.rows, result, out)
+        self._collect(sampling, result, out)
 
     def _verify(self, sampling: SamplingRows, logits: torch.Tensor, out: StepOutput) -> None:
         """Speculative decoding: each sequence's drafts verified, its emitted tokens (with logprobs
@@ -449,14 +451,17 @@ class ModelRunner:
             self.generators[seq_id] = gen
         return gen
 
-    def _collect(self, rows: list[tuple[Request, int]], result: SamplerOutput, out: StepOutput) -> None:
-        token_ids = result.sampled_token_ids.tolist()
+    def _collect(self, sampling: SamplingRows, result: SamplerOutput, out: StepOutput) -> None:
+        rows, token_ids = sampling.rows, result.sampled_token_ids.tolist()
+        if result.logprobs is None and sampling.seq_ids is not None:  # the common case: a token a row
+            out.token_ids = dict(zip(sampling.seq_ids, token_ids))
+            return
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         top_ids = result.top_logprob_token_ids.tolist() if result.top_logprob_token_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         picked = result.token_id_logprobs.tolist() if result.token_id_logprobs is not None else None
         sampled = out.sampled
-        if logprobs is None:  # the common case: a token per row and nothing else
+        if logprobs is None:  # forks: a token per row, several rows per sequence
             for (req, _), token_id in zip(rows, token_ids):
                 sampled.setdefault(req.seq_id, []).append(SampledToken(token_id))
             return

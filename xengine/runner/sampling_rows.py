@@ -27,3 +27,5 @@ class SamplingRows:
     groups: list[DraftGroup] | None = None
     meta: SamplingMetadata | None = None
     grammar: GrammarRows = field(default_factory=GrammarRows)  # structured-output rows and matchers
+    # per row its sequence's id, when every row is its sequence's only sample (no forks, no drafts)
+    seq_ids: list[str] | None = None

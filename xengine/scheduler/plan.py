@@ -121,7 +121,11 @@ class SampledToken:
 class StepOutput:
     """Per scheduled sequence that sampled: ``num_samples`` tokens (normally one)."""
 
-    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # the common step, every sampling row a sequence's only token and no logprobs: seq_id -> token
+    # id, from one ``dict(zip(...))`` (``ModelRunner._collect``); ``sampled`` is built from it on
+    # first use. At most one of the two is set: whichever was written last holds the step's tokens.
+    token_ids: dict[str, int] | None = None
+    _sampled: dict[str, list[SampledToken]] | None = field(default=None, repr=False)
     # beam rows: seq_id -> (logprobs, token ids) of its top candidates, logprob descending
     beam_candidates: dict[str, tuple[list[float], list[int]]] = field(default_factory=dict)
     forward_s: float = 0.0  # model forward + logits time of this step
@@ -134,3 +138,12 @@ class StepOutput:
     # step computed / the pooled embedding of a prompt this step completed
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def sampled(self) -> dict[str, list[SampledToken]]:
+        """Per sequence that sampled: its tokens in order (a fork's siblings and verified drafts
+        give several), with logprobs when asked."""
+        if self._sampled is None:
+            ids, self.token_ids = self.token_ids, None
+            self._sampled = {} if ids is None else {s: [SampledToken(t)] for s, t in ids.items()}
+        return self._sampled

@@ -30,6 +30,7 @@ from xengine.beam.group import BeamGroup
 from xengine.multimodal.encode_stage import EncodeStage
 from xengine.request import PRIORITY_RANK, Request, RequestStatus
 from xengine.scheduler.beams import BeamScheduling
+from xengine.scheduler.forks import ForkScheduling
 from xengine.scheduler.in_flight import advance, done_pending, strip_placeholders
 from xengine.scheduler.plan import SampledToken, ScheduledSeq, SchedulePlan, StepOutput
 from xengine.scheduler.prompt_outputs import apply_prompt_outputs, limit_prefix, prefill_done
@@ -40,7 +41,7 @@ from xengine.spec.drafting import Drafter
 ONLINE = PRIORITY_RANK["online"]
 
 
-class Scheduler(BeamScheduling, SpeculativeScheduling):
+class Scheduler(BeamScheduling, SpeculativeScheduling, ForkScheduling):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -340,6 +341,7 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
             if not req.is_finished:
                 self._finish(req, "encoded")
         prompt_outputs, beam_groups = bool(out.prompt_logprobs or out.embeddings), self.beam_groups
+        tokens = out.token_ids  # the common step: one token per sequence, nothing else
         for s in plan.seqs:
             req = s.req
             if s.computed_after is not None:  # advanced when scheduled (async)
@@ -363,6 +365,8 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
                 self.updated[req.seq_id] = req
             if s.sample and beam_groups and req.req_id in beam_groups:
                 stepped[req.req_id] = beam_groups[req.req_id].epoch
+            elif s.sample and tokens is not None:
+                self._append_token_id(req, tokens[req.seq_id])
             elif s.sample:
                 self._apply_samples(req, out.sampled[req.seq_id])
             elif prefill_done(req, req.num_computed_tokens):
@@ -394,65 +398,25 @@ class Scheduler(BeamScheduling, SpeculativeScheduling):
             if prefill_done(req, s.computed_after):
                 self._finish(req, "length")
             return
-        sample = out.sampled[req.seq_id][0]
+        tokens = out.token_ids
+        sample = SampledToken(tokens[req.seq_id]) if tokens is not None else out.sampled[req.seq_id][0]
         req.output_token_ids[s.output_index] = sample.token_id
         req.num_placeholders -= 1
         self._append_token(req, sample, num_output=s.output_index + 1)
 
-    def _apply_samples(self, req: Request, samples: list[SampledToken]) -> None:
-        if not req.num_pending_forks:  # one sequence, one token
-            self._append_token(req, samples[0])
-            return
-        children = [self._fork(req, i + 1) for i in range(req.num_pending_forks)]
-        req.num_pending_forks = 0
-        for seq, sample in zip([req, *children], samples):
-            self._append_token(seq, sample)
-
-    @staticmethod
-    def _sibling(parent: Request, index: int, **state: object) -> Request:
-        """Sequence ``index`` of an ``n > 1`` request: the parent's prompt and params, its own id."""
-        return Request(
-            seq_id=f"{parent.req_id}#{index}",
-            req_id=parent.req_id,
-            index=index,
-            prompt_token_ids=parent.prompt_token_ids,
-            params=parent.params,
-            priority=parent.priority,
-            arrival_time=parent.arrival_time,
-            num_cached_tokens=parent.num_cached_tokens,
-            grammar=parent.grammar,
-            mm=parent.mm,
-            **state,
-        )
-
-    def _fork(self, parent: Request, index: int) -> Request:
-        child = self._sibling(
-            parent,
-            index,
-            output_token_ids=list(parent.output_token_ids),
-            admitted_once=True,
-            prompt_logprobs_end=parent.num_prompt_tokens,  # sequence 0 reports the prompt's logprobs
-        )
-        self.seqs[child.seq_id] = child
-        self.groups[parent.req_id].append(child.seq_id)
-        if self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens):
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
-        else:  # no block for the copy: recompute it later
-            self._push_waiting(child)
-        return child
-
     def _append_token(self, req: Request, sample: SampledToken, num_output: int | None = None) -> None:
         """Report a sampled token (appended, or already in place at ``num_output - 1``); stop checks."""
-        if num_output is None:
-            req.output_token_ids.append(sample.token_id)
-        req.new_token_ids.append(sample.token_id)
         if sample.logprob is not None:
             req.new_logprobs.append(sample.logprob)
             req.new_top_logprobs.append(sample.top_logprobs or [])
+        self._append_token_id(req, sample.token_id, num_output)
+
+    def _append_token_id(self, req: Request, token_id: int, num_output: int | None = None) -> None:
+        if num_output is None:
+            req.output_token_ids.append(token_id)
+        req.new_token_ids.append(token_id)
         self.updated[req.seq_id] = req
-        reason = check_stop(req, sample.token_id, self.eos_token_ids, self.max_model_len, num_output)
+        reason = check_stop(req, token_id, self.eos_token_ids, self.max_model_len, num_output)
         if reason is not None:
             self._finish(req, *reason)
 
