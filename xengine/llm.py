@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import torch
 from tqdm.auto import tqdm
 
 from xengine.api.chat_images import ChatImageBuilder, image_parts
@@ -268,6 +269,21 @@ class LLM:
             self._drain(states)
             raise
         bar = tqdm(total=len(items), desc="Generating", disable=not use_tqdm, unit="req")
+        with torch.inference_mode():  # once, not per step (``xengine/runner/inference.py``)
+            self._steps(states, scores, bar)
+        bar.close()
+        outputs = [_to_output(req_id, text, ids, states[req_id]) for req_id, text, ids in order]
+        for out in outputs:
+            for seq in out.outputs:
+                delta = scores.get((out.request_id, seq.index))
+                if delta is not None:
+                    seq.score, seq.cumulative_logprob = delta.score, delta.cumulative_logprob
+        return outputs
+
+    def _steps(
+        self, states: dict[str, RequestOutputState], scores: dict[tuple[str, int], CompletionDelta], bar: Any
+    ) -> None:
+        """Step until every request of ``states`` finished (``scores``: beam search results)."""
         pending = set(states)
         while pending:
             for delta in self.engine.step():
@@ -282,14 +298,6 @@ class LLM:
                 if state.finished:
                     pending.discard(delta.req_id)
                     bar.update(1)
-        bar.close()
-        outputs = [_to_output(req_id, text, ids, states[req_id]) for req_id, text, ids in order]
-        for out in outputs:
-            for seq in out.outputs:
-                delta = scores.get((out.request_id, seq.index))
-                if delta is not None:
-                    seq.score, seq.cumulative_logprob = delta.score, delta.cumulative_logprob
-        return outputs
 
     def _drain(self, states: dict[str, RequestOutputState]) -> None:
         while self.engine.has_unfinished_requests():

@@ -39,6 +39,8 @@ def measure_eta(
     engine: Any, pool: list[int], batch_size: int, input_len: int, num_steps: int, seed: int
 ) -> dict:
     """η and host overhead for ``batch_size`` requests of ``input_len`` prompt tokens."""
+    import torch
+
     from xengine.api.messages import AddRequest
 
     num_warmup = 4
@@ -48,7 +50,8 @@ def measure_eta(
             req_id=f"eta-{next(_ids)}", prompt_token_ids=ids, params=greedy(num_warmup + num_steps + 2)
         )
         engine.add_request(req)
-    timings = _decode_timings(engine, batch_size, num_warmup, num_steps)
+    with torch.inference_mode():  # as the engine process and ``LLM.generate`` run their steps
+        timings = _decode_timings(engine, batch_size, num_warmup, num_steps)
     if not timings:
         return {"error": f"no pure-decode step with {batch_size} sequences (max_num_seqs too small?)"}
     total = sum(t.total_s for t in timings) / len(timings)

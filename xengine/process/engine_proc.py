@@ -25,6 +25,7 @@ import traceback
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from xengine.api.config import EngineConfig, from_dict
@@ -87,23 +88,29 @@ class EngineProc:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> int:
-        """Serve until shutdown; returns the process exit code."""
+        """Serve until shutdown; returns the process exit code. The loop runs in inference mode: this
+        process only serves, and entering the mode per step costs ~50 µs with caches cold from the
+        forward (``xengine/runner/inference.py``)."""
         try:
-            while not self._done():
-                self._recv_inputs(0 if self._has_work() else self._idle_poll_ms())
-                self._housekeeping()
-                self._check_parent()
-                self._engine.check_workers()  # an expert-parallel worker gone: the instance is down
-                if self._has_work() and not self._parent_gone:
-                    self._step()
-                elif not self._parent_gone and hasattr(self._engine, "idle"):
-                    self._engine.idle()  # data-parallel ranks: the others' forwards go on
-                self._check_drain_deadline()
-            return 0
+            with torch.inference_mode():
+                return self._loop()
         except Exception as e:  # noqa: BLE001 - report any failure to the service before dying
             logger.error("engine loop failed:\n%s", traceback.format_exc())
             self.send(EngineDead(f"engine loop failed: {type(e).__name__}: {e}"))
             return 1
+
+    def _loop(self) -> int:
+        while not self._done():
+            self._recv_inputs(0 if self._has_work() else self._idle_poll_ms())
+            self._housekeeping()
+            self._check_parent()
+            self._engine.check_workers()  # an expert-parallel worker gone: the instance is down
+            if self._has_work() and not self._parent_gone:
+                self._step()
+            elif not self._parent_gone and hasattr(self._engine, "idle"):
+                self._engine.idle()  # data-parallel ranks: the others' forwards go on
+            self._check_drain_deadline()
+        return 0
 
     def begin_shutdown(self, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         """Stop admitting requests; running ones get ``drain_timeout_s`` to finish."""

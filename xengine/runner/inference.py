@@ -2,7 +2,9 @@
 
 A step calls ``execute``, which calls ``prepare`` and ``run``; the overlapped loop calls the last two
 apart (the forward on a worker thread). Each needs inference mode; entering it costs about 3 µs per
-call even when it is already on, so a call made inside it runs as it is.
+call even when it is already on, so a call made inside it runs as it is. The loops that step an engine
+(the engine process, ``LLM.generate``) enter it once around all their steps: with the caches cold
+from the forward, entering and leaving it cost ~50 µs a step.
 """
 
 from __future__ import annotations
