@@ -49,11 +49,13 @@ def greedy(max_tokens: int) -> Any:
 
 def xllm_throughput(llm: Any, prompts: list[list[int]], output_len: int, repeats: int = 1) -> dict:
     """Output tok/s of ``llm.generate`` over all prompts (after a short warm-up): the median of
-    ``repeats`` timed runs, each run's rate in ``output_tok_s_runs``."""
+    ``repeats`` timed runs, each run's rate in ``output_tok_s_runs``. Every run starts with an empty
+    prefix cache: a repeat prefills its prompts as the first run did, not from the cache."""
     llm.generate(prompts[:2], greedy(4), use_tqdm=False)
     num_in = sum(len(p) for p in prompts)
     runs = []
     for _ in range(max(1, repeats)):
+        llm.engine.reset_prefix_cache()
         steps_before = llm.engine.num_steps
         start = time.perf_counter()
         outputs = llm.generate(prompts, greedy(output_len), use_tqdm=False)
