@@ -1,4 +1,5 @@
-"""CPU kernels in C (AVX-512): what the CPU backend runs where torch's own ops leave time on the table.
+"""CPU kernels in C (AVX-512; all but the GEMMs also AVX2, ``avx512_on_avx2.h``): what the CPU backend
+runs where torch's own ops leave time on the table.
 
 - ``panel_gemm.c`` (``linear.py``): linear layers on skinny inputs (decode), streaming each weight
   once with the next panel prefetched while the current one is multiplied;

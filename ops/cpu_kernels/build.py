@@ -2,8 +2,10 @@
 
 Each kernel is one C file here, compiled with AVX-512F, FMA and OpenMP (the process's libgomp, the
 one torch loaded, so kernels and torch ops share one thread pool) and loaded with ``ctypes``, whose
-calls release the GIL. ``XLLM_CPU_KERNELS=off`` keeps every op on oneDNN and the torch reference
-(also the fallback on CPUs without AVX-512 or when a build fails, with a warning).
+calls release the GIL. On CPUs with AVX2, FMA and F16C but no AVX-512 the kernels of ``AVX2_BUILDS``
+compile from the same source against ``avx512_on_avx2.h`` (each 16-lane vector two 8-lane halves);
+the GEMMs stay on oneDNN there. ``XLLM_CPU_KERNELS=off`` keeps every op on oneDNN and the torch
+reference (also the fallback where a kernel cannot run or a build fails, with a warning).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ logger = logging.getLogger(__name__)
 # "auto" (where the CPU has AVX-512) | "off" | kernels to turn off, e.g. "-elementwise,-panel_gemm"
 ENV_KERNELS = CPU_KERNELS.name
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-Wall"]
+# kernels that also build for AVX2 + FMA + F16C (the GEMMs' register tiling is AVX-512's), and how
+AVX2_BUILDS = ("row_argmax", "elementwise", "decode_attention", "recurrent_scan")
+FLAGS_AVX2 = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-Wall"]
 # kernel -> (extra compiler flags, the ``CpuFeatures`` field its instructions need)
 EXTRA: dict[str, tuple[list[str], str]] = {
     "panel_gemm_bf16": (["-mavx512bf16", "-mavx512bw", "-mavx512vl"], "avx512_bf16"),
@@ -120,16 +125,22 @@ def kernels_disabled_reason(name: str | None = None) -> str | None:
         return f"{ENV_KERNELS}=off"
     if name in off:
         return f"{ENV_KERNELS} turns {name} off"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX512", "AMX"):
+    from ops.platforms.cpu_features import cpu_features
+
+    if not _avx512():
+        if name in AVX2_BUILDS and cpu_features().avx2_fma_f16c:
+            return None
+        capability = torch.backends.cpu.get_cpu_capability()
         return f"the CPU lacks AVX-512 (torch reports {capability})"
     if name in EXTRA:
-        from ops.platforms.cpu_features import cpu_features
-
         feature = EXTRA[name][1]
         if not getattr(cpu_features(), feature):
             return f"the CPU lacks {feature}"
     return None
+
+
+def _avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
 
 
 def kernel_library(name: str) -> ctypes.CDLL | None:
@@ -142,7 +153,7 @@ def kernel_library(name: str) -> ctypes.CDLL | None:
         source = Path(__file__).with_name(f"{name}.c")
         try:
             headers = sorted(source.parent.glob("*.h"))  # shared includes: an edit rebuilds
-            flags = FLAGS + EXTRA.get(name, ([], ""))[0]
+            flags = (FLAGS if _avx512() else FLAGS_AVX2) + EXTRA.get(name, ([], ""))[0]
             path = build_shared_library(
                 source, flags, f"the CPU kernel {source}", libs=["-lm"], depends=headers
             )

@@ -7,6 +7,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "avx512_on_avx2.h"
+
 static int64_t row_argmax(const float *x, int64_t n) {
     __m512 best = _mm512_set1_ps(-INFINITY);
     __m512i best_i = _mm512_set1_epi32(0x7fffffff);

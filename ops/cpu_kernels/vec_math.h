@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "avx512_on_avx2.h"
+
 /* e^x to about 1 ulp over [-87, 88] (inputs clamped there: 0 and +inf are not reached): x = n ln2 + r,
  * a degree-6 polynomial of r (Cody-Waite split of ln2, the coefficients of Cephes' expf), times 2^n. */
 static inline __m512 vec_exp(__m512 x) {

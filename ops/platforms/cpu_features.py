@@ -25,6 +25,7 @@ class CpuFeatures:
     avx512_vnni: bool
     amx_bf16: bool
     amx_int8: bool
+    avx2_fma_f16c: bool = False  # what the C kernels' AVX2 builds need (ops/cpu_kernels/avx512_on_avx2.h)
 
 
 def parse_cpuinfo(text: str) -> tuple[str, set[str]]:
@@ -54,4 +55,5 @@ def cpu_features(cpuinfo: str | None = None) -> CpuFeatures:
         avx512_vnni="avx512_vnni" in flags,
         amx_bf16="amx_bf16" in flags,
         amx_int8="amx_int8" in flags,
+        avx2_fma_f16c={"avx2", "fma", "f16c"} <= flags,
     )
