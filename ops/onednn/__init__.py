@@ -2,13 +2,18 @@
 
 On the CPUs this project runs on, ``torch.ops.mkldnn._linear_pointwise`` over a reordered fp32 weight
 runs about twice as fast as ``F.linear`` (MKL sgemm) for decode-sized and prefill-sized inputs alike
-(``benchmarks/linear_gemm.py``). Other dtypes keep ``F.linear``. ``ops/cpu_kernels`` uses it where its
-panel kernel cannot run.
+(``benchmarks/linear_gemm.py``). Other dtypes keep ``F.linear``, and so do small weights: each call
+of the oneDNN op costs ~30-40 µs before any arithmetic (an AVX2 EPYC, one thread), where MKL's
+sgemm behind ``F.linear`` costs ~7, and up to ``SMALL_WEIGHT_ELEMENTS`` MKL was as fast or faster at
+every row count measured (1 to 2048). ``ops/cpu_kernels`` uses it where its panel kernel cannot run.
 """
 
 from __future__ import annotations
 
 import torch
+
+# weights of at most this many elements stay on F.linear (MKL): oneDNN's fixed per-call cost dominates
+SMALL_WEIGHT_ELEMENTS = 256 * 1024
 
 
 class OneDNNLinear:
@@ -28,9 +33,11 @@ class OneDNNLinear:
 def pack_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, float_output: bool = False
 ) -> OneDNNLinear | None:
-    """oneDNN's packed form of a float32 weight (``float_output``: float32 inputs give float32 anyway)."""
+    """oneDNN's packed form of a float32 weight (``float_output``: float32 inputs give float32 anyway);
+    None (``F.linear``) for other dtypes and for weights of at most ``SMALL_WEIGHT_ELEMENTS``."""
     if (
         weight.dtype != torch.float32
+        or weight.numel() <= SMALL_WEIGHT_ELEMENTS
         or weight.device.type != "cpu"
         or not torch.backends.mkldnn.is_available()
     ):
