@@ -50,6 +50,19 @@ def test_packed_matches_f_linear(pack_small: None, rows: int, bias: bool) -> Non
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_matches_f_linear(pack_small: None, bias: bool) -> None:
+    """A single row runs MKL's gemv on the layer's own weight, more rows oneDNN's packed copy."""
+    torch.manual_seed(2)
+    layer = Linear(96, 160, bias=bias)
+    layer.pack()
+    if layer._packed is None:
+        pytest.skip("no packed form on this platform")
+    for shape in [(1, 96), (1, 1, 96), (2, 96)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_half_weights_stay_unpacked() -> None:
     """float16 has no packed CPU form (bfloat16 does where the CPU has bf16 units:
     ``test_panel_gemm_bf16.py``)."""
