@@ -75,20 +75,17 @@ X16_INLINE x16f x16_scalef_ps(x16f a, x16f n) {
     const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.hi), bias), 23));
     return (x16f){_mm256_mul_ps(a.lo, lo), _mm256_mul_ps(a.hi, hi)};
 }
-X16_INLINE float x16_reduce_add_ps(x16f a) {
-    __m256 s = _mm256_add_ps(a.lo, a.hi);
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_add_ss(t, _mm_movehdup_ps(t));
-    return _mm_cvtss_f32(t);
-}
-X16_INLINE float x16_reduce_max_ps(x16f a) {
-    __m256 s = _mm256_max_ps(a.lo, a.hi);
-    __m128 t = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_max_ss(t, _mm_movehdup_ps(t));
-    return _mm_cvtss_f32(t);
-}
+/* the 16 lanes folded with op (add, max): halves, then 128-bit halves, then pairs */
+#define X16_REDUCE(name, op)                                                                       \
+    X16_INLINE float name(x16f a) {                                                                \
+        const __m256 s = _mm256_##op##_ps(a.lo, a.hi);                                             \
+        __m128 t = _mm_##op##_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));          \
+        t = _mm_##op##_ps(t, _mm_movehl_ps(t, t));                                                 \
+        return _mm_cvtss_f32(_mm_##op##_ss(t, _mm_movehdup_ps(t)));                                \
+    }
+X16_REDUCE(x16_reduce_add_ps, add)
+X16_REDUCE(x16_reduce_max_ps, max)
+#undef X16_REDUCE
 
 /* masks */
 #define x16_cmp_ps_mask(a, b, imm)                                                                 \
